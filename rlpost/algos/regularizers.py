@@ -1,0 +1,98 @@
+"""KL estimators, entropy and the critic's value loss.
+
+KL estimators follow John Schulman's note "Approximating KL Divergence" (2020) as
+used by GRPO (arXiv:2402.03300): with ``log_r = ref_logprobs - logprobs`` on
+tokens sampled from the current policy,
+
+* ``k1 = -log_r``            (unbiased, high variance, can be negative)
+* ``k2 = 0.5 * log_r ** 2``   (biased, low variance)
+* ``k3 = exp(log_r) - 1 - log_r`` (unbiased, low variance, always >= 0)
+
+All take and return ``[B, R]`` tensors in nats.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from rlpost.algos.registries import KL_ESTIMATORS
+from rlpost.algos.utils import masked_mean
+
+
+@KL_ESTIMATORS.register("k1", paper="Schulman, Approximating KL Divergence (2020)")
+def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``log pi - log pi_ref`` per token."""
+    return logprobs - ref_logprobs
+
+
+@KL_ESTIMATORS.register("k2", paper="Schulman, Approximating KL Divergence (2020)")
+def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``0.5 * (log pi - log pi_ref)^2`` per token."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+@KL_ESTIMATORS.register("k3", paper="Schulman (2020); GRPO (arXiv:2402.03300)")
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
+    """``exp(log_r) - 1 - log_r`` with ``log_r = log pi_ref - log pi`` (clamped to +-``clamp``)."""
+    log_r = (ref_logprobs - logprobs).clamp(-clamp, clamp)
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+def kl_penalty(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL estimate ``[B, R]`` with the registered ``estimator``.
+
+    Raises:
+        ConfigError: unknown estimator.
+    """
+    return KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: Optional[float] = 0.2,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Clipped value loss of PPO (arXiv:1707.06347, as in OpenAI baselines).
+
+    ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``, token-mean over
+    the mask. Without ``clip_range`` it is the plain squared error.
+
+    Args:
+        values: ``[B, R]`` current critic outputs (with grad).
+        old_values: ``[B, R]`` critic outputs at rollout time.
+        returns: ``[B, R]`` targets.
+        mask: ``[B, R]``.
+    Returns:
+        ``(per-token loss [B, R], metrics)``; metrics ``vf_clip_frac``,
+        ``vf_explained_var``.
+    """
+    err = (values - returns) ** 2
+    if clip_range is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        err_clip = (v_clip - returns) ** 2
+        loss = 0.5 * torch.maximum(err, err_clip)
+        with torch.no_grad():
+            frac = masked_mean((err_clip > err).float(), mask)
+    else:
+        loss = 0.5 * err
+        frac = torch.tensor(0.0)
+    with torch.no_grad():
+        var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+        var_e = masked_mean((returns - values - masked_mean(returns - values, mask)) ** 2, mask)
+        ev = 1.0 - var_e / var_r.clamp(min=1e-8)
+    return loss, {"vf_clip_frac": frac, "vf_explained_var": ev}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of the softmax of ``logits`` ``[..., V]`` -> ``[...]``.
+
+    Computed as ``logsumexp(z) - sum softmax(z) z`` in float32.
+    """
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.softmax(z, dim=-1)
+    return lse - (p * z).sum(-1)

@@ -1,0 +1,59 @@
+"""Masked tensor helpers shared by the algorithm library."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Sum of ``x * mask`` over ``dim`` (all elements when None)."""
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1; 0 when the mask is empty."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked elements of ``x`` (Bessel-corrected when ``unbiased``)."""
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased and n > 1:
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over masked positions."""
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def group_stats(values: torch.Tensor, group_index: torch.Tensor):
+    """Per-group mean, unbiased std and size, broadcast back to each element.
+
+    Args:
+        values: ``[B]`` float.
+        group_index: ``[B]`` long group ids (any integers).
+    Returns:
+        ``(mean [B], std [B], count [B])``; std is 0 for groups of one element.
+    """
+    _, inv = torch.unique(group_index, return_inverse=True)
+    G = int(inv.max().item()) + 1 if inv.numel() else 0
+    v = values.double()
+    cnt = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(v))
+    s = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, v)
+    mean = s / cnt
+    sq = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, (v - mean[inv]) ** 2)
+    std = torch.where(cnt > 1, (sq / (cnt - 1).clamp(min=1)).sqrt(), torch.zeros_like(cnt))
+    return mean[inv].to(values.dtype), std[inv].to(values.dtype), cnt[inv].to(values.dtype)

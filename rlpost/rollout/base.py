@@ -1,0 +1,94 @@
+"""The rollout engine interface shared by the ``hf`` and ``vllm`` engines."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+# A logits hook sees the raw next-token logits ``[B, V]`` (float32) of the
+# unfinished step ``t`` and returns a per-sequence temperature ``[B]`` to sample
+# with (HAPO's adaptive temperature is one). Returning None keeps the engine's
+# scalar temperature.
+TemperatureHook = Callable[[torch.Tensor, int], Optional[torch.Tensor]]
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings for one generate call.
+
+    Attributes:
+        max_new_tokens: response length limit.
+        temperature: softmax temperature (> 0) unless ``greedy``.
+        top_p: nucleus mass in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 = off.
+        stop: stop strings; generation of a sequence ends once its decoded
+            response contains one (the stop string's tokens stay in the response).
+        greedy: argmax decoding; rollout log-probs are then those of the
+            temperature-1 distribution.
+        seed: seed of the sampling generator (reproducible rollouts, and exact
+            resume); None draws from torch's global RNG.
+        temperature_hook: per-token temperature (see :data:`TemperatureHook`).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: List[str] = field(default_factory=list)
+    greedy: bool = False
+    seed: Optional[int] = None
+    temperature_hook: Optional[TemperatureHook] = None
+
+
+@dataclass
+class GenerationResult:
+    """Output of :meth:`RolloutEngine.generate` for ``B`` prompts.
+
+    Attributes:
+        prompt_ids: ``[B, P]`` left-padded prompt ids; prompt_mask ``[B, P]``.
+        response_ids: ``[B, R]`` right-padded sampled ids (pad after the end).
+        response_mask: ``[B, R]`` float, 1 on generated tokens up to and
+            including EOS.
+        rollout_logprobs: ``[B, R]`` log-prob (nats) of each sampled token under
+            the distribution it was sampled from; 0 on padding.
+        temperatures: ``[B, R]`` temperature each token was sampled at.
+        finished: ``[B]`` bool, True if EOS or a stop string ended the sequence
+            (False: truncated at max_new_tokens).
+        texts: decoded responses (special tokens skipped).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    temperatures: torch.Tensor
+    finished: torch.Tensor
+    texts: List[str]
+
+    @property
+    def num_tokens(self) -> int:
+        """Total generated (loss-carrying) tokens."""
+        return int(self.response_mask.sum().item())
+
+
+class RolloutEngine(ABC):
+    """Generates responses and reports the log-probs of what it sampled.
+
+    Implementations keep their own copy (or view) of the policy weights and get
+    new ones through :meth:`sync_weights` after every update.
+    """
+
+    @abstractmethod
+    def generate(self, prompts: List[List[int]], params: SamplingParams) -> GenerationResult:
+        """Generate one response per prompt (token-id lists, unpadded)."""
+
+    @abstractmethod
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        """Load the trainer's current policy weights into the engine."""
+
+    def close(self) -> None:
+        """Free engine resources (processes, GPU memory)."""

@@ -1,0 +1,256 @@
+"""``rollout=hf``: batched generation with transformers models and a KV cache.
+
+A plain decoding loop rather than ``model.generate`` so that the engine controls
+exactly what it reports: the log-prob of each sampled token under the very
+distribution it was drawn from (after temperature, top-k, top-p and any
+per-token temperature hook), and a response mask that ends at EOS or a stop
+string even when the pad token equals EOS.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any, List, Optional
+
+import torch
+
+from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams
+from rlpost.rollout.sampling import apply_top_k_top_p
+
+
+def _cache_kw() -> str:
+    """Name of the KV-cache argument of causal-LM forward (``cache`` in transformers>=5.x)."""
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+_CACHE_KW = _cache_kw()
+
+
+def _get_cache(out: Any) -> Any:
+    c = getattr(out, "cache", None)
+    return c if c is not None else getattr(out, "past_key_values", None)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, gen: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Draw one token per row of ``probs`` ``[B, V]`` by inverting the CDF with a uniform.
+
+    Equivalent in distribution to ``torch.multinomial(probs, 1)`` and several
+    times faster on CPU for large vocabularies. Returns ``[B]`` long.
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    # Guard against landing on a zero-probability tail token through rounding.
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    bad = probs.gather(-1, idx[:, None]).squeeze(-1) <= 0
+    if bool(bad.any()):
+        idx = torch.where(bad, probs.argmax(-1), idx)
+    return idx
+
+
+def left_pad(seqs: List[List[int]], pad_id: int):
+    """Left-pad token lists to ``[B, P]`` ids and mask (long)."""
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, P - len(s):] = 1
+    return ids, mask
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Generation with a transformers causal LM on CPU or one GPU.
+
+    Args:
+        model: the policy (shared with the trainer when ``share_weights``).
+        tokenizer: its tokenizer (EOS ends a sequence).
+        batch_size: sequences decoded together; larger requests are split.
+        share_weights: use the trainer's module directly (same dtype, no copy);
+            otherwise keep a private copy converted by ``convert`` and refresh it
+            in :meth:`sync_weights`.
+        convert: ``fn(module) -> module`` applied to the private copy (e.g. cast to
+            bf16, or fake-quantize for precision studies).
+        device: where generation runs.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        batch_size: int = 64,
+        share_weights: bool = True,
+        convert: Optional[Any] = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.batch_size = max(1, int(batch_size))
+        self.share_weights = share_weights
+        self.convert = convert
+        self.device = torch.device(device)
+        eos = tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
+        if share_weights:
+            self.model = model
+        else:
+            self.model = self._make_copy(model)
+
+    def _make_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        m = copy.deepcopy(model)
+        if getattr(m, "is_gradient_checkpointing", False):
+            m.gradient_checkpointing_disable()
+        if self.convert is not None:
+            m = self.convert(m)
+        m.requires_grad_(False)
+        return m.eval()
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        """Refresh the private copy from ``policy`` (no-op when weights are shared)."""
+        if self.share_weights:
+            return
+        if self.convert is None:
+            self.model.load_state_dict(policy.state_dict())
+        else:
+            # Conversions (quantization) are not invertible: rebuild from the source weights.
+            self.model = self._make_copy(policy)
+
+    @torch.no_grad()
+    def generate(self, prompts: List[List[int]], params: SamplingParams) -> GenerationResult:
+        """Sample one response per prompt. See :class:`GenerationResult` for shapes.
+
+        Raises:
+            ValueError: empty prompt list or a non-positive temperature without greedy.
+        """
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        if not params.greedy and params.temperature <= 0:
+            raise ValueError("temperature must be > 0 for sampling (use greedy decoding for argmax)")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(int(params.seed))
+        parts = [
+            self._generate_batch(prompts[i : i + self.batch_size], params, gen)
+            for i in range(0, len(prompts), self.batch_size)
+        ]
+        return _concat_results(parts, self.pad_id)
+
+    def _stop_hit(self, tokens: List[int], stop: List[str]) -> bool:
+        tail = self.tokenizer.decode(tokens[-16:], skip_special_tokens=True)
+        return any(s in tail for s in stop)
+
+    def _generate_batch(self, prompts: List[List[int]], params: SamplingParams, gen) -> GenerationResult:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            ids, mask = left_pad(prompts, self.pad_id)
+            B = ids.shape[0]
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            # Prefill each distinct prompt once (a group of n samples shares its
+            # prompt), then expand the KV cache to the full batch.
+            uniq: dict = {}
+            inverse = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], dtype=torch.long)
+            first = torch.tensor([inverse.tolist().index(u) for u in range(len(uniq))], dtype=torch.long)
+            out = model(
+                input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first],
+                use_cache=True, logits_to_keep=1, **{_CACHE_KW: None},
+            )
+            past = _get_cache(out)
+            logits = out.logits[:, -1, :].float()
+            if len(uniq) < B:
+                past.batch_select_indices(inverse.to(self.device))
+                logits = logits[inverse]
+            next_pos = pos[:, -1] + 1
+            finished = torch.zeros(B, dtype=torch.bool)
+            toks, lps, temps, alive = [], [], [], []
+            eos = torch.tensor(sorted(self.eos_ids))
+            history: List[List[int]] = [[] for _ in range(B)]
+            for t in range(params.max_new_tokens):
+                logits = logits.cpu()
+                if params.greedy:
+                    T = torch.ones(B)
+                    logp = torch.log_softmax(logits, -1)
+                    tok = logits.argmax(-1)
+                else:
+                    T = torch.full((B,), float(params.temperature))
+                    if params.temperature_hook is not None:
+                        hookT = params.temperature_hook(logits, t)
+                        if hookT is not None:
+                            T = hookT.float().clamp(min=1e-3)
+                    z = apply_top_k_top_p(logits / T[:, None], params.top_k, params.top_p)
+                    logp = torch.log_softmax(z, -1)
+                    tok = sample_inverse_cdf(logp.exp(), gen)
+                lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+                live = ~finished
+                tok = torch.where(live, tok, torch.full_like(tok, self.pad_id))
+                toks.append(tok)
+                lps.append(torch.where(live, lp, torch.zeros_like(lp)))
+                temps.append(torch.where(live, T, torch.zeros_like(T)))
+                alive.append(live.float())
+                newly = live & torch.isin(tok, eos)
+                if params.stop:
+                    for i in torch.nonzero(live & ~newly).flatten().tolist():
+                        history[i].append(int(tok[i]))
+                        if self._stop_hit(history[i], params.stop):
+                            newly[i] = True
+                finished = finished | newly
+                if bool(finished.all()) or t == params.max_new_tokens - 1:
+                    break
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], dim=1)
+                out = model(
+                    input_ids=tok[:, None].to(self.device),
+                    attention_mask=mask,
+                    position_ids=next_pos[:, None],
+                    use_cache=True,
+                    **{_CACHE_KW: past},
+                )
+                past = _get_cache(out)
+                logits = out.logits[:, -1, :].float()
+                next_pos = next_pos + 1
+            resp = torch.stack(toks, 1)
+            rmask = torch.stack(alive, 1)
+            texts = [
+                self.tokenizer.decode(resp[i][rmask[i] > 0].tolist(), skip_special_tokens=True) for i in range(B)
+            ]
+            return GenerationResult(
+                prompt_ids=ids.cpu(),
+                prompt_mask=mask[:, : ids.shape[1]].cpu(),
+                response_ids=resp,
+                response_mask=rmask,
+                rollout_logprobs=torch.stack(lps, 1),
+                temperatures=torch.stack(temps, 1),
+                finished=finished,
+                texts=texts,
+            )
+        finally:
+            if was_training:
+                model.train()
+
+
+def _concat_results(parts: List[GenerationResult], pad_id: int) -> GenerationResult:
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p.prompt_ids.shape[1] for p in parts)
+    R = max(p.response_ids.shape[1] for p in parts)
+    lp = lambda t, v: torch.nn.functional.pad(t, (P - t.shape[1], 0), value=v)  # noqa: E731
+    rp = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
+    return GenerationResult(
+        prompt_ids=torch.cat([lp(p.prompt_ids, pad_id) for p in parts]),
+        prompt_mask=torch.cat([lp(p.prompt_mask, 0) for p in parts]),
+        response_ids=torch.cat([rp(p.response_ids, pad_id) for p in parts]),
+        response_mask=torch.cat([rp(p.response_mask, 0) for p in parts]),
+        rollout_logprobs=torch.cat([rp(p.rollout_logprobs, 0) for p in parts]),
+        temperatures=torch.cat([rp(p.temperatures, 0) for p in parts]),
+        finished=torch.cat([p.finished for p in parts]),
+        texts=sum((p.texts for p in parts), []),
+    )

@@ -1,0 +1,94 @@
+"""Task interface: a dataset of prompts with gold answers and a verifier.
+
+A task yields :class:`Example` objects for a training split and a disjoint
+held-out evaluation split, renders an example into a prompt with the model's
+chat template, and scores a response. Scoring may raise or hang: the reward stage
+(:mod:`rlpost.rewards`) runs it with a timeout and turns failures into reward 0.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from rlpost.registry import Registry
+
+TASKS = Registry("task kind", "task.kind")
+
+
+@dataclass
+class Example:
+    """One prompt of a task.
+
+    Attributes:
+        index: position in its split (stable across runs with the same data_seed).
+        question: the problem text shown to the model (before templating).
+        answer: gold answer (string, number or a task-specific object).
+        meta: anything the verifier needs (e.g. a reasoning-gym entry).
+    """
+
+    index: int
+    question: str
+    answer: Any
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+
+class Task(ABC):
+    """Base class of tasks. Subclasses implement loading and :meth:`score`.
+
+    Args:
+        cfg: the ``task`` config node (:class:`rlpost.config.schema.TaskConfig`).
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+
+    @abstractmethod
+    def train_examples(self) -> List[Example]:
+        """Training split."""
+
+    @abstractmethod
+    def eval_examples(self) -> List[Example]:
+        """Held-out split; never overlaps the training split."""
+
+    @abstractmethod
+    def score(self, response: str, example: Example) -> float:
+        """Correctness reward in [0, 1] of ``response`` for ``example`` (may raise)."""
+
+    def extract_answer(self, response: str) -> Optional[str]:
+        """The final answer found in ``response``, or None (for logs and majority votes)."""
+        return None
+
+    def format_ok(self, response: str) -> bool:
+        """Whether ``response`` follows the requested answer format (for a format reward)."""
+        return self.extract_answer(response) is not None
+
+    def user_message(self, example: Example) -> str:
+        """The user turn: question plus the answer-format instruction."""
+        instr = self.cfg.instruction
+        return f"{example.question}\n{instr}".strip() if instr else example.question
+
+    def render_prompt(self, example: Example, tokenizer: Any) -> List[int]:
+        """Token ids of the chat-templated prompt, ending with the assistant header."""
+        msgs = []
+        if self.cfg.system_prompt:
+            msgs.append({"role": "system", "content": self.cfg.system_prompt})
+        msgs.append({"role": "user", "content": self.user_message(example)})
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            return list(ids)
+        text = "\n".join(m["content"] for m in msgs) + "\n"
+        return tokenizer(text)["input_ids"]
+
+
+def build_task(cfg: Any) -> Task:
+    """Instantiate the task kind named by ``cfg.kind``.
+
+    Raises:
+        ConfigError: unknown kind (lists the valid ones).
+    """
+    import rlpost.tasks  # noqa: F401  (registers the built-in kinds)
+
+    return TASKS.get(cfg.kind)(cfg)
