@@ -8,6 +8,7 @@ chat template, and scores a response. Scoring may raise or hang: the reward stag
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -60,6 +61,19 @@ class Task(ABC):
     def extract_answer(self, response: str) -> Optional[str]:
         """The final answer found in ``response``, or None (for logs and majority votes)."""
         return None
+
+    def answer_key(self, response: str) -> Optional[str]:
+        """A normalised form of the extracted answer used to group equal answers in
+        majority votes (maj@k, TTRL pseudo-labels): whitespace removed, lower-cased,
+        a trailing ``.0`` and thousands separators dropped. None when no answer is found.
+        """
+        ans = self.extract_answer(response)
+        if ans is None:
+            return None
+        key = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", "".join(str(ans).split()).lower())
+        if key.endswith(".0"):
+            key = key[:-2]
+        return key or None
 
     def format_ok(self, response: str) -> bool:
         """Whether ``response`` follows the requested answer format (for a format reward)."""

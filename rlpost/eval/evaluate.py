@@ -1,0 +1,290 @@
+"""Evaluate a policy on a task: greedy accuracy, pass@k / maj@k / mean@k, bootstrap CIs.
+
+Used by ``rlpost eval`` (stand-alone on a checkpoint) and by the runner every
+``eval.every`` steps. Generation goes through the run's
+:class:`rlpost.rollout.base.RolloutEngine`; scoring goes through
+:class:`rlpost.rewards.RewardFunction`, so a hanging or crashing verifier costs
+that sample (scored 0, counted in ``verifier_errors`` / ``verifier_timeouts``)
+and never the evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from rlpost.errors import ConfigError, DataError
+from rlpost.eval.stats import bootstrap_ci, summarize_samples
+from rlpost.rollout.base import RolloutEngine, SamplingParams
+
+#: Scalar keys of an evaluation result that are logged (plus the pass@k family).
+SCALAR_KEYS = (
+    "accuracy",
+    "accuracy_ci_low",
+    "accuracy_ci_high",
+    "n",
+    "response_length_mean",
+    "truncated_frac",
+    "format_rate",
+    "verifier_errors",
+    "verifier_timeouts",
+    "time_s",
+)
+
+
+def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
+    val = getattr(cfg, key, default) if cfg is not None else default
+    return default if val is None and default is not None else val
+
+
+def _generate_scored(
+    engine: RolloutEngine,
+    prompts: List[List[int]],
+    examples: List[Any],
+    params: SamplingParams,
+    reward_fn: Any,
+    batch_size: int,
+) -> Dict[str, Any]:
+    """Generate one response per prompt in chunks and score each with the isolated verifier."""
+    texts: List[str] = []
+    lengths: List[int] = []
+    finished: List[bool] = []
+    for i in range(0, len(prompts), batch_size):
+        res = engine.generate(prompts[i : i + batch_size], params)
+        texts.extend(res.texts)
+        lengths.extend(int(x) for x in res.response_mask.sum(-1).tolist())
+        finished.extend(bool(x) for x in res.finished.tolist())
+    scores, fmts, counts = reward_fn.correctness(texts, examples)
+    return {"texts": texts, "lengths": lengths, "finished": finished, "scores": scores, "format": fmts, "counts": counts}
+
+
+def _ci_fields(prefix: str, values: Sequence[float], seed: int, n_boot: int) -> Dict[str, float]:
+    ci = bootstrap_ci(values, n_boot=n_boot, seed=seed)
+    return {prefix: ci["mean"], f"{prefix}_ci_low": ci["ci_low"], f"{prefix}_ci_high": ci["ci_high"]}
+
+
+def evaluate(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    task: Any,
+    eval_cfg: Any,
+    seed: int = 0,
+    reward_fn: Any = None,
+    n_boot: int = 1000,
+) -> Dict[str, Any]:
+    """Evaluate ``task``'s held-out split with ``engine``.
+
+    Greedy decoding gives ``accuracy`` (fraction of problems whose greedy
+    response the task's verifier scores > 0.5; partial scores count as their
+    value in the mean). With ``eval.n_samples = n > 1``, ``n`` further samples
+    per problem at ``eval.temperature`` give pass@k (the unbiased estimator of
+    Chen et al., "Evaluating Large Language Models Trained on Code",
+    arXiv:2107.03374), maj@k (majority vote over extracted answers) and mean@k
+    for every ``k`` in ``eval.ks`` with ``k <= n``. Every figure comes with a
+    95% percentile bootstrap CI over problems.
+
+    Args:
+        engine: the rollout engine holding the policy weights to evaluate.
+        tokenizer: the policy's tokenizer (for the chat template).
+        task: a :class:`rlpost.tasks.Task`; its ``eval_examples()`` are used
+            (the first ``eval.limit``).
+        eval_cfg: :class:`rlpost.config.schema.EvalConfig` (``limit``,
+            ``max_new_tokens``, ``n_samples``, ``temperature``, ``ks``,
+            ``batch_size``).
+        seed: seeds the sampled generations and the bootstrap.
+        reward_fn: a :class:`rlpost.rewards.RewardFunction` for ``task``; by
+            default one is built with the task's ``reward.timeout_s`` and closed
+            afterwards.
+        n_boot: bootstrap replicates.
+    Returns:
+        A dict with ``task``, ``n`` (problems), ``accuracy`` with
+        ``accuracy_ci_low``/``accuracy_ci_high``, ``response_length_mean``
+        (tokens, greedy), ``truncated_frac``, ``format_rate``,
+        ``verifier_errors``, ``verifier_timeouts``, ``time_s``, ``seed``, the
+        pass@k / maj@k / mean@k figures (each with ``_ci_low``/``_ci_high``)
+        when sampled, and ``records``: one dict per problem with ``index``,
+        ``question``, ``gold``, ``response``, ``extracted``, ``correct``,
+        ``length``, ``finished`` (plus ``sample_correct`` / ``sample_answers``
+        when sampled).
+    Raises:
+        DataError: the task has no evaluation examples.
+        ConfigError: a ``k`` in ``eval.ks`` exceeds ``eval.n_samples`` > 1.
+    """
+    from rlpost.rewards import RewardFunction
+
+    t0 = time.monotonic()
+    limit = _cfg_get(eval_cfg, "limit", None)
+    max_new = int(_cfg_get(eval_cfg, "max_new_tokens", 64))
+    n_samples = int(_cfg_get(eval_cfg, "n_samples", 1))
+    temperature = float(_cfg_get(eval_cfg, "temperature", 1.0))
+    ks = [int(k) for k in (_cfg_get(eval_cfg, "ks", [1]) or [1])]
+    batch_size = max(1, int(_cfg_get(eval_cfg, "batch_size", 64)))
+    examples = list(task.eval_examples())
+    if limit is not None:
+        examples = examples[: int(limit)]
+    if not examples:
+        raise DataError(f"task {task.name!r} has no evaluation examples (check task.path / task.eval_size / eval.limit)")
+    if n_samples > 1:
+        bad = [k for k in ks if k > n_samples]
+        if bad:
+            raise ConfigError(f"eval.ks={ks} has k > eval.n_samples={n_samples}: {bad}; raise eval.n_samples or drop them")
+    own_reward = reward_fn is None
+    if own_reward:
+        rcfg = getattr(task.cfg, "reward", None)
+        reward_fn = RewardFunction(task, timeout_s=float(_cfg_get(rcfg, "timeout_s", 5.0)))
+    try:
+        prompts = [task.render_prompt(ex, tokenizer) for ex in examples]
+        greedy = _generate_scored(
+            engine, prompts, examples, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed), reward_fn, batch_size
+        )
+        sampled = None
+        if n_samples > 1:
+            rep_prompts = [p for p in prompts for _ in range(n_samples)]
+            rep_examples = [e for e in examples for _ in range(n_samples)]
+            params = SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed)
+            sampled = _generate_scored(engine, rep_prompts, rep_examples, params, reward_fn, batch_size)
+    finally:
+        if own_reward:
+            reward_fn.close()
+
+    n = len(examples)
+    correct = [float(s) for s in greedy["scores"]]
+    records: List[Dict[str, Any]] = []
+    for i, ex in enumerate(examples):
+        records.append(
+            {
+                "index": ex.index,
+                "question": ex.question,
+                "gold": _jsonable(ex.answer),
+                "response": greedy["texts"][i],
+                "extracted": task.extract_answer(greedy["texts"][i]),
+                "correct": correct[i],
+                "length": greedy["lengths"][i],
+                "finished": greedy["finished"][i],
+            }
+        )
+    out: Dict[str, Any] = {"task": task.name, "n": n, "seed": seed}
+    out.update(_ci_fields("accuracy", correct, seed, n_boot))
+    out["response_length_mean"] = float(np.mean(greedy["lengths"]))
+    out["truncated_frac"] = float(np.mean([not f for f in greedy["finished"]]))
+    out["format_rate"] = float(np.mean([float(f) for f in greedy["format"]]))
+    errors = greedy["counts"]["errors"]
+    timeouts = greedy["counts"]["timeouts"]
+    if sampled is not None:
+        sc = [sampled["scores"][i * n_samples : (i + 1) * n_samples] for i in range(n)]
+        answers = [
+            [task.answer_key(t) for t in sampled["texts"][i * n_samples : (i + 1) * n_samples]] for i in range(n)
+        ]
+        per_problem = summarize_samples(sc, answers, [k for k in ks if k <= n_samples], seed=seed)
+        for key, vals in per_problem.items():
+            out.update(_ci_fields(key, vals, seed, n_boot))
+            for rec, v in zip(records, vals):
+                rec[key] = v
+        for rec, c, a in zip(records, sc, answers):
+            rec["sample_correct"] = [float(x) for x in c]
+            rec["sample_answers"] = a
+        out["n_samples"] = n_samples
+        out["sample_length_mean"] = float(np.mean(sampled["lengths"]))
+        errors += sampled["counts"]["errors"]
+        timeouts += sampled["counts"]["timeouts"]
+    out["verifier_errors"] = float(errors)
+    out["verifier_timeouts"] = float(timeouts)
+    out["time_s"] = time.monotonic() - t0
+    out["records"] = records
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    try:
+        json.dumps(x)
+        return x
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def scalar_metrics(result: Dict[str, Any], prefix: Optional[str] = None) -> Dict[str, float]:
+    """Flat ``{prefix/key: float}`` of an :func:`evaluate` result for the metrics log.
+
+    ``prefix`` defaults to ``eval/<task>``; keys are :data:`SCALAR_KEYS` plus the
+    pass@k / maj@k / mean@k family with their CI bounds. ``records`` is dropped.
+    """
+    prefix = prefix if prefix is not None else f"eval/{result['task']}"
+    out: Dict[str, float] = {}
+    for key, val in result.items():
+        if key in ("records", "task", "seed"):
+            continue
+        if key in SCALAR_KEYS or key.split("@")[0] in ("pass", "maj", "mean") or key in ("n_samples", "sample_length_mean"):
+            if isinstance(val, (int, float)) and not isinstance(val, bool):
+                out[f"{prefix}/{key}"] = float(val)
+    return out
+
+
+def aggregate(results: Dict[str, Dict[str, Any]], seed: int = 0, n_boot: int = 1000) -> Dict[str, float]:
+    """Aggregate per-benchmark results into overall figures.
+
+    ``macro_accuracy`` is the unweighted mean of per-benchmark accuracies (each
+    benchmark counts equally, the "domain-balanced average" of DataFlex-RL); its
+    CI resamples problems within each benchmark (a stratified bootstrap).
+    ``micro_accuracy`` pools all problems. Same for every shared pass@k key.
+
+    Args:
+        results: ``{task name: evaluate() result}`` (with ``records``).
+    Returns:
+        ``{"macro_accuracy", "macro_accuracy_ci_low", "macro_accuracy_ci_high",
+        "micro_accuracy", ..., "n"}``.
+    """
+    if not results:
+        return {}
+    rng = np.random.default_rng(seed)
+    keys = ["accuracy"] + sorted(
+        set.intersection(*[{k for k in r if "@" in k and not k.endswith(("_ci_low", "_ci_high"))} for r in results.values()])
+    )
+    out: Dict[str, float] = {"n": float(sum(r["n"] for r in results.values()))}
+    for key in keys:
+        rec_key = "correct" if key == "accuracy" else key
+        per = [np.asarray([rec[rec_key] for rec in r["records"]], dtype=np.float64) for r in results.values()]
+        macro = float(np.mean([p.mean() for p in per]))
+        boots = np.empty(n_boot)
+        for b in range(n_boot):
+            boots[b] = np.mean([p[rng.integers(0, p.size, p.size)].mean() for p in per])
+        lo, hi = np.quantile(boots, [0.025, 0.975])
+        out[f"macro_{key}"] = macro
+        out[f"macro_{key}_ci_low"] = float(lo)
+        out[f"macro_{key}_ci_high"] = float(hi)
+        out.update(_ci_fields(f"micro_{key}", np.concatenate(per).tolist(), seed, n_boot))
+    return out
+
+
+def save_result(result: Dict[str, Any], run_dir: str | Path, step: Optional[int] = None) -> Path:
+    """Write an :func:`evaluate` result under ``run_dir/eval/<task>/`` for ``rlpost compare``.
+
+    Writes ``step_<step>.json`` (or ``final.json`` when ``step`` is None): the
+    scalar figures plus ``records``. Returns the file path.
+    """
+    d = Path(run_dir) / "eval" / str(result["task"]).replace("/", "_")
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / (f"step_{int(step):06d}.json" if step is not None else "final.json")
+    payload = {k: v for k, v in result.items()}
+    payload["step"] = step
+    path.write_text(json.dumps(payload, default=str))
+    return path
+
+
+def format_result(result: Dict[str, Any]) -> str:
+    """One human-readable line per figure, e.g. ``gsm8k accuracy 0.120 [0.060, 0.190] (n=100)``."""
+    lines = [
+        f"{result['task']}: accuracy {result['accuracy']:.3f} "
+        f"[95% CI {result['accuracy_ci_low']:.3f}, {result['accuracy_ci_high']:.3f}] (n={result['n']}), "
+        f"mean response length {result['response_length_mean']:.1f} tokens, truncated {result['truncated_frac']:.2f}, "
+        f"verifier errors {int(result['verifier_errors'])}, timeouts {int(result['verifier_timeouts'])}"
+    ]
+    for key in sorted(k for k in result if "@" in k and not k.endswith(("_ci_low", "_ci_high"))):
+        v = result[key]
+        if isinstance(v, float) and not math.isnan(v):
+            lines.append(f"  {key} {v:.3f} [{result[key + '_ci_low']:.3f}, {result[key + '_ci_high']:.3f}]")
+    return "\n".join(lines)
