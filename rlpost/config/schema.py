@@ -154,6 +154,14 @@ class RewardConfig:
         overlong_buffer: DAPO soft overlong punishment window in tokens (0 = off).
         overlong_penalty: DAPO penalty at the hard limit.
         length_penalty: per-token penalty.
+        verifier_params: keyword parameters of the verifier (e.g. ``rel_tol`` for
+            ``numeric``, ``dataset`` for ``reasoning_gym``).
+        format_regex: a regular expression the response must contain
+            (``re.search``) for the format reward; null: the answer format's own
+            check (an answer could be extracted).
+        majority_vote: TTRL pseudo-labels (Test-Time Reinforcement Learning,
+            arXiv:2504.16084): the reward of each response is its agreement with
+            the majority answer of its prompt's group instead of the gold answer.
     """
 
     verifier: Optional[str] = None
@@ -162,6 +170,9 @@ class RewardConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     length_penalty: float = 0.0
+    verifier_params: Dict[str, Any] = field(default_factory=dict)
+    format_regex: Optional[str] = None
+    majority_vote: bool = False
 
 
 @dataclass
@@ -181,9 +192,22 @@ class TaskConfig:
         instruction: answer-format instruction appended to the question.
         answer_format: where the final answer is read from: ``tags``
             (``<answer>...</answer>``), ``boxed`` (last ``\\boxed{}``) or
-            ``last_number`` (the last number in the response).
-        prompt_field, answer_field: column names for kind=jsonl.
+            ``last_number`` (the last number in the response), ``hashes``
+            (after ``####``) or ``auto`` (tags, boxed, ``####``, "the answer is",
+            last number: the first found).
+        prompt_field, answer_field: column names for kind=jsonl / math.
+        train_path: local JSONL/Parquet file of the training split (file tasks);
+            null: the first ``eval_size`` rows of ``path`` are held out and the
+            rest train.
+        hub_config: configuration name of the hub dataset (``task.dataset``) when
+            loading through the ``datasets`` library (no ``path``).
+        train_split, eval_split: hub split names.
+        gold_format: how the gold answer field is read: raw | gsm8k (after
+            ``####``) | boxed (last ``\\boxed{}``) | auto; null: the kind's default.
         reward: scoring settings.
+
+    For file and hub tasks ``train_size`` / ``eval_size`` cap the splits and 0
+    means all rows.
     """
 
     name: str = "arithmetic"
@@ -199,6 +223,11 @@ class TaskConfig:
     answer_format: str = "tags"
     prompt_field: str = "question"
     answer_field: str = "answer"
+    train_path: Optional[str] = None
+    hub_config: Optional[str] = None
+    train_split: str = "train"
+    eval_split: str = "test"
+    gold_format: Optional[str] = None
     reward: RewardConfig = field(default_factory=RewardConfig)
 
 
@@ -318,6 +347,11 @@ class EvalConfig:
         ks: k values for pass@k.
         checkpoint: model checkpoint directory to evaluate (rlpost eval).
         at_start, at_end: evaluate before the first / after the last step.
+        batch_size: prompts generated together.
+        tasks: task presets (``conf/task/<name>.yaml``) evaluated besides the
+            training task, each reported as ``eval/<task>/...``; empty: the
+            training task only.
+        n_boot: bootstrap replicates of the 95% confidence intervals.
     """
 
     every: int = 0
@@ -330,6 +364,8 @@ class EvalConfig:
     at_start: bool = False
     at_end: bool = True
     batch_size: int = 64
+    tasks: List[str] = field(default_factory=list)
+    n_boot: int = 1000
 
 
 @dataclass
