@@ -18,9 +18,11 @@ from rlpost.tasks.base import TASKS, Example, Task
 class ReasoningGymTask(Task):
     """Any reasoning-gym dataset by name (``task.dataset``) with its ``task.params``.
 
-    The training split is generated with seed ``data_seed`` and the evaluation
-    split with ``data_seed + 1``; evaluation questions that also occur in the
-    training split are dropped, so the splits never overlap. The answer is read
+    One pool of ``2 * (train_size + eval_size)`` items is generated with seed
+    ``data_seed`` and deduplicated by question text; the first ``eval_size``
+    distinct questions form the held-out split and the next ``train_size`` the
+    training split, so the two never overlap (the training split is smaller
+    when the dataset has fewer distinct questions). The answer is read
     per ``task.answer_format`` (``<answer>`` tags by default) and scored by the dataset's own scorer.
 
     Raises:
@@ -33,35 +35,34 @@ class ReasoningGymTask(Task):
 
         self._rg = reasoning_gym
         params = dict(cfg.params or {})
+        # reasoning-gym seeds item i with (seed + i), so datasets built from nearby
+        # seeds overlap. Draw one pool, keep distinct questions, and hold out the
+        # first eval_size of them: the splits are disjoint by construction.
+        pool_size = 2 * (cfg.train_size + cfg.eval_size)
         try:
-            self._train = reasoning_gym.create_dataset(cfg.dataset, size=cfg.train_size, seed=cfg.data_seed, **params)
-            extra = cfg.eval_size * 2 + 50
-            self._eval_ds = reasoning_gym.create_dataset(
-                cfg.dataset, size=extra, seed=cfg.data_seed + 1, **params
-            )
+            self._pool = reasoning_gym.create_dataset(cfg.dataset, size=pool_size, seed=cfg.data_seed, **params)
         except (KeyError, ValueError, TypeError, AssertionError) as e:
             names = ", ".join(sorted(reasoning_gym.factory.DATASETS)[:20])
             raise ConfigError(
                 f"task.dataset={cfg.dataset!r} with task.params={params} is not a valid reasoning-gym dataset "
                 f"({type(e).__name__}: {e}). Some valid datasets: {names}, ..."
             ) from None
-        self._train_examples = [self._example(i, e) for i, e in enumerate(self._train)]
-        seen = {ex.question for ex in self._train_examples}
-        evals: List[Example] = []
-        for e in self._eval_ds:
-            if e["question"] in seen:
-                continue
-            seen.add(e["question"])
-            evals.append(self._example(len(evals), e))
-            if len(evals) >= cfg.eval_size:
-                break
-        self._eval_examples = evals
+        distinct: List[dict] = []
+        seen = set()
+        for e in self._pool:
+            if e["question"] not in seen:
+                seen.add(e["question"])
+                distinct.append(e)
+        n_eval = min(cfg.eval_size, len(distinct) // 2)
+        self._eval_examples = [self._example(i, e) for i, e in enumerate(distinct[:n_eval])]
+        rest = distinct[n_eval : n_eval + cfg.train_size]
+        self._train_examples = [self._example(i, e) for i, e in enumerate(rest)]
 
     def _example(self, i: int, entry: dict) -> Example:
         return Example(index=i, question=entry["question"], answer=entry["answer"], meta={"entry": entry})
 
     def train_examples(self) -> List[Example]:
-        """Generated training split (``train_size`` examples)."""
+        """Training split (up to ``train_size`` distinct questions)."""
         return self._train_examples
 
     def eval_examples(self) -> List[Example]:
@@ -72,9 +73,15 @@ class ReasoningGymTask(Task):
         """The final answer per ``task.answer_format`` (see :func:`extract_answer`)."""
         return extract_answer(response, self.cfg.answer_format)
 
+    def with_answer(self, example: Example, answer: Any) -> Example:
+        """A copy of ``example`` whose gold (also inside the reasoning-gym entry) is ``answer``."""
+        entry = dict(example.meta["entry"])
+        entry["answer"] = answer
+        return Example(index=example.index, question=example.question, answer=answer, meta={**example.meta, "entry": entry})
+
     def score(self, response: str, example: Example) -> float:
         """The dataset's own ``score_answer`` on the tagged answer (0 when untagged)."""
         ans = self.extract_answer(response)
         if ans is None:
             return 0.0
-        return float(self._train.score_answer(ans, example.meta["entry"]))
+        return float(self._pool.score_answer(ans, example.meta["entry"]))

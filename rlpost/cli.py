@@ -1,0 +1,276 @@
+"""The ``rlpost`` command line (Typer). Hydra resolves the config groups.
+
+Commands: ``train``, ``eval``, ``config``, ``list`` (and ``compare`` from the
+evaluation module). User errors print one line and exit with the error's code
+(2 for config errors) without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import typer
+
+from rlpost.errors import ConfigError, RlpostError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="rlpost: reinforcement-learning post-training of language models.\n\n"
+    "Example: rlpost train algo=grpo model=smollm2-135m task=arithmetic steps=60",
+)
+
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _fail(err: RlpostError) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(code=err.exit_code)
+
+
+def _validate(overrides: List[str], multirun: bool) -> None:
+    """Compose and validate every run of a (possibly swept) override list."""
+    from rlpost.config.compose import compose_config, expand_sweep, validate_config
+
+    combos = expand_sweep(overrides) if multirun else [overrides]
+    if not multirun:
+        for o in overrides:
+            if "," in o.split("=", 1)[-1] and not any(c in o for c in "[{'\""):
+                raise ConfigError(f"{o!r} looks like a sweep; add -m (rlpost train -m {' '.join(overrides)}) to run it.")
+    for combo in combos:
+        cfg = compose_config([o for o in combo if not o.startswith("hydra.")])
+        validate_config(cfg)
+
+
+def _launch(fn: Callable[[Any], Any], overrides: List[str], multirun: bool) -> None:
+    """Run ``fn(cfg)`` under Hydra's own main (run dirs, sweeps, launchers)."""
+    import hydra
+
+    from rlpost.config.compose import conf_dir
+    from rlpost.config.schema import register_schemas
+
+    register_schemas()
+    argv = ["rlpost"] + (["--multirun"] if multirun else []) + list(overrides)
+    old = sys.argv
+    sys.argv = argv
+    try:
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(fn)()
+    finally:
+        sys.argv = old
+
+
+def _run_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Wrap a Hydra task so user errors exit cleanly (SystemExit passes through Hydra)."""
+
+    def wrapped(cfg: Any) -> Any:
+        try:
+            return fn(cfg)
+        except RlpostError as e:
+            typer.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            typer.echo("interrupted: the last checkpoint is intact; continue with resume=auto", err=True)
+            sys.exit(130)
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+@app.command(context_settings=EXTRA)
+def train(
+    ctx: typer.Context,
+    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: run every combination (a=1,2 b=x,y)."),
+) -> None:
+    """Train a policy with RL. Arguments are Hydra overrides.
+
+    Examples:
+
+      rlpost train                                  (default: GRPO, SmolLM2-135M, arithmetic)
+
+      rlpost train algo=sao model=tiny steps=5 logger=jsonl
+
+      rlpost train -m algo=grpo,sao seed=1,2        (a sweep, one run directory each)
+
+      rlpost train resume=auto hydra.run.dir=outputs/myrun   (continue a killed run)
+    """
+    overrides = list(ctx.args)
+    try:
+        _validate(overrides, multirun)
+    except RlpostError as e:
+        _fail(e)
+
+    def task(cfg: Any) -> None:
+        from rlpost.runner import train as run_train
+
+        run_dir = _run_dir()
+        last = run_train(cfg, run_dir)
+        acc = last.get("eval/accuracy")
+        typer.echo(f"done: {cfg.steps} steps in {run_dir}" + (f"; eval/accuracy={acc:.3f}" if acc is not None else ""))
+
+    _launch(_guard(task), overrides, multirun)
+
+
+@app.command("eval", context_settings=EXTRA)
+def eval_cmd(ctx: typer.Context) -> None:
+    """Evaluate a model or checkpoint on a task's held-out split; writes eval.json.
+
+    Examples:
+
+      rlpost eval                                    (base model, default task)
+
+      rlpost eval eval.checkpoint=outputs/grpo-arithmetic/<time>/final
+
+      rlpost eval task=gsm8k task.path=../shared/data/gsm8k/test.jsonl eval.limit=100
+    """
+    overrides = list(ctx.args)
+    try:
+        _validate(overrides, False)
+    except RlpostError as e:
+        _fail(e)
+
+    def task(cfg: Any) -> None:
+        from omegaconf import OmegaConf
+
+        from rlpost.eval.evaluate import evaluate
+        from rlpost.models.loader import load_policy
+        from rlpost.rollout import build_engine
+        from rlpost.runner import pick_device, seed_everything
+        from rlpost.tasks import build_task
+
+        seed_everything(cfg.seed)
+        run_dir = _run_dir()
+        mcfg = cfg.model
+        if cfg.eval.checkpoint:
+            ck = Path(cfg.eval.checkpoint)
+            path = ck / "policy" if (ck / "policy" / "config.json").exists() else ck
+            if not (path / "config.json").exists():
+                raise RlpostError(f"eval.checkpoint={cfg.eval.checkpoint!r} holds no model (config.json). "
+                                  "Fix: point it at a run's final/ or checkpoints/step_N/ directory.")
+            mcfg = OmegaConf.merge(mcfg, {"source": "hf", "path": str(path)})
+        device = pick_device(cfg.device)
+        policy, tok = load_policy(mcfg, seed=cfg.seed)
+        policy.to(device).eval()
+        engine = build_engine(cfg, policy, tok, device)
+        t = build_task(cfg.task)
+        res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "eval.json").write_text(json.dumps(res, indent=1, default=str))
+        line = f"{cfg.task.name}: accuracy={res['accuracy']:.3f} (n={res['n']})"
+        if "ci_low" in res:
+            line += f" 95% CI [{res['ci_low']:.3f}, {res['ci_high']:.3f}]"
+        typer.echo(line)
+        typer.echo(f"wrote {run_dir / 'eval.json'}")
+
+    _launch(_guard(task), overrides, False)
+
+
+@app.command(context_settings=EXTRA)
+def config(
+    ctx: typer.Context,
+    graph: bool = typer.Option(False, "--graph", help="Print the run graph (stages) instead of the YAML."),
+) -> None:
+    """Print the fully resolved config as YAML (or its run graph) without loading any model.
+
+    Examples:
+
+      rlpost config algo=sao
+
+      rlpost config --graph algo=ppo
+    """
+    from omegaconf import OmegaConf
+
+    from rlpost.config.compose import compose_config, validate_config
+
+    try:
+        cfg = compose_config(list(ctx.args))
+        validate_config(cfg)
+    except RlpostError as e:
+        _fail(e)
+    if graph:
+        from rlpost.runner import format_graph
+
+        typer.echo(format_graph(cfg))
+    else:
+        typer.echo(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+REGISTRY_GROUPS = {
+    "adv_estimator": ("rlpost.algos.registries", "ADV_ESTIMATORS"),
+    "loss": ("rlpost.algos.registries", "POLICY_LOSSES"),
+    "loss_agg": ("rlpost.algos.registries", "LOSS_AGGS"),
+    "kl": ("rlpost.algos.registries", "KL_ESTIMATORS"),
+    "task_kind": ("rlpost.tasks.base", "TASKS"),
+}
+
+
+def _preset_description(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        s = line.strip()
+        if s.startswith("#"):
+            return s.lstrip("# ").strip()
+        if s:
+            break
+    return ""
+
+
+@app.command("list")
+def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (algo, sampler, ...) or registry (loss, adv_estimator, ...).")) -> None:
+    """List the choices of each config group (or of one), with a one-line description each.
+
+    Examples:
+
+      rlpost list
+
+      rlpost list algo
+
+      rlpost list loss
+    """
+    import importlib
+
+    import rlpost.algos  # noqa: F401
+    import rlpost.tasks  # noqa: F401
+    from rlpost.config.compose import conf_dir, group_choices
+    from rlpost.config.schema import GROUP_SCHEMAS
+
+    groups = [group] if group else list(GROUP_SCHEMAS) + list(REGISTRY_GROUPS)
+    for g in groups:
+        if g in GROUP_SCHEMAS:
+            typer.echo(f"{g}:")
+            for name in group_choices(g):
+                typer.echo(f"  {name:<24} {_preset_description(conf_dir() / g / (name + '.yaml'))}")
+        elif g in REGISTRY_GROUPS:
+            mod, attr = REGISTRY_GROUPS[g]
+            reg = getattr(importlib.import_module(mod), attr)
+            typer.echo(f"{g} (registry):")
+            for e in reg:
+                extra = f"  [{e.paper}]" if e.paper else ""
+                typer.echo(f"  {e.name:<24} {e.description}{extra}")
+        else:
+            valid = ", ".join(list(GROUP_SCHEMAS) + list(REGISTRY_GROUPS))
+            _fail(ConfigError(f"Unknown group {g!r}. Valid groups: {valid}."))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    try:
+        import rlpost.eval.compare as _cmp  # noqa: F401  (registers `rlpost compare` when present)
+    except ImportError:
+        pass
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Config schemas, composition and validation."""

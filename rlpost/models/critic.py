@@ -1,0 +1,46 @@
+"""Value model (critic) for PPO-style and single-rollout algorithms."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from rlpost.models.logprobs import backbone_and_head, build_inputs
+
+
+class ValueModel(torch.nn.Module):
+    """A causal-LM backbone with a scalar head: ``V(s_t)`` for every response position.
+
+    Initialised from the policy's backbone (a separate copy, as in PPO for LMs,
+    InstructGPT arXiv:2203.02155) and a zero-initialised linear head, so initial
+    values are 0.
+
+    Args:
+        policy: the policy model to copy the backbone from.
+    """
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        base, _ = backbone_and_head(policy)
+        self.backbone = copy.deepcopy(base)
+        hidden = self.backbone.config.hidden_size
+        self.head = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_attn: torch.Tensor,
+    ) -> torch.Tensor:
+        """Values ``[B, R]``: position t holds V of the state before response token t.
+
+        Shapes as :func:`rlpost.models.logprobs.response_logprobs`.
+        """
+        ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
+        P, R = prompt_ids.shape[1], response_ids.shape[1]
+        hidden = self.backbone(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+        return self.head(hidden[:, P - 1 : P + R - 1]).squeeze(-1).float()

@@ -1,0 +1,49 @@
+"""Rollout engines. :func:`build_engine` picks one from the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlpost.errors import ConfigError
+from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams  # noqa: F401
+
+ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
+    """The rollout engine named by ``cfg.rollout.engine`` for ``policy``.
+
+    ``hf`` shares the trainer's module when the rollout dtype is the trainer's
+    master dtype (fp32) and otherwise keeps a converted copy that is refreshed
+    after each update.
+
+    Raises:
+        ConfigError: unknown engine or rollout dtype.
+    """
+    rd = cfg.precision.rollout_dtype
+    if cfg.rollout.engine == "vllm":
+        from rlpost.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is optional and GPU-only
+
+        return VLLMRolloutEngine(cfg, policy, tokenizer)
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(f"Unknown rollout engine rollout.engine={cfg.rollout.engine!r}. Valid choices: hf, vllm.")
+    from rlpost.rollout.hf import HFRolloutEngine
+
+    if rd == "fp32":
+        return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=True, device=device)
+    if rd in ("bf16", "fp16"):
+        dt = torch.bfloat16 if rd == "bf16" else torch.float16
+        return HFRolloutEngine(
+            policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=lambda m: m.to(dt), device=device
+        )
+    try:
+        from rlpost.rollout.precision import rollout_converter
+    except ImportError:
+        rollout_converter = None
+    if rollout_converter is None:
+        raise ConfigError(f"precision.rollout_dtype={rd!r} is not available; valid: {', '.join(ROLLOUT_DTYPES)}.")
+    return HFRolloutEngine(
+        policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=rollout_converter(rd), device=device
+    )

@@ -1,0 +1,399 @@
+"""The run graph and its executor: one readable training loop.
+
+A config becomes an explicit list of stages (:func:`build_graph`), which
+``rlpost config --graph`` prints. :func:`train` runs them every step:
+
+    select -> rollout -> reward -> logprobs -> advantages -> update -> sync -> evaluate -> checkpoint -> log
+
+Everything algorithmic is a registered pure function in :mod:`rlpost.algos`; this
+module only moves tensors between stages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlpost.algos.advantages import AdvantageInput, compute_advantages
+from rlpost.algos.regularizers import kl_penalty
+from rlpost.batch import RolloutBatch
+from rlpost.checkpoint import DONE_MARKER, find_resume_checkpoint, save_checkpoint, set_rng_state
+from rlpost.rollout.base import SamplingParams
+
+
+@dataclass
+class Stage:
+    """One node of the run graph: a name, what it does, and whether this config runs it."""
+
+    name: str
+    description: str
+    enabled: bool = True
+
+
+def build_graph(cfg: DictConfig) -> List[Stage]:
+    """The stages a config runs each step, in order (disabled ones are listed too)."""
+    a = cfg.algo
+    need_old = a.ppo_epochs * a.mini_batches > 1 or (a.kl.coef > 0 and a.kl.in_reward)
+    return [
+        Stage("select", f"selector={cfg.selector.name}: choose {cfg.selector.prompts_per_step} prompts of task={cfg.task.name}"),
+        Stage("rollout", f"sampler={cfg.sampler.name} x{a.n_samples_per_prompt} via rollout={cfg.rollout.engine} "
+              f"({cfg.precision.rollout_dtype}, T={cfg.rollout.temperature}, max_new_tokens={cfg.rollout.max_new_tokens})"),
+        Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping"),
+        Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)", need_old),
+        Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})", a.kl.coef > 0),
+        Stage("values", "critic values V(s_t)", a.critic.enabled),
+        Stage("advantages", f"adv_estimator={a.adv_estimator}"),
+        Stage("critic_update", "value-loss regression on returns", a.critic.enabled),
+        Stage("policy_update", f"loss={a.loss} agg={a.loss_agg} epochs={a.ppo_epochs} mini_batches={a.mini_batches} "
+              f"trainer={cfg.trainer.engine} ({cfg.precision.trainer_dtype})"
+              + (f" correction={cfg.precision.correction}" if cfg.precision.correction != "none" else "")),
+        Stage("sync", "push updated weights to the rollout engine"),
+        Stage("evaluate", f"greedy accuracy on {cfg.eval.limit} held-out prompts every {cfg.eval.every} steps"
+              + (" and at the end" if cfg.eval.at_end else ""), cfg.eval.every > 0 or cfg.eval.at_end),
+        Stage("checkpoint", f"every {cfg.checkpoint.every} steps, keep {cfg.checkpoint.keep_last}"),
+        Stage("log", f"metrics.jsonl + logger={cfg.logger.backend}"),
+    ]
+
+
+def format_graph(cfg: DictConfig) -> str:
+    """Human-readable run graph."""
+    lines = []
+    for i, s in enumerate(build_graph(cfg)):
+        mark = "" if s.enabled else "  (skipped)"
+        lines.append(f"{i + 1:2d}. {s.name:<14} {s.description}{mark}")
+    return "\n".join(lines)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def step_seed(seed: int, step: int, salt: str = "rollout") -> int:
+    """A deterministic 63-bit seed for (run seed, step, purpose): rollouts reproduce on resume."""
+    h = hashlib.sha256(f"{seed}:{step}:{salt}".encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 1
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Run:
+    """All live components of one training run (built once, then stepped).
+
+    Args:
+        cfg: resolved config.
+        run_dir: the run directory (outputs go here).
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        from rlpost.config.compose import validate_config
+        from rlpost.models.loader import load_policy
+        from rlpost.rewards import RewardFunction
+        from rlpost.rollout import build_engine
+        from rlpost.samplers import build_sampler
+        from rlpost.selectors import build_selector
+        from rlpost.tasks import build_task
+
+        validate_config(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.device = pick_device(cfg.device)
+        seed_everything(cfg.seed)
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.task = build_task(cfg.task)
+        self.train_examples = self.task.train_examples()
+        self.eval_examples = self.task.eval_examples()
+        self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
+        self.trainer = self._build_trainer()
+        self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        self.selector = build_selector(cfg.selector, len(self.train_examples), cfg.seed)
+        self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
+        r = cfg.task.reward
+        self.reward_fn = RewardFunction(
+            self.task, timeout_s=r.timeout_s, format_weight=r.format_weight, overlong_buffer=r.overlong_buffer,
+            overlong_penalty=r.overlong_penalty, max_len=cfg.rollout.max_new_tokens, length_penalty=r.length_penalty,
+        )
+        self._prompt_cache: Dict[int, List[int]] = {}
+        self.step = 0
+        self.update_rng = torch.Generator().manual_seed(cfg.seed)
+
+    def _build_trainer(self):
+        if self.cfg.trainer.engine == "deepspeed":
+            from rlpost.trainer.deepspeed_engine import DeepSpeedTrainer
+
+            return DeepSpeedTrainer(self.policy, self.cfg, self.device)
+        from rlpost.trainer.torch_engine import TorchTrainer
+
+        return TorchTrainer(self.policy, self.cfg, self.device)
+
+    # ------------------------------------------------------------- resume
+    def restore(self, ckpt: Path) -> None:
+        """Load a checkpoint written by :meth:`checkpoint` and continue after its step."""
+        from safetensors.torch import load_file
+
+        files = sorted((ckpt / "policy").glob("*.safetensors"))
+        sd: Dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        self.trainer.policy.load_state_dict(sd, strict=False)
+        if getattr(self.trainer.policy.config, "tie_word_embeddings", False):
+            self.trainer.policy.tie_weights()
+        self.trainer.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=False))
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        self.selector.load_state_dict(state["selector"])
+        self.sampler.load_state_dict(state.get("sampler", {}))
+        self.update_rng.set_state(state["update_rng"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.engine.sync_weights(self.trainer.policy)
+
+    def checkpoint(self) -> Path:
+        """Write an atomic checkpoint of the current step."""
+        return save_checkpoint(
+            self.run_dir, self.step, self.trainer.policy, self.tokenizer, self.trainer.state_dict(),
+            {"selector": self.selector.state_dict(), "sampler": self.sampler.state_dict(),
+             "update_rng": self.update_rng.get_state()},
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+
+    # --------------------------------------------------------------- stages
+    def prompt_ids(self, i: int) -> List[int]:
+        """Rendered (chat-templated) prompt token ids of training example ``i`` (cached)."""
+        if i not in self._prompt_cache:
+            self._prompt_cache[i] = self.task.render_prompt(self.train_examples[i], self.tokenizer)
+        return self._prompt_cache[i]
+
+    def sampling_params(self, step: int) -> SamplingParams:
+        """The rollout sampling parameters of ``step`` (seeded for exact resume)."""
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            stop=list(r.stop), seed=step_seed(self.cfg.seed, step),
+        )
+
+    def train_step(self) -> Dict[str, Any]:
+        """Run every stage once; returns the step's metrics."""
+        from rlpost.samplers import SamplerContext
+
+        cfg, a = self.cfg, self.cfg.algo
+        step = self.step + 1
+        t_step = time.perf_counter()
+        m: Dict[str, Any] = {"step": step}
+
+        # select
+        idx = self.selector.select(step)
+        prompts = [self.prompt_ids(i) for i in idx]
+
+        # rollout
+        t0 = time.perf_counter()
+
+        def score(rows: List[int], texts: List[str]) -> List[float]:
+            ex = [self.train_examples[idx[r]] for r in rows]
+            lens = torch.tensor([len(self.tokenizer(t)["input_ids"]) for t in texts])
+            return self.reward_fn(texts, ex, lens)[0].tolist()
+
+        sres = self.sampler.sample(self.engine, prompts, self.sampling_params(step),
+                                   SamplerContext(score=score, step=step, seed=step_seed(cfg.seed, step, "sampler")))
+        gen = sres.generation
+        t_rollout = time.perf_counter() - t0
+        gi = sres.group_index
+        pidx = torch.tensor(idx, dtype=torch.long)[gi]
+        examples = [self.train_examples[int(i)] for i in pidx]
+        batch = RolloutBatch(
+            prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
+            response_mask=gen.response_mask, rollout_logprobs=gen.rollout_logprobs, group_index=gi,
+            prompt_index=pidx, policy_version=torch.full((len(gi),), self.trainer.version, dtype=torch.long),
+            response_texts=gen.texts, answers=[e.answer for e in examples], meta=[{} for _ in examples],
+            extras={"temperatures": gen.temperatures, **sres.extras},
+        )
+
+        # reward
+        t0 = time.perf_counter()
+        lengths = batch.response_mask.sum(-1)
+        rewards, rm = self.reward_fn(gen.texts, examples, lengths)
+        batch.rewards = rewards
+        t_reward = time.perf_counter() - t0
+        per_prompt = [[float(x) for x in rewards[gi == g]] for g in range(len(idx))]
+        self.selector.update(idx, per_prompt)
+
+        # log-probs, values
+        t0 = time.perf_counter()
+        need_old = a.ppo_epochs * a.mini_batches > 1 or (a.kl.coef > 0 and a.kl.in_reward)
+        if need_old:
+            batch.extras["old_logprobs"], _ = self.trainer.compute_logprobs(batch)
+        if a.kl.coef > 0:
+            batch.extras["ref_logprobs"], _ = self.trainer.compute_logprobs(batch, "ref")
+        if a.critic.enabled:
+            batch.extras["values"] = self.trainer.compute_values(batch)
+
+        # advantages
+        token_rewards = None
+        if a.kl.coef > 0 and a.kl.in_reward:
+            kl = kl_penalty(a.kl.estimator, batch.extras["old_logprobs"], batch.extras["ref_logprobs"])
+            token_rewards = -a.kl.coef * kl * batch.response_mask
+            m["actor/kl_ref"] = float((kl * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
+        out = compute_advantages(
+            a.adv_estimator,
+            AdvantageInput(rewards=rewards, response_mask=batch.response_mask, group_index=gi,
+                           values=batch.extras.get("values"), token_rewards=token_rewards,
+                           baseline_rewards=batch.extras.get("baseline_rewards")),
+            **dict(a.adv_params or {}),
+        )
+        batch.extras["advantages"] = out.advantages
+        if out.returns is not None:
+            batch.extras["returns"] = out.returns
+
+        # update
+        if a.critic.enabled:
+            m.update(self.trainer.critic_update(batch))
+        if step > a.critic.warmup_steps or not a.critic.enabled:
+            m.update(self.trainer.policy_update(batch, self.update_rng))
+        else:
+            m["actor/frozen_for_critic_warmup"] = 1.0
+        t_update = time.perf_counter() - t0
+
+        # sync
+        self.engine.sync_weights(self.trainer.policy)
+        self.step = step
+
+        ntok = gen.num_tokens
+        zero_var = sum(1 for g in per_prompt if len(g) > 1 and max(g) == min(g))
+        m.update({
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            **rm,
+            "response/length_mean": float(lengths.float().mean()),
+            "response/truncated_frac": float((~gen.finished).float().mean()),
+            "rollout/rollouts_spent": float(sres.rollouts_spent),
+            "rollout/zero_var_group_frac": zero_var / max(1, len(per_prompt)),
+            "rollout/policy_version": float(batch.policy_version.float().mean()),
+            "adv/mean": float((out.advantages * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)),
+            "time/rollout_s": t_rollout,
+            "time/reward_s": t_reward,
+            "time/update_s": t_update,
+            "throughput/rollout_tokens_per_s": ntok / max(t_rollout, 1e-9),
+            **{f"sampler/{k}": v for k, v in sres.metrics.items()},
+            **{f"selector/{k}": v for k, v in self.selector.metrics().items()},
+        })
+        m["time/step_s"] = time.perf_counter() - t_step
+        m["memory/peak_rss_mb"] = peak_rss_mb()
+        return m
+
+    def evaluate(self) -> Dict[str, Any]:
+        """Greedy evaluation on the held-out split; returns ``eval/...`` metrics and the full result."""
+        from rlpost.eval.evaluate import evaluate
+
+        res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed)
+        name = self.cfg.task.name
+        out = {"eval/accuracy": res["accuracy"], f"eval/{name}/accuracy": res["accuracy"],
+               f"eval/{name}/response_length_mean": res.get("response_length_mean", 0.0)}
+        for k in ("ci_low", "ci_high"):
+            if k in res:
+                out[f"eval/{name}/accuracy_{k}"] = res[k]
+        return out, res
+
+    def close(self) -> None:
+        """Stop worker processes and engines."""
+        self.reward_fn.close()
+        self.engine.close()
+
+
+def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
+    """Train per ``cfg`` in ``run_dir``; returns the last step's metrics.
+
+    Resumes from ``cfg.resume`` (see :func:`rlpost.checkpoint.find_resume_checkpoint`);
+    when that checkpoint belongs to another run directory, the run continues
+    there. Writes ``config.yaml``, ``metrics.jsonl``, checkpoints, ``final/``
+    (the trained policy in Hugging Face format) and ``eval.json``.
+    """
+    from rlpost.tracking import RunLogger
+
+    run_dir = Path(run_dir)
+    ckpt = find_resume_checkpoint(cfg.resume, run_dir)
+    if ckpt is not None:
+        run_dir = ckpt.parent.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    run = Run(cfg, run_dir)
+    if ckpt is not None:
+        run.restore(ckpt)
+    logger = RunLogger(
+        run_dir, cfg.logger.backend, OmegaConf.to_container(cfg, resolve=True), name=f"{cfg.name}",
+        project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode, tags=list(cfg.logger.tags),
+        resume_step=run.step if ckpt is not None else None,
+    )
+    last: Dict[str, Any] = {}
+    progress = _progress(cfg.steps, run.step)
+    try:
+        if cfg.eval.at_start and run.step == 0:
+            em, _ = run.evaluate()
+            logger.log({"step": 0, **em})
+        while run.step < cfg.steps:
+            m = run.train_step()
+            if cfg.eval.every > 0 and run.step % cfg.eval.every == 0 and run.step < cfg.steps:
+                em, _ = run.evaluate()
+                m.update(em)
+            if run.step == cfg.steps and cfg.eval.at_end:
+                em, res = run.evaluate()
+                m.update(em)
+                (run_dir / "eval.json").write_text(json.dumps(_eval_summary(res), indent=1))
+            logger.log(m)
+            if (cfg.checkpoint.every > 0 and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps:
+                run.checkpoint()
+            last = m
+            progress.update(m)
+        final = run_dir / "final"
+        run.trainer.policy.save_pretrained(final)
+        run.tokenizer.save_pretrained(final)
+        (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
+    finally:
+        progress.close()
+        logger.close()
+        run.close()
+    return last
+
+
+def _eval_summary(res: Dict[str, Any]) -> Dict[str, Any]:
+    return res
+
+
+class _progress:
+    """Console progress bar (rich) with live reward and throughput."""
+
+    def __init__(self, total: int, start: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=start, desc="rlpost train", unit="step", dynamic_ncols=True)
+
+    def update(self, m: Dict[str, Any]) -> None:
+        post = {"reward": f"{m.get('reward/mean', 0):.3f}", "tok/s": f"{m.get('throughput/rollout_tokens_per_s', 0):.0f}",
+                "s/step": f"{m.get('time/step_s', 0):.1f}"}
+        if "eval/accuracy" in m:
+            post["eval_acc"] = f"{m['eval/accuracy']:.3f}"
+        self.bar.set_postfix(post)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,364 @@
+"""``trainer=torch``: a plain single-process policy (and critic) update loop.
+
+AdamW with warm-up and a schedule, gradient clipping, micro-batches with exact
+gradient accumulation, log-probs computed only at response positions in
+checkpointed chunks, optional reference model (KL) and critic (values), and
+bf16 autocast. A non-finite loss or gradient skips the optimizer step; more than
+``max_bad_steps`` in a row raise :class:`rlpost.errors.TrainingDiverged`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from rlpost.algos.aggregation import aggregate
+from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
+from rlpost.algos.regularizers import kl_penalty, value_loss
+from rlpost.algos.utils import masked_mean
+from rlpost.batch import RolloutBatch
+from rlpost.errors import TrainingDiverged
+from rlpost.models.critic import ValueModel
+from rlpost.models.logprobs import response_logprobs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    """Multiplier of the base learning rate at optimizer step ``s``.
+
+    Linear warm-up over ``warmup`` steps, then ``constant``, ``linear`` decay to
+    0 or ``cosine`` decay to 0 at ``total`` steps.
+
+    Raises:
+        ValueError: unknown schedule.
+    """
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown lr_schedule {schedule!r}; valid: constant, linear, cosine")
+
+    def f(s: int) -> float:
+        if warmup > 0 and s < warmup:
+            return (s + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        frac = min(1.0, (s - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - frac
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return f
+
+
+class _MetricAcc:
+    """Weighted running means of scalar metrics over micro-batches."""
+
+    def __init__(self) -> None:
+        self.sums: Dict[str, float] = {}
+        self.weights: Dict[str, float] = {}
+
+    def add(self, metrics: Dict[str, Any], weight: float) -> None:
+        for k, v in metrics.items():
+            v = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+            if k.endswith("_max"):
+                self.sums[k] = max(self.sums.get(k, -math.inf), v)
+                self.weights[k] = 1.0
+                continue
+            self.sums[k] = self.sums.get(k, 0.0) + v * weight
+            self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def means(self) -> Dict[str, float]:
+        return {k: self.sums[k] / max(self.weights[k], 1e-12) for k in self.sums}
+
+
+class TorchTrainer:
+    """Owns the policy, its optimizer, and optionally a reference model and a critic.
+
+    Args:
+        policy: the causal LM being trained (fp32 master weights).
+        cfg: the full run config (reads ``algo``, ``trainer``, ``precision``,
+            ``rollout``, ``steps``).
+        device: training device.
+    """
+
+    def __init__(self, policy: torch.nn.Module, cfg: Any, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        self.algo = cfg.algo
+        self.tcfg = cfg.trainer
+        self.device = torch.device(device)
+        self.policy = policy.to(self.device)
+        self.policy.train()
+        self.dtype = DTYPES[cfg.precision.trainer_dtype]
+        self.opt = self._make_optimizer(self.policy.parameters(), self.tcfg.lr)
+        total = max(1, cfg.steps * self.algo.ppo_epochs * self.algo.mini_batches)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(self.tcfg.lr_schedule, self.tcfg.warmup_steps, total)
+        )
+        self.ref: Optional[torch.nn.Module] = None
+        if self.algo.kl.coef > 0:
+            import copy
+
+            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        self.critic: Optional[ValueModel] = None
+        self.critic_opt = None
+        if self.algo.critic.enabled:
+            self.critic = ValueModel(self.policy).to(self.device)
+            self.critic_opt = self._make_optimizer(self.critic.parameters(), self.algo.critic.lr)
+        self.bad_steps = 0
+        self.version = 0  # number of policy optimizer steps taken
+
+    # ----------------------------------------------------------------- helpers
+    def _make_optimizer(self, params, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            [p for p in params if p.requires_grad],
+            lr=lr,
+            betas=tuple(self.tcfg.betas),
+            weight_decay=self.tcfg.weight_decay,
+        )
+
+    def autocast(self):
+        """bf16/fp16 autocast context for forward passes (no-op for fp32)."""
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def _micro_slices(self, n: int) -> List[slice]:
+        mb = max(1, int(self.tcfg.micro_batch_size))
+        return [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
+
+    def _temperature(self, batch: RolloutBatch):
+        t = batch.extras.get("temperatures")
+        return t if t is not None else float(self.cfg.rollout.temperature)
+
+    def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False):
+        attn = batch.extras.get("response_attn", (batch.response_mask > 0).long())
+        T = self._temperature(batch)
+        with self.autocast():
+            return response_logprobs(
+                model,
+                batch.prompt_ids.to(self.device),
+                batch.prompt_mask.to(self.device),
+                batch.response_ids.to(self.device),
+                attn.to(self.device),
+                temperature=T,
+                chunk_size=self.tcfg.logprob_chunk_size,
+                with_entropy=with_entropy,
+            )
+
+    def _values(self, batch: RolloutBatch) -> torch.Tensor:
+        attn = batch.extras.get("response_attn", (batch.response_mask > 0).long())
+        with self.autocast():
+            return self.critic(
+                batch.prompt_ids.to(self.device),
+                batch.prompt_mask.to(self.device),
+                batch.response_ids.to(self.device),
+                attn.to(self.device),
+            )
+
+    # -------------------------------------------------------- no-grad passes
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, which: str = "policy", with_entropy: bool = False):
+        """Log-probs ``[B, R]`` (and entropy) of the batch's responses under ``policy`` or ``ref``."""
+        model = self.policy if which == "policy" else self.ref
+        if model is None:
+            raise ValueError(f"no {which} model (set algo.kl.coef > 0 for a reference model)")
+        was = model.training
+        model.eval()
+        lps, ents = [], []
+        try:
+            for sl in self._micro_slices(len(batch)):
+                lp, ent = self._logprobs(model, batch.select(list(range(len(batch)))[sl]), with_entropy)
+                lps.append(lp.cpu())
+                if ent is not None:
+                    ents.append(ent.cpu())
+        finally:
+            model.train(was)
+        return _cat_padded(lps), (_cat_padded(ents) if ents else None)
+
+    @torch.no_grad()
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """Critic values ``[B, R]`` at rollout time."""
+        outs = [self._values(batch.select(list(range(len(batch)))[sl])).cpu() for sl in self._micro_slices(len(batch))]
+        return _cat_padded(outs) * batch.response_mask
+
+    # ---------------------------------------------------------------- updates
+    def _correction_weights(self, old_lp: torch.Tensor, batch: RolloutBatch):
+        name = self.cfg.precision.correction
+        if name in (None, "none"):
+            return None, {}
+        from rlpost.algos.corrections import compute_correction
+
+        return compute_correction(
+            name, old_lp, batch.rollout_logprobs.to(old_lp.device), batch.response_mask.to(old_lp.device),
+            **dict(self.cfg.precision.correction_params or {}),
+        )
+
+    def _finite_step(self, opt, params, max_norm: float) -> float:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if max_norm and max_norm > 0:
+            gn = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        gn = float(gn)
+        if not math.isfinite(gn):
+            opt.zero_grad(set_to_none=True)
+            return gn
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return gn
+
+    def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
+        """PPO-style update over ``algo.ppo_epochs`` x ``algo.mini_batches`` optimizer steps.
+
+        Reads ``batch.extras['advantages']`` ``[B, R]`` and, when present,
+        ``old_logprobs`` and ``ref_logprobs``. When absent (single on-policy
+        pass) the old log-probs are the current ones detached, so the importance
+        ratio is exactly 1 on the first micro-batch.
+
+        Returns:
+            metrics averaged over micro-batches: ``loss/policy``, ``actor/entropy``,
+            ``actor/clip_frac``, ``actor/ratio_mean``, ``actor/grad_norm``,
+            ``actor/kl_ref``, ``rollout/logprob_gap``, ``actor/lr`` ...
+        Raises:
+            TrainingDiverged: too many consecutive non-finite steps.
+        """
+        a = self.algo
+        acc = _MetricAcc()
+        B = len(batch)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        loss_params = {**dict(a.clip), **dict(a.loss_params or {})}
+        norm_const = a.loss_agg_norm or self.cfg.rollout.max_new_tokens
+        need_entropy = True
+        for epoch in range(a.ppo_epochs):
+            order = torch.randperm(B, generator=rng) if (rng is not None and a.mini_batches > 1) else torch.arange(B)
+            minis = [order[i :: a.mini_batches] if a.mini_batches > 1 else order for i in range(a.mini_batches)]
+            for mini_idx in minis:
+                mini = batch.select(mini_idx)
+                denom = float(mini.response_mask.sum()) if a.loss_agg == "token-mean" else float(len(mini))
+                bad = False
+                for sl in self._micro_slices(len(mini)):
+                    mb = mini.select(list(range(len(mini)))[sl])
+                    m = mb.response_mask.to(self.device)
+                    lp, ent = self._logprobs(self.policy, mb, with_entropy=need_entropy)
+                    old = mb.extras.get("old_logprobs")
+                    old = lp.detach() if old is None else old.to(self.device)
+                    adv = mb.extras["advantages"].to(self.device)
+                    inp = PolicyLossInput(
+                        logprobs=lp,
+                        old_logprobs=old,
+                        advantages=adv,
+                        response_mask=m,
+                        rollout_logprobs=mb.rollout_logprobs.to(self.device),
+                        entropy=None if ent is None else ent.detach(),
+                    )
+                    loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
+                    w, wm = self._correction_weights(old, mb)
+                    if w is not None:
+                        loss_mat = loss_mat * w.to(loss_mat.device)
+                        lm.update({f"correction/{k}": v for k, v in wm.items()})
+                    loss = aggregate(a.loss_agg, loss_mat, m, denom=denom, norm_const=norm_const)
+                    metrics: Dict[str, Any] = {"loss/policy": loss.detach() * (denom / max(1.0, _count(a.loss_agg, m)))}
+                    if self.ref is not None and "ref_logprobs" in mb.extras and not a.kl.in_reward:
+                        kl = kl_penalty(a.kl.estimator, lp, mb.extras["ref_logprobs"].to(self.device))
+                        loss = loss + a.kl.coef * aggregate(a.loss_agg, kl, m, denom=denom, norm_const=norm_const)
+                        metrics["actor/kl_ref"] = masked_mean(kl.detach(), m)
+                    if ent is not None:
+                        if a.entropy_coef:
+                            loss = loss - a.entropy_coef * aggregate(a.loss_agg, ent, m, denom=denom, norm_const=norm_const)
+                        metrics["actor/entropy"] = masked_mean(ent.detach(), m)
+                    if not torch.isfinite(loss):
+                        bad = True
+                        break
+                    loss.backward()
+                    with torch.no_grad():
+                        metrics["rollout/logprob_gap"] = masked_mean((lp.detach() - inp.rollout_logprobs).abs(), m)
+                    for k, v in lm.items():
+                        metrics[k if "/" in k else f"actor/{k}"] = v
+                    acc.add(metrics, float(m.sum()))
+                if bad:
+                    self.opt.zero_grad(set_to_none=True)
+                    gn = float("nan")
+                else:
+                    gn = self._finite_step(self.opt, params, self.tcfg.grad_clip)
+                if not math.isfinite(gn):
+                    self.bad_steps += 1
+                    acc.add({"actor/skipped_steps": 1.0}, 1.0)
+                    if self.bad_steps > self.tcfg.max_bad_steps:
+                        raise TrainingDiverged(
+                            f"{self.bad_steps} consecutive optimizer steps had a non-finite loss or gradient; "
+                            "the last checkpoint is intact. Fix: lower trainer.lr, enable trainer.grad_clip, "
+                            "or use precision=fp32."
+                        )
+                else:
+                    self.bad_steps = 0
+                    self.version += 1
+                    acc.add({"actor/grad_norm": gn, "actor/skipped_steps": 0.0}, 1.0)
+                self.sched.step()
+        out = acc.means()
+        out["actor/lr"] = float(self.sched.get_last_lr()[0])
+        return out
+
+    def critic_update(self, batch: RolloutBatch) -> Dict[str, float]:
+        """Regress the critic on ``batch.extras['returns']`` (token-mean clipped value loss)."""
+        a = self.algo
+        acc = _MetricAcc()
+        params = [p for p in self.critic.parameters() if p.requires_grad]
+        self.critic.train()
+        for _ in range(max(1, a.critic.epochs)):
+            denom = float(batch.response_mask.sum())
+            for sl in self._micro_slices(len(batch)):
+                mb = batch.select(list(range(len(batch)))[sl])
+                m = mb.response_mask.to(self.device)
+                v = self._values(mb)
+                old_v = mb.extras.get("values", v.detach()).to(self.device)
+                loss_mat, vm = value_loss(v, old_v, mb.extras["returns"].to(self.device), m, a.critic.clip_range)
+                loss = a.critic.coef * aggregate("token-mean", loss_mat, m, denom=denom)
+                if not torch.isfinite(loss):
+                    continue
+                loss.backward()
+                acc.add({"critic/value_loss": (loss_mat.detach() * m).sum() / m.sum().clamp(min=1), **{f"critic/{k}": x for k, x in vm.items()},
+                         "critic/value_mean": masked_mean(v.detach(), m)}, float(m.sum()))
+            gn = self._finite_step(self.critic_opt, params, self.tcfg.grad_clip)
+            acc.add({"critic/grad_norm": gn}, 1.0)
+        return acc.means()
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Optimizer, scheduler, critic and counters (the policy is saved in HF format separately)."""
+        sd: Dict[str, Any] = {
+            "opt": self.opt.state_dict(),
+            "sched": self.sched.state_dict(),
+            "bad_steps": self.bad_steps,
+            "version": self.version,
+        }
+        if self.critic is not None:
+            sd["critic"] = self.critic.state_dict()
+            sd["critic_opt"] = self.critic_opt.state_dict()
+        if self.ref is not None:
+            sd["ref"] = self.ref.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after the policy weights were loaded)."""
+        self.opt.load_state_dict(sd["opt"])
+        self.sched.load_state_dict(sd["sched"])
+        self.bad_steps = int(sd.get("bad_steps", 0))
+        self.version = int(sd.get("version", 0))
+        if self.critic is not None and "critic" in sd:
+            self.critic.load_state_dict(sd["critic"])
+            self.critic_opt.load_state_dict(sd["critic_opt"])
+        if self.ref is not None and "ref" in sd:
+            self.ref.load_state_dict(sd["ref"])
+
+
+def _count(mode: str, m: torch.Tensor) -> float:
+    return float(m.sum()) if mode == "token-mean" else float(m.shape[0])
+
+
+def _cat_padded(ts: List[torch.Tensor]) -> torch.Tensor:
+    R = max(t.shape[1] for t in ts)
+    return torch.cat([torch.nn.functional.pad(t, (0, R - t.shape[1])) for t in ts])
