@@ -39,16 +39,81 @@ def extract_boxed(text: str) -> Optional[str]:
     return None
 
 
+_HASHES = re.compile(r"####\s*([^\n]*)")
+_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*\$?([^\n]*?)(?:\.\s|\.?$|\n)", re.IGNORECASE)
+
+
+def extract_hashes(text: str) -> Optional[str]:
+    """The text after the last ``####`` marker (GSM8K style), stripped; None if absent or empty.
+
+    ``"... #### 1,000"`` gives ``"1,000"`` (use :func:`parse_gsm8k_gold` to get a
+    clean number).
+    """
+    found = _HASHES.findall(text or "")
+    if not found:
+        return None
+    ans = found[-1].strip()
+    return ans or None
+
+
+def extract_answer_is(text: str) -> Optional[str]:
+    """The phrase after the last "the answer is" (up to the end of the sentence); None if absent."""
+    found = _ANSWER_IS.findall(text or "")
+    if not found:
+        return None
+    ans = found[-1].strip().rstrip(".").strip()
+    return ans or None
+
+
+def parse_gsm8k_gold(answer: str) -> Optional[str]:
+    """The gold number of a GSM8K answer field (``"... #### 1,000"`` -> ``"1000"``).
+
+    Thousands separators, a ``$`` sign and a trailing period are removed.
+    Returns None when the field has no ``####`` marker.
+    """
+    ans = extract_hashes(answer)
+    if ans is None:
+        return None
+    ans = ans.replace("$", "").replace(",", "").strip().rstrip(".")
+    return ans or None
+
+
+def extract_auto(text: str) -> Optional[str]:
+    """First answer found by, in order: ``<answer>`` tags, ``\\boxed{}``, ``####``,
+    "the answer is ...", the last number. Robust extraction for free-form responses."""
+    for fn in (extract_tagged, extract_boxed, extract_hashes, extract_answer_is, extract_last_number):
+        ans = fn(text)
+        if ans:
+            return ans
+    return None
+
+
+#: answer_format -> extractor. ``auto`` tries every format (see :func:`extract_auto`).
+EXTRACTORS = {
+    "tags": extract_tagged,
+    "boxed": extract_boxed,
+    "last_number": extract_last_number,
+    "hashes": extract_hashes,
+    "auto": extract_auto,
+}
+
+#: A ready answer-format instruction for each strict format (for ``task.instruction``).
+INSTRUCTIONS = {
+    "tags": "Think step by step, then give the final answer inside <answer></answer> tags.",
+    "boxed": "Please reason step by step, and put your final answer within \\boxed{}.",
+    "last_number": "Solve the problem step by step and end your response with the final number.",
+    "hashes": "Solve the problem step by step and write the final answer after ####.",
+}
+
+
 def extract_answer(text: str, answer_format: str) -> Optional[str]:
-    """Final answer of ``text`` by ``answer_format``: tags | boxed | last_number.
+    """Final answer of ``text`` by ``answer_format``: tags | boxed | last_number | hashes | auto.
 
     Raises:
-        ValueError: unknown format.
+        ValueError: unknown format (the task layer turns this into a ConfigError
+            at construction time).
     """
-    if answer_format == "tags":
-        return extract_tagged(text)
-    if answer_format == "boxed":
-        return extract_boxed(text)
-    if answer_format == "last_number":
-        return extract_last_number(text)
-    raise ValueError(f"unknown answer_format {answer_format!r}; valid: tags, boxed, last_number")
+    fn = EXTRACTORS.get(answer_format)
+    if fn is None:
+        raise ValueError(f"unknown answer_format {answer_format!r}; valid: {', '.join(EXTRACTORS)}")
+    return fn(text)

@@ -76,8 +76,22 @@ class Task(ABC):
         return key or None
 
     def format_ok(self, response: str) -> bool:
-        """Whether ``response`` follows the requested answer format (for a format reward)."""
+        """Whether ``response`` follows the requested answer format (for a format reward).
+
+        ``task.reward.format_regex``, when set, must be found (``re.search``);
+        otherwise an answer must be extractable.
+        """
+        pattern = getattr(getattr(self.cfg, "reward", None), "format_regex", None)
+        if pattern:
+            return re.search(pattern, response or "", re.DOTALL) is not None
         return self.extract_answer(response) is not None
+
+    def with_answer(self, example: Example, answer: Any) -> Example:
+        """A copy of ``example`` whose gold answer is ``answer`` (TTRL pseudo-labels).
+
+        Subclasses whose verifier reads the gold from ``meta`` override this.
+        """
+        return Example(index=example.index, question=example.question, answer=answer, meta=dict(example.meta))
 
     def user_message(self, example: Example) -> str:
         """The user turn: question plus the answer-format instruction."""
