@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from rlpost.algos.registries import ADV_ESTIMATORS
-from rlpost.algos.utils import group_stats, masked_whiten
+from rlpost.algos.utils import group_ids, group_median, group_stats, masked_mean, masked_whiten
 
 
 @dataclass
@@ -48,10 +48,14 @@ class AdvantageOutput:
         advantages: ``[B, R]`` per-token advantages, 0 outside the mask.
         returns: ``[B, R]`` value targets for a critic, or None for critic-free
             estimators.
+        loss_mask: ``[B, R]`` 0/1 mask that the trainer multiplies into the
+            response mask (sequences an estimator excludes from the update, such
+            as MC-GRPO's median pivot), or None to keep every token.
     """
 
     advantages: torch.Tensor
     returns: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None
 
 
 def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
@@ -74,6 +78,7 @@ def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
 @ADV_ESTIMATORS.register(
     "grpo",
     paper="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models (arXiv:2402.03300)",
+    needs_group=True,
 )
 def grpo_advantage(inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, **_: object) -> AdvantageOutput:
     """Group-relative outcome advantage: ``A_i = (r_i - mean_g) / (std_g + eps)``.
@@ -144,6 +149,7 @@ def discounted_gae(
     paper="High-Dimensional Continuous Control Using Generalized Advantage Estimation (arXiv:1506.02438); "
     "PPO for LLMs as in InstructGPT (arXiv:2203.02155)",
     needs_critic=True,
+    uses_token_rewards=True,
 )
 def gae_advantage(
     inp: AdvantageInput, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, **_: object
@@ -170,6 +176,7 @@ def gae_advantage(
     "sao",
     paper="SAO: Single-rollout Asynchronous Optimization (seed abstract 1; GLM agentic RL)",
     needs_critic=True,
+    uses_token_rewards=True,
 )
 def sao_advantage(
     inp: AdvantageInput,
@@ -199,10 +206,338 @@ def sao_advantage(
     return AdvantageOutput(advantages=adv, returns=ret)
 
 
+def _broadcast(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` sequence advantages -> ``[B, R]`` on the response tokens."""
+    return adv.float()[:, None] * mask.float()
+
+
+def reverse_cumsum(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Discounted reward-to-go ``G_t = sum_{s>=t} gamma^(s-t) r_s`` over masked tokens.
+
+    Args:
+        token_rewards, mask: ``[B, R]``.
+        gamma: discount.
+    Returns:
+        ``[B, R]`` returns, 0 outside ``mask``.
+    """
+    B, R = mask.shape
+    out = torch.zeros(B, R)
+    run = torch.zeros(B)
+    for t in range(R - 1, -1, -1):
+        m = mask[:, t].float()
+        run = (token_rewards[:, t] + gamma * run) * m
+        out[:, t] = run
+    return out
+
+
+@ADV_ESTIMATORS.register(
+    "reinforce",
+    paper="Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement Learning "
+    "(REINFORCE, Williams 1992); no baseline",
+)
+def reinforce_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
+    """Plain REINFORCE without a baseline: ``A_i = r_i`` on every response token.
+
+    Also the neutral choice for losses that ignore advantages (``sft``).
+    """
+    return AdvantageOutput(advantages=_broadcast(inp.rewards, inp.response_mask))
+
+
+@ADV_ESTIMATORS.register(
+    "rloo",
+    paper="Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs "
+    "(RLOO, arXiv:2402.14740)",
+    needs_group=True,
+)
+def rloo_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
+    """REINFORCE leave-one-out: ``A_i = r_i - mean_{j != i, j in g} r_j``.
+
+    Equivalently ``G / (G - 1) * (r_i - mean_g)`` for a group of size ``G``. A
+    group of one has no other sample and gets 0. No std normalisation (as in the
+    paper). Shapes: rewards ``[B]`` -> advantages ``[B, R]``.
+    """
+    r = inp.rewards.float()
+    mean, _, cnt = group_stats(r, inp.group_index)
+    adv = torch.where(cnt > 1, (r - mean) * cnt / (cnt - 1).clamp(min=1), torch.zeros_like(r))
+    return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask))
+
+
+@ADV_ESTIMATORS.register(
+    "reinforce_pp",
+    paper="REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global Advantage Normalization "
+    "(arXiv:2501.03262)",
+    uses_token_rewards=True,
+)
+def reinforce_pp_advantage(inp: AdvantageInput, gamma: float = 1.0, **_: object) -> AdvantageOutput:
+    """REINFORCE++: token reward-to-go, whitened over the whole batch.
+
+    Token rewards are the outcome reward on the last token plus
+    ``inp.token_rewards`` (the per-token KL penalty ``-beta * KL`` when the KL
+    sits in the reward, as the paper does); ``G_t`` is their discounted
+    reward-to-go and the advantage is ``(G_t - mean) / std`` over all response
+    tokens of the batch (global, not per group). A batch whose returns are all
+    equal gets 0.
+
+    Returns:
+        AdvantageOutput with advantages ``[B, R]`` and the un-whitened returns.
+    """
+    tr = outcome_token_rewards(inp)
+    ret = reverse_cumsum(tr, inp.response_mask, gamma)
+    return AdvantageOutput(advantages=masked_whiten(ret, inp.response_mask), returns=ret)
+
+
+@ADV_ESTIMATORS.register(
+    "reinforce_pp_baseline",
+    paper="REINFORCE++ (arXiv:2501.03262), the group-baseline variant",
+    needs_group=True,
+    uses_token_rewards=True,
+)
+def reinforce_pp_baseline_advantage(inp: AdvantageInput, gamma: float = 1.0, **_: object) -> AdvantageOutput:
+    """REINFORCE++-baseline: subtract the group mean reward, then whiten over the batch.
+
+    ``r'_i = r_i - mean_g``; the token reward-to-go of ``r'`` (plus any
+    ``token_rewards``) is whitened over all response tokens of the batch. The
+    group mean removes the prompt's difficulty; the global normalisation (not
+    per-group std) is the paper's remedy for GRPO's per-prompt std bias.
+    """
+    r = inp.rewards.float()
+    mean, _, _ = group_stats(r, inp.group_index)
+    shifted = AdvantageInput(**{**inp.__dict__, "rewards": r - mean})
+    tr = outcome_token_rewards(shifted)
+    ret = reverse_cumsum(tr, inp.response_mask, gamma)
+    return AdvantageOutput(advantages=masked_whiten(ret, inp.response_mask), returns=ret)
+
+
+@ADV_ESTIMATORS.register(
+    "remax",
+    paper="ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning LLMs "
+    "(arXiv:2310.10505)",
+    needs_baseline_rollout=True,
+    uses_token_rewards=True,
+)
+def remax_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
+    """ReMax: the reward of the greedy response to the same prompt is the baseline.
+
+    ``A_t = G_t - r(greedy)`` with ``G_t`` the (undiscounted) reward-to-go of the
+    sampled response, i.e. ``r_i - b_i`` on every token for an outcome reward.
+    ``inp.baseline_rewards`` ``[B]`` holds ``b_i``, the reward of a greedy
+    rollout of sample ``i``'s prompt (the trainer produces it).
+
+    Raises:
+        ValueError: ``inp.baseline_rewards`` is None.
+    """
+    if inp.baseline_rewards is None:
+        raise ValueError("ReMax needs baseline_rewards: the reward of a greedy rollout per prompt")
+    tr = outcome_token_rewards(inp)
+    ret = reverse_cumsum(tr, inp.response_mask, 1.0)
+    adv = (ret - inp.baseline_rewards.float()[:, None]) * inp.response_mask
+    return AdvantageOutput(advantages=adv, returns=ret)
+
+
+@ADV_ESTIMATORS.register(
+    "opo",
+    paper="On-Policy RL with Optimal Reward Baseline (OPO, arXiv:2505.23585)",
+    needs_group=True,
+)
+def opo_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
+    """OPO's length-weighted optimal baseline: ``b_g = sum_j L_j r_j / sum_j L_j``.
+
+    ``L_j`` is the response length (mask sum) of sample ``j``; ``A_i = r_i - b_g``
+    without std normalisation. This is the variance-minimising baseline when the
+    squared gradient norm grows with length. Groups whose samples all have
+    length 0 get the plain mean.
+    """
+    r = inp.rewards.float()
+    L = inp.response_mask.float().sum(-1)
+    inv, G = group_ids(inp.group_index)
+    num = torch.zeros(G).index_add_(0, inv, L * r)
+    den = torch.zeros(G).index_add_(0, inv, L)
+    mean, _, _ = group_stats(r, inp.group_index)
+    b = torch.where(den[inv] > 0, num[inv] / den[inv].clamp(min=1e-12), mean)
+    return AdvantageOutput(advantages=_broadcast(r - b, inp.response_mask))
+
+
+@ADV_ESTIMATORS.register(
+    "gpg",
+    paper="GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning (arXiv:2504.02546)",
+    needs_group=True,
+)
+def gpg_advantage(
+    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, **_: object
+) -> AdvantageOutput:
+    """GPG's rectified group advantage ``A_i = alpha * (r_i - mean_g) / F_norm``.
+
+    ``alpha = B / (B - M)`` where ``M`` is the number of samples in groups whose
+    rewards are all equal (they carry no gradient), so that the batch-mean
+    gradient is not diluted by them (the paper's gradient rectification).
+    ``F_norm`` is the group std (+eps) when ``norm_by_std``, else 1. Zero-variance
+    groups get 0. ``alpha`` is 1 when every group is degenerate.
+    """
+    r = inp.rewards.float()
+    mean, std, cnt = group_stats(r, inp.group_index)
+    valid = std > 0
+    B = r.numel()
+    n_valid = int(valid.sum())
+    alpha = B / n_valid if n_valid > 0 else 1.0
+    adv = r - mean
+    if norm_by_std:
+        adv = adv / (std + eps)
+    adv = torch.where(valid, alpha * adv, torch.zeros_like(adv))
+    return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask))
+
+
+@ADV_ESTIMATORS.register(
+    "mc_grpo",
+    paper="MC-GRPO: Median-Centered GRPO (seed catalog entry 102)",
+    needs_group=True,
+    odd_group=True,
+)
+def mc_grpo_advantage(
+    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, **_: object
+) -> AdvantageOutput:
+    """Median-centred group advantage over ``G + 1`` rollouts, pivot excluded.
+
+    ``A_i = (r_i - median_g) / (std_g + eps)`` (``/`` only when ``norm_by_std``;
+    the std is over all ``G + 1`` rewards, our choice: the catalog gives only
+    the centring). In each group one rollout whose reward equals the median,
+    the first in batch order, is the *pivot*: it gets advantage 0 and
+    ``loss_mask`` 0 so it is left out of the update, leaving ``G`` rollouts with
+    gradient. Use an odd group size so the median is a sample. Zero-variance
+    groups get 0.
+
+    Returns:
+        AdvantageOutput with ``advantages [B, R]`` and ``loss_mask [B, R]``.
+    """
+    r = inp.rewards.float()
+    med = group_median(r, inp.group_index)
+    _, std, _ = group_stats(r, inp.group_index)
+    adv = r - med
+    if norm_by_std:
+        adv = torch.where(std > 0, adv / (std + eps), torch.zeros_like(adv))
+    inv, G = group_ids(inp.group_index)
+    keep = torch.ones_like(r)
+    for g in range(G):
+        idx = torch.nonzero((inv == g) & (r == med), as_tuple=False).flatten()
+        if idx.numel():
+            keep[idx[0]] = 0.0
+    adv = adv * keep
+    return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask), loss_mask=keep[:, None] * inp.response_mask)
+
+
+@ADV_ESTIMATORS.register(
+    "hapo",
+    paper="From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature "
+    "(HAPO, arXiv:2509.16591): Token Level Group Average",
+    needs_group=True,
+)
+def hapo_advantage(
+    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, max_abs: float = 5.0, **_: object
+) -> AdvantageOutput:
+    """HAPO's Token-Level Group Average advantage.
+
+    The group's mean and std are taken over its *tokens* rather than its
+    sequences: every token of sample ``i`` carries ``r_i``, so
+    ``mu_g = sum_i L_i r_i / sum_i L_i`` and
+    ``sigma_g^2 = sum_i L_i (r_i - mu_g)^2 / sum_i L_i`` (population variance).
+    ``A_i = (r_i - mu_g) / (sigma_g + eps)``. This accounts for length like a
+    token-mean loss does while the baseline stays unbiased for the token-level
+    objective. As in the authors' release, a group where any ``|A_i| >= max_abs``
+    (a very skewed length/reward mix) falls back to the sequence-level GRPO
+    advantage. Zero-variance groups get 0.
+    """
+    r = inp.rewards.float()
+    L = inp.response_mask.float().sum(-1)
+    inv, G = group_ids(inp.group_index)
+    den = torch.zeros(G).index_add_(0, inv, L).clamp(min=1e-12)
+    mu = torch.zeros(G).index_add_(0, inv, L * r) / den
+    var = torch.zeros(G).index_add_(0, inv, L * (r - mu[inv]) ** 2) / den
+    sd = var.sqrt()[inv]
+    adv = r - mu[inv]
+    if norm_by_std:
+        adv = adv / (sd + eps)
+    adv = torch.where(sd > 0, adv, torch.zeros_like(adv))
+    grpo = grpo_advantage(inp, norm_by_std=norm_by_std, eps=eps).advantages
+    grpo_seq = torch.where(L > 0, (grpo.sum(-1) / L.clamp(min=1)), torch.zeros_like(r))
+    too_big = torch.zeros(G).index_add_(0, inv, (adv.abs() >= max_abs).float()) > 0
+    adv = torch.where(too_big[inv], grpo_seq, adv)
+    return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask))
+
+
+@ADV_ESTIMATORS.register(
+    "mssr",
+    paper="Stable and Efficient Single-Rollout RL for Multimodal Reasoning (MSSR, arXiv:2512.18215); entropy "
+    "shaping of Reasoning with Exploration: An Entropy Perspective (arXiv:2506.14758)",
+    needs_entropy=True,
+)
+def mssr_advantage(
+    inp: AdvantageInput,
+    entropy_alpha: float = 0.4,
+    entropy_kappa: float = 2.0,
+    batch_norm: bool = True,
+    eps: float = 1e-6,
+    **_: object,
+) -> AdvantageOutput:
+    """Single-rollout advantage with a prompt baseline and bounded entropy shaping.
+
+    1. Baseline: ``b_i = inp.baseline_rewards[i]``, the running success estimate
+       of sample ``i``'s prompt (e.g. the Beta posterior mean of
+       :class:`rlpost.algos.shaping.BetaBaselineTracker`); when absent, the batch
+       mean reward (our fallback, no per-prompt history).
+    2. ``A_i = r_i - b_i``, divided by the batch std of ``A`` when ``batch_norm``
+       (group-free normalisation over the whole batch).
+    3. Entropy shaping per token: ``A_t = A_i + min(alpha * H_t, |A_i| / kappa)``
+       with ``H_t`` the detached token entropy (nats). The bonus is at most
+       ``|A_i| / kappa`` (``kappa > 1``), so it never flips the advantage's sign
+       and never more than scales its magnitude by ``1 + 1/kappa``: this is the
+       bound on advantage magnitudes that keeps single-rollout training from
+       collapsing. ``alpha=0.4, kappa=2`` are the entropy-shaping paper's
+       defaults (the MSSR abstract gives none).
+
+    Raises:
+        ValueError: ``inp.entropy`` is None, or ``entropy_kappa <= 1``.
+    """
+    if inp.entropy is None:
+        raise ValueError("mssr needs per-token entropy (inp.entropy) of the rollout tokens")
+    if entropy_kappa <= 1.0:
+        raise ValueError(f"entropy_kappa must be > 1 so shaping cannot flip the sign, got {entropy_kappa}")
+    r = inp.rewards.float()
+    b = inp.baseline_rewards.float() if inp.baseline_rewards is not None else r.mean().expand_as(r)
+    adv = r - b
+    if batch_norm and adv.numel() > 1:
+        sd = adv.std()
+        adv = adv / (sd + eps) if sd > 0 else adv
+    A = _broadcast(adv, inp.response_mask)
+    bonus = torch.minimum(entropy_alpha * inp.entropy.float().detach().clamp(min=0), A.abs() / entropy_kappa)
+    return AdvantageOutput(advantages=(A + bonus) * inp.response_mask)
+
+
 def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> AdvantageOutput:
     """Run the registered estimator ``name`` on ``inp`` with its ``params``.
 
+    Reward shaping that belongs to an algorithm preset is applied first, from
+    keys in ``params`` that are not the estimator's own: ``overlong_buffer``,
+    ``overlong_penalty`` and ``max_len`` give DAPO's soft overlong punishment
+    (:func:`rlpost.algos.shaping.overlong_penalty`, arXiv:2503.14476), added to
+    ``inp.rewards`` from each response's length. ``overlong_buffer`` in (0, 1)
+    is a fraction of ``max_len`` (DAPO: 4096 / 20480 = 0.2); ``max_len``
+    defaults to the padded response length.
+
     Raises:
         ConfigError: unknown estimator name.
+        ValueError: from the estimator (e.g. GAE without values).
     """
-    return ADV_ESTIMATORS.get(name)(inp, **params)
+    from rlpost.algos.shaping import overlong_penalty
+
+    params = dict(params)
+    buf = params.pop("overlong_buffer", 0) or 0
+    pen = params.pop("overlong_penalty", 1.0)
+    max_len = params.pop("max_len", None)
+    fn = ADV_ESTIMATORS.get(name)
+    if buf:
+        lengths = inp.response_mask.float().sum(-1)
+        L = int(max_len) if max_len else int(inp.response_mask.shape[-1])
+        if 0 < float(buf) < 1:
+            buf = max(1, int(round(float(buf) * L)))
+        shaped = inp.rewards.float() + overlong_penalty(lengths, L, int(buf), float(pen))
+        inp = AdvantageInput(**{**inp.__dict__, "rewards": shaped})
+    return fn(inp, **params)

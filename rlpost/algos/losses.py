@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from rlpost.algos.registries import POLICY_LOSSES
-from rlpost.algos.utils import masked_mean
+from rlpost.algos.utils import masked_mean, masked_quantile
 
 Metrics = Dict[str, torch.Tensor]
 
@@ -159,6 +159,532 @@ def strict_double_clip_loss(
         clip_frac_high=masked_mean(high, m),
         **ratio_metrics(ratio, log_ratio, m),
     )
+    return loss, metrics
+
+
+def _clip_metrics(ratio, log_ratio, low, high, m) -> Metrics:
+    with torch.no_grad():
+        return dict(
+            clip_frac=masked_mean(torch.clamp(low + high, max=1.0), m),
+            clip_frac_low=masked_mean(low, m),
+            clip_frac_high=masked_mean(high, m),
+            **ratio_metrics(ratio, log_ratio, m),
+        )
+
+
+def _seq_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``[B]`` masked mean over each sequence's tokens."""
+    return masked_mean(x, m, dim=-1)
+
+
+@POLICY_LOSSES.register(
+    "gspo",
+    paper="Group Sequence Policy Optimization (GSPO, arXiv:2507.18071)",
+    sequence_level=True,
+)
+def gspo_loss(
+    inp: PolicyLossInput, eps_low: float = 3e-4, eps_high: float = 4e-4, **_: object
+) -> Tuple[torch.Tensor, Metrics]:
+    """GSPO: clip the length-normalised *sequence* importance ratio.
+
+    ``s_i = exp(mean_t (log pi - log pi_old))`` (the geometric mean of the token
+    ratios). Written in the paper's GSPO-token form so that token-level
+    advantages also work: every token uses
+    ``s_it = sg(s_i) * pi(y_t) / sg(pi(y_t))`` (value ``s_i``, gradient
+    ``s_i * grad log pi(y_t)``) in the PPO surrogate
+    ``-min(s_it A_t, clip(s_it, 1-eps_low, 1+eps_high) A_t)``. With one advantage
+    per sequence and ``seq-mean-token-mean`` aggregation this is exactly GSPO's
+    objective; a whole sequence is clipped together. The paper's ranges are
+    tiny because the ratio is per sequence: ``eps_low=3e-4, eps_high=4e-4``.
+
+    Returns:
+        ``(loss_mat [B, R], metrics)``; clip fractions count tokens of clipped
+        sequences; ``seq_ratio_mean`` is the mean of ``s_i``.
+    """
+    m = inp.response_mask
+    log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-20.0, 20.0)
+    log_s = _seq_mean(log_ratio, m)
+    log_st = log_s.detach()[:, None] + inp.logprobs - inp.logprobs.detach()
+    s_t = torch.exp(log_st.clamp(max=20.0))
+    A = inp.advantages
+    loss = torch.maximum(-A * s_t, -A * torch.clamp(s_t, 1.0 - eps_low, 1.0 + eps_high))
+    with torch.no_grad():
+        low = ((s_t < 1.0 - eps_low) & (A < 0)).float()
+        high = ((s_t > 1.0 + eps_high) & (A > 0)).float()
+        metrics = _clip_metrics(torch.exp(log_ratio), log_ratio, low, high, m)
+        metrics["seq_ratio_mean"] = torch.exp(log_s).mean() if log_s.numel() else torch.tensor(1.0)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register(
+    "gmpo",
+    paper="GMPO: Geometric-Mean Policy Optimization (arXiv:2507.20673)",
+    sequence_level=True,
+)
+def gmpo_loss(
+    inp: PolicyLossInput, eps_low: float = 0.4, eps_high: float = 0.4, **_: object
+) -> Tuple[torch.Tensor, Metrics]:
+    """GMPO: maximise the geometric mean of the clipped token-level objectives.
+
+    Per sequence ``J_i = A_i * exp(mean_t l_t)`` where ``l_t`` is the token log
+    ratio clipped *in log space* to ``[-eps_low, eps_high]`` on the side that
+    binds for the sign of ``A_i``: ``l_t = min(lr_t, clip(lr_t))`` for ``A > 0``
+    and ``max(lr_t, clip(lr_t))`` for ``A < 0`` (the paper's
+    ``sgn(A) * min(sgn(A) lr, sgn(A) clip(lr))``). A clipped token contributes a
+    constant, hence zero gradient. ``eps = 0.4`` (ratio range ``(e^-0.4, e^0.4)``)
+    is the paper's default. ``A_i`` is the sequence mean of the token
+    advantages. The sequence loss ``-J_i`` is placed on each of its tokens
+    (use ``seq-mean-token-mean`` to weight sequences equally, as the paper does).
+
+    Returns:
+        ``(loss_mat [B, R], metrics)``.
+    """
+    m = inp.response_mask
+    lr = (inp.logprobs - inp.old_logprobs).clamp(-20.0, 20.0)
+    A_seq = _seq_mean(inp.advantages, m)
+    sgn = torch.sign(A_seq)[:, None]
+    lr_c = lr.clamp(-eps_low, eps_high)
+    l = sgn * torch.minimum(sgn * lr, sgn * lr_c)
+    seq_ratio = torch.exp(_seq_mean(l, m).clamp(max=20.0))
+    loss = (-(A_seq * seq_ratio))[:, None] * torch.ones_like(lr)
+    with torch.no_grad():
+        low = ((lr < -eps_low) & (sgn < 0)).float()
+        high = ((lr > eps_high) & (sgn > 0)).float()
+        metrics = _clip_metrics(torch.exp(lr), lr, low, high, m)
+        metrics["seq_ratio_mean"] = seq_ratio.mean() if seq_ratio.numel() else torch.tensor(1.0)
+    return loss, metrics
+
+
+def _is_weighted_pg(ratio: torch.Tensor, w: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """``-A * sg(w / r) * r``: value ``-A w``, gradient ``-A w grad log pi`` (w detached)."""
+    return -A * (w / ratio).detach() * ratio
+
+
+@POLICY_LOSSES.register(
+    "cispo",
+    paper="MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention (CISPO, arXiv:2506.13585)",
+)
+def cispo_loss(
+    inp: PolicyLossInput, eps_low: float = 1.0, eps_high: float = 4.0, **_: object
+) -> Tuple[torch.Tensor, Metrics]:
+    """CISPO: REINFORCE with clipped, stop-gradient importance-sampling weights.
+
+    ``loss_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) * A_t * log pi(y_t)`` (in
+    gradient; we write it as ``-A sg(w/r) r`` so its *value* is ``-A w``). Unlike
+    PPO, a token whose ratio is clipped keeps its gradient, scaled by the
+    clipped weight. The paper imposes no lower bound (here ``eps_low = 1``:
+    weights down to 0) and tunes only the upper one without reporting it;
+    ``eps_high = 4`` is our choice (the trust region is then loose, as CISPO
+    intends). ``clip_frac*`` count tokens whose weight was clipped.
+    """
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    w = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach()
+    loss = _is_weighted_pg(ratio, w, A)
+    with torch.no_grad():
+        low = (ratio < 1.0 - eps_low).float()
+        high = (ratio > 1.0 + eps_high).float()
+    return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+
+
+@POLICY_LOSSES.register(
+    "dispo",
+    paper="DISPO: Enhancing Training Efficiency and Stability in Reinforcement Learning for Large Language Model "
+    "Mathematical Reasoning (arXiv:2602.00983)",
+)
+def dispo_loss(
+    inp: PolicyLossInput,
+    pos_low: float = 0.5,
+    pos_high: float = 1.0,
+    neg_low: float = 1.0,
+    neg_high: float = 4.0,
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """DISPO: CISPO-style weights with four independent clip regimes.
+
+    Tokens of *correct* responses (``A > 0``) use weights
+    ``clip(r, 1-pos_low, 1+pos_high)``, tokens of *incorrect* ones (``A < 0``)
+    ``clip(r, 1-neg_low, 1+neg_high)``; the weight is stop-gradient and
+    multiplies ``A * grad log pi`` as in :func:`cispo_loss`. The sign of the
+    advantage stands for correctness (with group-relative advantages the two
+    coincide whenever the group carries signal). The paper finds that tight
+    clipping on incorrect responses causes collapse, so our defaults leave the
+    negative side loose (``[0, 5]``) and bound the positive side moderately
+    (``[0.5, 2]``); the paper's tuned values are not in its abstract.
+    Metrics add ``clip_frac_pos`` / ``clip_frac_neg``.
+    """
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    pos = A > 0
+    lo = torch.where(pos, torch.full_like(A, 1.0 - pos_low), torch.full_like(A, 1.0 - neg_low))
+    hi = torch.where(pos, torch.full_like(A, 1.0 + pos_high), torch.full_like(A, 1.0 + neg_high))
+    w = torch.minimum(torch.maximum(ratio, lo), hi).detach()
+    loss = _is_weighted_pg(ratio, w, A)
+    m = inp.response_mask
+    with torch.no_grad():
+        low = (ratio < lo).float()
+        high = (ratio > hi).float()
+        metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+        clipped = torch.clamp(low + high, max=1.0)
+        metrics["clip_frac_pos"] = masked_mean(clipped * pos.float(), m)
+        metrics["clip_frac_neg"] = masked_mean(clipped * (A < 0).float(), m)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register(
+    "sapo",
+    paper="Soft Adaptive Policy Optimization (SAPO, arXiv:2511.20347)",
+)
+def sapo_loss(
+    inp: PolicyLossInput, tau_pos: float = 1.0, tau_neg: float = 1.05, **_: object
+) -> Tuple[torch.Tensor, Metrics]:
+    """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip.
+
+    ``loss_t = -f(r_t) A_t`` with ``f(r) = (4 / tau) * sigmoid(tau (r - 1))``,
+    ``tau = tau_pos`` for ``A > 0`` and ``tau_neg`` for ``A < 0`` (negative
+    tokens are damped a little faster: ``tau_neg > tau_pos``). The gradient is
+    ``4 s (1 - s) r * A * grad log pi`` with ``s = sigmoid(tau (r - 1))``: exactly
+    the plain policy gradient at ``r = 1``, fading smoothly as the token drifts
+    off-policy, so a few off-policy tokens are down-weighted without dropping
+    the whole sequence. ``clip_frac`` here is the share of tokens whose gate
+    weight ``4 s (1 - s)`` is below 1/2 (soft-clipped, our metric).
+    """
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    tau = torch.where(A > 0, torch.full_like(A, tau_pos), torch.full_like(A, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -(4.0 / tau) * gate * A
+    with torch.no_grad():
+        wgt = 4.0 * gate * (1.0 - gate)
+        soft = (wgt < 0.5).float()
+        low = soft * (ratio < 1.0).float()
+        high = soft * (ratio > 1.0).float()
+        metrics = _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+        metrics["gate_weight_mean"] = masked_mean(wgt, inp.response_mask)
+    return loss, metrics
+
+
+def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token centred covariance ``(log pi_t - mean log pi) (A_t - mean A)`` over masked tokens.
+
+    From "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+    Models" (arXiv:2505.22617): tokens with a large positive covariance are the
+    ones that drive entropy down. No grad. Shapes ``[B, R]`` -> ``[B, R]``.
+    """
+    with torch.no_grad():
+        lp = logprobs.detach().float()
+        A = advantages.float()
+        return (lp - masked_mean(lp, mask)) * (A - masked_mean(A, mask)) * mask
+
+
+def _n_select(ratio: float, n_tokens: int) -> int:
+    return max(1, int(round(ratio * n_tokens))) if n_tokens > 0 else 0
+
+
+@POLICY_LOSSES.register(
+    "clip_cov",
+    paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov, arXiv:2505.22617)",
+)
+def clip_cov_loss(
+    inp: PolicyLossInput,
+    clip_cov_ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Clip-Cov: detach the gradient of a few high-covariance tokens.
+
+    Among response tokens whose covariance (:func:`token_covariance`) lies in
+    ``[cov_lb, cov_ub]``, ``max(1, round(clip_cov_ratio * N))`` are drawn at
+    random (``N`` = response tokens in the batch passed in; torch's global RNG)
+    and get ``loss = -A sg(r)`` (value kept, gradient 0); all other tokens use
+    the unclipped surrogate ``-A r``, as in the paper (no PPO clip).
+    Defaults are the paper's (ratio 2e-4, bounds 1 and 5). The statistics are
+    those of the micro-batch the trainer passes (with one micro-batch per step,
+    the whole batch).
+    """
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    m = inp.response_mask
+    cov = token_covariance(inp.logprobs, A, m)
+    cand = torch.nonzero(((cov >= cov_lb) & (cov <= cov_ub) & (m > 0)).flatten(), as_tuple=False).flatten()
+    sel = torch.zeros(A.numel(), dtype=torch.bool, device=A.device)
+    k = min(_n_select(clip_cov_ratio, int(m.sum())), cand.numel())
+    if k > 0:
+        pick = cand[torch.randperm(cand.numel(), device=cand.device)[:k]]
+        sel[pick] = True
+    sel = sel.view_as(A)
+    r_used = torch.where(sel, ratio.detach(), ratio)
+    loss = -A * r_used
+    with torch.no_grad():
+        f = sel.float()
+        metrics = _clip_metrics(ratio, log_ratio, f * (A < 0).float(), f * (A >= 0).float(), m)
+        metrics["cov_mean"] = masked_mean(cov, m)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register(
+    "kl_cov",
+    paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov, arXiv:2505.22617)",
+)
+def kl_cov_loss(
+    inp: PolicyLossInput, kl_cov_ratio: float = 2e-3, kl_coef: float = 1.0, **_: object
+) -> Tuple[torch.Tensor, Metrics]:
+    """KL-Cov: a KL penalty on the top-covariance tokens only.
+
+    The ``max(1, round(kl_cov_ratio * N))`` response tokens with the largest
+    covariance (:func:`token_covariance`) get
+    ``loss = -A r + kl_coef * |log pi - log pi_old|``; all others ``-A r``
+    (no PPO clip). ``kl_cov_ratio = 2e-3`` is the paper's setting for 7B-class
+    models, ``kl_coef = 1``. ``clip_frac`` reports the share of penalised
+    tokens.
+    """
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    m = inp.response_mask
+    cov = token_covariance(inp.logprobs, A, m)
+    n = int(m.sum())
+    k = min(_n_select(kl_cov_ratio, n), n)
+    sel = torch.zeros(A.numel(), dtype=torch.bool, device=A.device)
+    if k > 0:
+        masked = torch.where(m > 0, cov, torch.full_like(cov, float("-inf"))).flatten()
+        sel[torch.topk(masked, k).indices] = True
+    sel = sel.view_as(A)
+    loss = -A * ratio + kl_coef * sel.float() * (inp.logprobs - inp.old_logprobs).abs()
+    with torch.no_grad():
+        f = sel.float()
+        metrics = _clip_metrics(ratio, log_ratio, f * (A < 0).float(), f * (A >= 0).float(), m)
+        metrics["cov_mean"] = masked_mean(cov, m)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register(
+    "gpg",
+    paper="GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning (arXiv:2504.02546)",
+)
+def gpg_loss(inp: PolicyLossInput, **_: object) -> Tuple[torch.Tensor, Metrics]:
+    """GPG / plain REINFORCE: ``loss_t = -A_t * log pi(y_t)``, no ratio, no clip.
+
+    Valid for on-policy updates (one optimizer step per batch); there is no
+    trust region. Ratio metrics are still reported.
+    """
+    ratio, log_ratio = _ratio(inp)
+    loss = -inp.advantages * inp.logprobs
+    z = torch.zeros_like(ratio)
+    return loss, _clip_metrics(ratio, log_ratio, z, z, inp.response_mask)
+
+
+@POLICY_LOSSES.register(
+    "sft",
+    paper="Supervised fine-tuning (maximum likelihood), for hybrid SFT/RL schedules",
+    needs_reference_responses=True,
+)
+def sft_loss(inp: PolicyLossInput, **_: object) -> Tuple[torch.Tensor, Metrics]:
+    """Negative log-likelihood ``-log pi(y_t)`` of the response tokens; advantages are ignored.
+
+    Meant for batches whose responses are reference answers (the trainer swaps
+    them in when the loss is tagged ``needs_reference_responses``). Metric
+    ``nll`` is the masked mean NLL.
+    """
+    ratio, log_ratio = _ratio(inp)
+    loss = -inp.logprobs
+    z = torch.zeros_like(ratio)
+    metrics = _clip_metrics(ratio, log_ratio, z, z, inp.response_mask)
+    metrics["nll"] = masked_mean(loss.detach(), inp.response_mask)
+    return loss, metrics
+
+
+def _ppo_core(ratio, A, lo, hi, dual_clip, m):
+    surr1 = -A * ratio
+    surr2 = -A * torch.minimum(torch.maximum(ratio, 1.0 - lo), 1.0 + hi)
+    loss = torch.maximum(surr1, surr2)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - lo) & (A < 0)).float()
+        high = ((ratio > 1.0 + hi) & (A > 0)).float()
+    extra: Metrics = {}
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        surr3 = -A * dual_clip
+        with torch.no_grad():
+            dual = ((A < 0) & (surr3 < loss)).float()
+        loss = torch.where(A < 0, torch.minimum(loss, surr3), loss)
+        extra["clip_frac_dual"] = masked_mean(dual, m)
+        low = torch.clamp(low + dual, max=1.0)
+    return loss, low, high, extra
+
+
+@POLICY_LOSSES.register(
+    "hapo",
+    paper="From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature "
+    "(HAPO, arXiv:2509.16591): Asymmetric Adaptive Clipping + Differential Advantage Redistribution",
+    needs_entropy=True,
+)
+def hapo_loss(
+    inp: PolicyLossInput,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: Optional[float] = 3.0,
+    clip_alpha: float = 1.0,
+    adv_beta: float = 1.0,
+    entropy_pivot: float = 0.5,
+    adaptive_clip: bool = True,
+    adaptive_advantage: bool = True,
+    temperature_tau: float = 0.05,
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """HAPO's token-aware PPO surrogate.
+
+    From the detached token entropies, ``h_hat`` in [-1, 1]
+    (:func:`rlpost.algos.hapo.entropy_hhat`, statistics over the response
+    tokens passed in) sets per token:
+
+    * Asymmetric Adaptive Clipping (:func:`rlpost.algos.hapo.adaptive_clip_range`):
+      low-entropy tokens get a wider lower bound, high-entropy ones a wider
+      upper bound, scaled by ``clip_alpha``;
+    * Differential Advantage Redistribution
+      (:func:`rlpost.algos.hapo.redistribute_advantage`): ``A (1 + adv_beta h_hat)``
+      applied outside (high-entropy) or inside (low-entropy) the neutral zone.
+
+    Then the PPO clipped surrogate with those per-token ranges and dual-clip
+    ``c = 3`` (as the authors' release). ``clip_alpha = adv_beta = 1`` are the
+    authors' settings; base ``eps`` are DAPO's clip-higher 0.2 / 0.28.
+    ``temperature_tau`` is not used by the loss: it is the range of HAPO's
+    Adaptive Temperature Sampling, read by the trainer from
+    ``algo.loss_params`` to build :func:`rlpost.algos.hapo.make_temperature_hook`
+    (0 turns the sampling part off).
+
+    Raises:
+        ValueError: ``inp.entropy`` is None (HAPO needs the token entropies).
+    """
+    from rlpost.algos.hapo import adaptive_clip_range, entropy_hhat, redistribute_advantage
+
+    if inp.entropy is None:
+        raise ValueError("hapo loss needs per-token entropy (PolicyLossInput.entropy)")
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    h_hat, _ = entropy_hhat(inp.entropy, m, entropy_pivot)
+    if adaptive_clip:
+        lo, hi = adaptive_clip_range(h_hat, eps_low, eps_high, clip_alpha)
+    else:
+        lo, hi = torch.full_like(h_hat, eps_low), torch.full_like(h_hat, eps_high)
+    A = inp.advantages
+    if adaptive_advantage:
+        with torch.no_grad():
+            A = redistribute_advantage(A, h_hat, ratio.detach(), lo, hi, adv_beta)
+    loss, low, high, extra = _ppo_core(ratio, A, lo, hi, dual_clip, m)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics.update(extra)
+    with torch.no_grad():
+        metrics["eps_low_mean"] = masked_mean(lo, m)
+        metrics["eps_high_mean"] = masked_mean(hi, m)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register(
+    "aepo",
+    paper="Agentic Entropy-Balanced Policy Optimization (AEPO, arXiv:2510.14545): entropy-balanced update",
+    needs_entropy=True,
+)
+def aepo_loss(
+    inp: PolicyLossInput,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    entropy_adv_alpha: float = 0.3,
+    entropy_quantile: float = 0.5,
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """AEPO's Entropy-Balanced Policy Optimization (the update side).
+
+    1. Entropy-aware advantage: ``A' = A * (1 + alpha * z)`` with ``z`` the token
+       entropy standardised over the response tokens passed in and clipped to
+       [-1, 1], so uncertain tokens weigh more (``alpha = 0.3``; our reading of
+       the paper's entropy-advantage term, whose tool-call structure a
+       single-turn task does not have).
+    2. Stop-gradient in the high-entropy clipping term: for a token with
+       ``A' > 0``, ``r > 1 + eps_high`` and entropy above the batch's
+       ``entropy_quantile``, the clipped constant ``(1 + eps_high) A'`` is
+       rewritten as ``sg((1 + eps_high) / r) * r * A'``: the same value, but the
+       gradient ``(1 + eps_high) A' grad log pi`` survives (rescaled to the clip
+       boundary) instead of being zeroed. Every other token follows the PPO
+       clipped surrogate; low-entropy tokens clipped high keep zero gradient.
+
+    Metrics add ``clip_frac_high_kept`` (clipped-high tokens whose gradient is
+    kept).
+
+    Raises:
+        ValueError: ``inp.entropy`` is None.
+    """
+    if inp.entropy is None:
+        raise ValueError("aepo loss needs per-token entropy (PolicyLossInput.entropy)")
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    with torch.no_grad():
+        H = inp.entropy.float()
+        mu = masked_mean(H, m)
+        sd = masked_mean((H - mu) ** 2, m).sqrt()
+        z = torch.where(sd > 0, ((H - mu) / sd.clamp(min=1e-8)).clamp(-1.0, 1.0), torch.zeros_like(H))
+        A = inp.advantages * (1.0 + entropy_adv_alpha * z)
+        thr = masked_quantile(H, m, entropy_quantile)
+        high_ent = H > thr
+    loss, low, high, _extra = _ppo_core(ratio, A, torch.full_like(A, eps_low), torch.full_like(A, eps_high), None, m)
+    keep = (high > 0) & high_ent
+    preserved = -A * ((1.0 + eps_high) / ratio).detach() * ratio
+    loss = torch.where(keep, preserved, loss)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics["clip_frac_high_kept"] = masked_mean(keep.float(), m)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register(
+    "gapo",
+    paper="GAPO: Group Adaptive Clipping Policy Optimization (seed catalog entry 49)",
+)
+def gapo_loss(
+    inp: PolicyLossInput,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    adv_scale: str = "linear",
+    eps_low_max: float = 0.5,
+    eps_high_max: float = 1.0,
+    ratio_level: str = "token",
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """GAPO: each rollout's clip range grows with its advantage.
+
+    Per sequence ``i`` with advantage ``A_i`` (the sequence mean of the token
+    advantages): ``eps_i = eps * g(|A_i|)`` with ``g(a) = max(1, a)``
+    (``adv_scale='linear'``) or ``max(1, sqrt(a))`` (``'sqrt'``), capped at
+    ``eps_low_max`` / ``eps_high_max``. A reverse-KL trust region gives the
+    optimal ratio ``exp(A / beta)``, so the admissible log-ratio move scales with
+    the advantage: rare correct rollouts on hard prompts (large ``A``) get more
+    headroom, ordinary ones keep the base range. The surrogate is otherwise
+    PPO's (``ratio_level='token'``) or GSPO's sequence ratio
+    (``ratio_level='sequence'``). The functional form ``g`` and the caps are our
+    choice; the abstract gives neither. Metric ``eps_high_mean``.
+
+    Raises:
+        ValueError: unknown ``adv_scale`` or ``ratio_level``.
+    """
+    if adv_scale not in ("linear", "sqrt"):
+        raise ValueError(f"adv_scale must be 'linear' or 'sqrt', got {adv_scale!r}")
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+    m = inp.response_mask
+    log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-20.0, 20.0)
+    if ratio_level == "sequence":
+        log_s = _seq_mean(log_ratio, m)
+        ratio = torch.exp(log_s.detach()[:, None] + inp.logprobs - inp.logprobs.detach())
+    else:
+        ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        a = _seq_mean(inp.advantages, m).abs()
+        g = torch.clamp(a, min=1.0) if adv_scale == "linear" else torch.clamp(a.sqrt(), min=1.0)
+        lo = (eps_low * g).clamp(max=eps_low_max)[:, None].expand_as(log_ratio)
+        hi = (eps_high * g).clamp(max=eps_high_max)[:, None].expand_as(log_ratio)
+    loss, low, high, _ = _ppo_core(ratio, inp.advantages, lo, hi, None, m)
+    metrics = _clip_metrics(torch.exp(log_ratio), log_ratio, low, high, m)
+    metrics["eps_high_mean"] = masked_mean(hi, m)
     return loss, metrics
 
 

@@ -96,3 +96,34 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     lse = torch.logsumexp(z, dim=-1)
     p = torch.softmax(z, dim=-1)
     return lse - (p * z).sum(-1)
+
+
+def kl_reward_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, coef: float, estimator: str = "k1"
+) -> torch.Tensor:
+    """Per-token rewards ``-coef * KL_t`` for KL-in-reward (InstructGPT arXiv:2203.02155; REINFORCE++).
+
+    Pass the result as ``AdvantageInput.token_rewards`` to an estimator tagged
+    ``uses_token_rewards`` (gae, sao, reinforce_pp, reinforce_pp_baseline, remax).
+
+    Args:
+        logprobs: ``[B, R]`` log-probs of the sampled tokens under the rollout-time
+            policy (no grad needed), ref_logprobs: under the reference policy.
+        mask: ``[B, R]``.
+        coef: KL coefficient beta (>= 0).
+        estimator: k1 | k2 | k3.
+    Returns:
+        ``[B, R]`` detached token rewards, 0 outside the mask.
+    """
+    with torch.no_grad():
+        return -coef * kl_penalty(estimator, logprobs.detach(), ref_logprobs.detach()) * mask
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """Per-token entropy-bonus loss ``-coef * H_t`` ``[B, R]`` (0 outside ``mask``).
+
+    ``entropy`` must carry gradient for the bonus to act (the trainer's entropy
+    of the current policy); aggregate it with the same mode as the policy loss.
+    Entropy regularisation as in A3C (arXiv:1602.01783).
+    """
+    return -coef * entropy * mask

@@ -57,3 +57,41 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor):
     sq = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, (v - mean[inv]) ** 2)
     std = torch.where(cnt > 1, (sq / (cnt - 1).clamp(min=1)).sqrt(), torch.zeros_like(cnt))
     return mean[inv].to(values.dtype), std[inv].to(values.dtype), cnt[inv].to(values.dtype)
+
+
+def group_ids(group_index: torch.Tensor):
+    """Dense group ids: ``(inv [B] long in [0, G), G)`` for any integer ``group_index`` ``[B]``."""
+    _, inv = torch.unique(group_index, return_inverse=True)
+    G = int(inv.max().item()) + 1 if inv.numel() else 0
+    return inv, G
+
+
+def group_median(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Per-group median broadcast back to each element.
+
+    For an even group size the lower of the two middle values is used
+    (``torch.median`` convention), so the median is always one of the group's
+    own values.
+
+    Args:
+        values: ``[B]`` float.
+        group_index: ``[B]`` long group ids.
+    Returns:
+        ``[B]`` median of each element's group.
+    """
+    inv, G = group_ids(group_index)
+    out = torch.empty_like(values)
+    for g in range(G):
+        sel = inv == g
+        out[sel] = values[sel].median()
+    return out
+
+
+def masked_quantile(x: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """The ``q``-quantile (nearest rank) of the masked elements of ``x``; 0 when the mask is empty."""
+    vals = x[mask > 0]
+    if vals.numel() == 0:
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    vals, _ = torch.sort(vals.float())
+    k = int(round(q * (vals.numel() - 1)))
+    return vals[min(max(k, 0), vals.numel() - 1)].to(x.dtype)

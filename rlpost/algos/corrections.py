@@ -1,0 +1,263 @@
+"""Importance-sampling corrections against the rollout engine's log-probs.
+
+The rollout engine (vLLM, a quantized or bf16 copy, a stale policy) samples from
+``pi_rollout``; the trainer's log-probs of the same tokens are ``pi_old`` (the
+trainer's weights at rollout time). The per-token weight
+``w_t = pi_old(y_t) / pi_rollout(y_t)`` corrects the policy gradient for the
+mismatch; these functions bound or reshape it. The trainer multiplies the
+per-token loss by the returned weights (no gradient flows through them).
+
+Calling convention (registry :data:`CORRECTIONS`, config key
+``precision.correction``, params ``precision.correction_params``)::
+
+    fn(old_logprobs [B, R], rollout_logprobs [B, R], response_mask [B, R], **params)
+        -> (weights [B, R] detached, 0 outside the mask; metrics: dict of 0-d tensors)
+
+Every correction reports ``is_ratio_mean``, ``is_ratio_max``, ``ess_frac``
+(normalised effective sample size of the raw weights) and ``frac_modified``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Tuple
+
+import torch
+
+from rlpost.algos.utils import masked_mean
+from rlpost.registry import Registry
+
+CORRECTIONS = Registry("importance-sampling correction", "precision.correction")
+
+Metrics = Dict[str, torch.Tensor]
+
+
+def ess(weights: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Effective sample size of importance weights over masked tokens.
+
+    ``ESS = (sum w)^2 / sum w^2`` (Kish), in ``[1, n]`` for ``n`` tokens with
+    positive weights; ``ess_frac = ESS / n`` in ``(0, 1]`` is 1 when all weights
+    are equal. Returns ``(ESS, ess_frac)`` as 0-d tensors (0, 0 for an empty
+    mask or all-zero weights).
+    """
+    with torch.no_grad():
+        w = weights.float() * mask
+        n = mask.sum()
+        s1 = w.sum()
+        s2 = (w * w).sum()
+        if n <= 0 or s2 <= 0:
+            z = torch.zeros((), dtype=torch.float32)
+            return z, z
+        e = s1 * s1 / s2
+        return e, e / n
+
+
+def _raw_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
+    return torch.exp((old_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(-clamp, clamp))
+
+
+def _base_metrics(ratio: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> Metrics:
+    with torch.no_grad():
+        _, ef = ess(ratio, mask)
+        big = torch.where(mask > 0, ratio, torch.zeros_like(ratio))
+        return {
+            "is_ratio_mean": masked_mean(ratio, mask),
+            "is_ratio_max": big.max() if big.numel() else torch.tensor(0.0),
+            "ess_frac": ef,
+            "frac_modified": masked_mean(((w - ratio).abs() > 1e-6).float(), mask),
+            "weight_mean": masked_mean(w, mask),
+        }
+
+
+@CORRECTIONS.register(
+    "none",
+    paper="",
+    description="no correction: every weight is 1",
+)
+def no_correction(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, **_: object
+) -> Tuple[torch.Tensor, Metrics]:
+    """Weights 1 on the mask (and 0 outside); metrics still describe the mismatch."""
+    ratio = _raw_ratio(old_logprobs, rollout_logprobs)
+    w = response_mask.float().clone()
+    m = _base_metrics(ratio, w, response_mask)
+    m["frac_modified"] = torch.zeros(())
+    return w, m
+
+
+@CORRECTIONS.register(
+    "tis",
+    paper="Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (truncated IS, Yao et al. 2025); "
+    "FP8 rollout stack for LLM RL (seed catalog entry 17)",
+)
+def tis(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float = 2.0,
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Token-level truncated importance sampling: ``w_t = min(pi_old / pi_rollout, C)``.
+
+    Bounded in ``[0, C]``; biased for tokens above the cap, but with bounded
+    variance. ``C = 2`` is the usual setting.
+
+    Raises:
+        ValueError: ``cap <= 0``.
+    """
+    if cap <= 0:
+        raise ValueError(f"tis cap must be > 0, got {cap}")
+    ratio = _raw_ratio(old_logprobs, rollout_logprobs)
+    w = ratio.clamp(max=cap) * response_mask
+    return w.detach(), _base_metrics(ratio, w, response_mask)
+
+
+@CORRECTIONS.register(
+    "mis",
+    paper="Masked importance sampling for training-inference mismatch (token-level MIS; seed catalog entries 17, 19)",
+)
+def mis(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    lo: float = 0.5,
+    hi: float = 2.0,
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Masked importance sampling: keep ``w_t = pi_old / pi_rollout`` inside ``[lo, hi]``, drop the token otherwise.
+
+    Weights are in ``{0} U [lo, hi]``: a token whose ratio is outside the band
+    is excluded from the gradient rather than truncated. Metric
+    ``frac_masked``.
+
+    Raises:
+        ValueError: not ``0 <= lo < 1 < hi``.
+    """
+    if not (0.0 <= lo < 1.0 < hi):
+        raise ValueError(f"mis needs 0 <= lo < 1 < hi, got lo={lo}, hi={hi}")
+    ratio = _raw_ratio(old_logprobs, rollout_logprobs)
+    inside = (ratio >= lo) & (ratio <= hi)
+    w = torch.where(inside, ratio, torch.zeros_like(ratio)) * response_mask
+    m = _base_metrics(ratio, w, response_mask)
+    m["frac_masked"] = masked_mean((~inside).float(), response_mask)
+    return w.detach(), m
+
+
+def cis_cap(rollout_logprobs: torch.Tensor, threshold: float) -> torch.Tensor:
+    """CIS's confidence-dependent ratio cap ``C(q) = e^delta / (1 - q + q e^delta)``.
+
+    With ``q = pi_rollout(y_t)`` and log-odds displacement
+    ``eps_t = logit(pi_old) - logit(q)`` truncated at ``delta``, the largest
+    admissible trainer probability is ``sigmoid(logit(q) + delta)``; divided by
+    ``q`` this is ``C(q)``. It tends to ``e^delta`` for unlikely tokens
+    (``q -> 0``) and to 1 for confident ones (``q -> 1``): the cap tightens as
+    confidence rises. Shape as ``rollout_logprobs``.
+    """
+    q = torch.exp(rollout_logprobs.detach().float()).clamp(0.0, 1.0)
+    e = math.exp(threshold)
+    return e / (1.0 - q + q * e)
+
+
+@CORRECTIONS.register(
+    "cis",
+    paper="CIS: Calibrated Importance Sampling for training-inference mismatch (seed catalog entry 195)",
+)
+def cis(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    threshold: float = math.log(2.0),
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Calibrated IS: truncate large positive log-odds displacements at one threshold.
+
+    ``w_t = min(pi_old / pi_rollout, C(pi_rollout))`` with the cap of
+    :func:`cis_cap`: bounded by ``e^threshold`` and by 1 as the rollout
+    probability approaches 1. Small weights are never raised (the paper finds
+    upward clipping hurts). ``threshold = log 2`` (so unlikely tokens are capped
+    at 2, like TIS's usual cap) is our choice; the abstract gives no value.
+
+    Raises:
+        ValueError: ``threshold <= 0``.
+    """
+    if threshold <= 0:
+        raise ValueError(f"cis threshold must be > 0, got {threshold}")
+    ratio = _raw_ratio(old_logprobs, rollout_logprobs)
+    cap = cis_cap(rollout_logprobs, threshold)
+    w = torch.minimum(ratio, cap) * response_mask
+    m = _base_metrics(ratio, w, response_mask)
+    m["cap_mean"] = masked_mean(cap, response_mask)
+    return w.detach(), m
+
+
+@CORRECTIONS.register(
+    "ais",
+    paper="AIS: Adaptive Importance Sampling for FP8 rollouts (seed catalog entry 15)",
+)
+def ais(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float = 2.0,
+    kl_scale: float = 0.01,
+    lam_min: float = 0.0,
+    lam_max: float = 1.0,
+    **_: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Adaptive IS: per batch, mix the uncorrected and the importance-weighted gradient.
+
+    ``w_t = (1 - lambda) + lambda * min(r_t, cap)`` with one ``lambda`` per call
+    built from three diagnostics of the raw ratios ``r_t`` over the mask:
+
+    * divergence severity ``s = 1 - exp(-KL / kl_scale)`` with
+      ``KL = mean(r - 1 - log r)`` (k3 estimate of KL(rollout || trainer)): small
+      mismatch -> little correction (it acts as exploration noise);
+    * weight reliability ``rho = ESS / n`` of the truncated weights: weights
+      dominated by a few tokens are trusted less;
+    * variance amplification ``v = Var(min(r, cap))``: ``lambda`` is divided by
+      ``1 + v``.
+
+    ``lambda = clip(s * rho / (1 + v), lam_min, lam_max)``. The abstract names
+    the three diagnostics but not how they combine; this combination and the
+    defaults are our choice. Weights lie in ``[1 - lambda, 1 - lambda + lambda cap]``
+    within ``[0, cap]``. Metrics add ``ais_lambda``, ``ais_severity``,
+    ``ais_reliability``, ``ais_variance``.
+
+    Raises:
+        ValueError: ``cap <= 0``, ``kl_scale <= 0`` or not ``0 <= lam_min <= lam_max <= 1``.
+    """
+    if cap <= 0 or kl_scale <= 0 or not (0.0 <= lam_min <= lam_max <= 1.0):
+        raise ValueError(
+            f"ais needs cap > 0, kl_scale > 0, 0 <= lam_min <= lam_max <= 1; got {cap}, {kl_scale}, {lam_min}, {lam_max}"
+        )
+    mask = response_mask.float()
+    ratio = _raw_ratio(old_logprobs, rollout_logprobs)
+    with torch.no_grad():
+        logr = torch.log(ratio.clamp(min=1e-30))
+        kl = masked_mean(ratio - 1.0 - logr, mask).clamp(min=0.0)
+        sev = 1.0 - torch.exp(-kl / kl_scale)
+        wt = ratio.clamp(max=cap)
+        _, rel = ess(wt, mask)
+        mu = masked_mean(wt, mask)
+        var = masked_mean((wt - mu) ** 2, mask)
+        lam = (sev * rel / (1.0 + var)).clamp(lam_min, lam_max)
+        w = ((1.0 - lam) + lam * wt) * mask
+    m = _base_metrics(ratio, w, response_mask)
+    m.update(ais_lambda=lam, ais_severity=sev, ais_reliability=rel, ais_variance=var)
+    return w.detach(), m
+
+
+def compute_correction(
+    name: str,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    **params: object,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Run the registered correction ``name``; see the module docstring.
+
+    Raises:
+        ConfigError: unknown correction name.
+        ValueError: invalid parameters of the chosen correction.
+    """
+    return CORRECTIONS.get(name)(old_logprobs, rollout_logprobs, response_mask, **params)

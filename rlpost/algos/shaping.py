@@ -1,0 +1,88 @@
+"""Reward shaping and per-prompt baselines used by algorithm presets.
+
+Pure functions of tensors, plus one small stateful tracker (a per-prompt Beta
+posterior) that single-rollout estimators read through
+``AdvantageInput.baseline_rewards``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+import torch
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (arXiv:2503.14476, Eq. 13).
+
+    With ``L_max = max_len`` and the buffer ``L_cache = buffer``:
+    0 when ``L <= L_max - L_cache``; ``penalty * ((L_max - L_cache) - L) / L_cache``
+    (linear from 0 down to ``-penalty``) inside the buffer; ``-penalty`` beyond
+    ``L_max``. The result is added to the task reward.
+
+    Args:
+        lengths: ``[B]`` response lengths in tokens.
+        max_len: the generation limit ``L_max`` (``rollout.max_new_tokens``).
+        buffer: the punishment window ``L_cache`` in tokens (> 0).
+        penalty: magnitude at the limit (the paper uses 1).
+    Returns:
+        ``[B]`` float penalties (<= 0).
+    Raises:
+        ValueError: ``buffer`` not in ``(0, max_len]``.
+    """
+    if buffer <= 0 or buffer > max_len:
+        raise ValueError(f"overlong buffer must be in (0, max_len={max_len}], got {buffer}")
+    L = lengths.float()
+    start = float(max_len - buffer)
+    inside = penalty * (start - L) / float(buffer)
+    out = torch.where(L <= start, torch.zeros_like(L), inside)
+    return torch.where(L > max_len, torch.full_like(L, -penalty), out)
+
+
+class BetaBaselineTracker:
+    """Per-prompt success estimate from a discounted Beta posterior.
+
+    For a prompt with Bernoulli-like reward ``r`` in [0, 1] the posterior is
+    ``Beta(alpha, beta)``; after each observation ``alpha <- rho * alpha + r`` and
+    ``beta <- rho * beta + (1 - r)`` (``rho`` < 1 forgets old evidence as the policy
+    changes). The baseline is the posterior mean ``alpha / (alpha + beta)``. This
+    is the group-free baseline that single-rollout methods (MSSR,
+    arXiv:2512.18215; SPO, arXiv:2509.13232) use instead of a group mean.
+    Rewards outside [0, 1] are clipped into it.
+
+    Args:
+        prior_alpha, prior_beta: the prior (1, 1 = uniform: baseline 0.5).
+        rho: discount of past evidence per update, in (0, 1].
+    """
+
+    def __init__(self, prior_alpha: float = 1.0, prior_beta: float = 1.0, rho: float = 0.9) -> None:
+        if not 0.0 < rho <= 1.0:
+            raise ValueError(f"rho must be in (0, 1], got {rho}")
+        self.prior = (float(prior_alpha), float(prior_beta))
+        self.rho = float(rho)
+        self.state: Dict[int, List[float]] = {}
+
+    def baseline(self, prompt_index: Iterable[int]) -> torch.Tensor:
+        """``[B]`` posterior means for the prompts (the prior mean for unseen ones)."""
+        out = []
+        for p in prompt_index:
+            a, b = self.state.get(int(p), list(self.prior))
+            out.append(a / (a + b))
+        return torch.tensor(out, dtype=torch.float32)
+
+    def update(self, prompt_index: Iterable[int], rewards: Iterable[float]) -> None:
+        """Fold one reward per entry into its prompt's posterior (call after :meth:`baseline`)."""
+        for p, r in zip(prompt_index, rewards):
+            r = min(max(float(r), 0.0), 1.0)
+            a, b = self.state.get(int(p), list(self.prior))
+            self.state[int(p)] = [self.rho * a + r, self.rho * b + (1.0 - r)]
+
+    def state_dict(self) -> Dict[str, object]:
+        """Serializable state (for checkpoints)."""
+        return {"prior": list(self.prior), "rho": self.rho, "state": {str(k): v for k, v in self.state.items()}}
+
+    def load_state_dict(self, sd: Dict[str, object]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.prior = tuple(sd["prior"])  # type: ignore[assignment]
+        self.rho = float(sd["rho"])  # type: ignore[arg-type]
+        self.state = {int(k): list(v) for k, v in dict(sd["state"]).items()}  # type: ignore[arg-type]
