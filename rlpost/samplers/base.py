@@ -1,13 +1,16 @@
 """Samplers: how the chosen prompts become rollouts through the rollout engine.
 
 A sampler may call the engine several times per step (extra rounds, branches
-from shared prefixes) and reports how many rollouts it spent.
+from shared prefixes) and reports how many rollouts it spent. Samplers that
+decide on rewards (extra rounds for hard prompts, variance-guided top-ups) read
+them through :attr:`SamplerContext.score`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -22,13 +25,24 @@ class SampleResult:
     """Rollouts of one step.
 
     Attributes:
-        generation: the concatenated :class:`GenerationResult` (``B`` rows).
+        generation: the concatenated :class:`GenerationResult` (``B`` rows). Its
+            ``prompt_ids`` are what each row was really prompted with (a sampler may
+            add a prefix), and its ``response_mask`` is the loss mask (tree
+            branches zero it on the prefix they share with their parent).
         group_index: ``[B]`` long, position of each row's prompt in the step's
             prompt list (rows answering the same prompt share it).
         rollouts_spent: rollouts generated this step, including any discarded.
+            A tree branch counts as one rollout.
         extras: optional ``[B]`` / ``[B, R]`` tensors for the batch (e.g.
-            ``baseline_rewards``), copied into ``RolloutBatch.extras``.
+            ``baseline_rewards``, ``shared_prefix_len``, ``replay_age``), copied into
+            ``RolloutBatch.extras``.
         metrics: sampler metrics (``sampler/...``).
+        rewards: ``[B]`` float rewards when the sampler already scored every row
+            through ``ctx.score`` (callers may reuse them instead of scoring again),
+            else None.
+        prompt_position: ``[B]`` long position of each row's prompt when
+            ``group_index`` is a finer grouping than "same prompt" (3PO's
+            per-parameter-sample groups); None means ``group_index`` is it.
     """
 
     generation: GenerationResult
@@ -36,6 +50,12 @@ class SampleResult:
     rollouts_spent: int
     extras: Dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
+    rewards: Optional[torch.Tensor] = None
+    prompt_position: Optional[torch.Tensor] = None
+
+    def positions(self) -> torch.Tensor:
+        """``[B]`` position of each row's prompt in the step's prompt list."""
+        return self.group_index if self.prompt_position is None else self.prompt_position
 
 
 @dataclass
@@ -44,15 +64,179 @@ class SamplerContext:
 
     Attributes:
         score: ``fn(rows: list[int] prompt positions, texts: list[str]) -> list[float]``
-            rewards of fresh responses (for samplers that decide on rewards, e.g.
-            extra rounds for hard prompts); None when unavailable.
+            rewards of fresh responses, ``rows[i]`` being the position (in the
+            step's prompt list) of the prompt that ``texts[i]`` answers; None when
+            unavailable (samplers that need it raise ``ValueError``).
         step: the RL step.
-        seed: base seed for this step's sampling.
+        seed: base seed for this step's sampling (each engine call derives its own).
+        prompt_indices: dataset index of each prompt of the step (parallel to the
+            ``prompts`` argument), or None. Samplers with per-prompt memory (AR3PO's
+            response cache) key on it.
+        rollout_counts: rollouts to draw for each prompt, set by a selector that
+            allocates the rollout budget (CurES); None means ``n_samples`` each.
     """
 
     score: Optional[Callable[[List[int], List[str]], List[float]]] = None
     step: int = 0
     seed: int = 0
+    prompt_indices: Optional[List[int]] = None
+    rollout_counts: Optional[List[int]] = None
+
+
+# ----------------------------------------------------------------- helpers
+def pad_id_of(engine: Any) -> int:
+    """The engine's pad token id (0 when it has none)."""
+    return int(getattr(engine, "pad_id", 0) or 0)
+
+
+def concat_generations(parts: Sequence[GenerationResult], pad_id: int = 0) -> GenerationResult:
+    """Stack generation results row-wise, left-padding prompts and right-padding responses.
+
+    Args:
+        parts: results with any prompt / response widths.
+        pad_id: id written in padding positions (masks are 0 there).
+
+    Raises:
+        ValueError: ``parts`` is empty.
+    """
+    if not parts:
+        raise ValueError("nothing to concatenate")
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p.prompt_ids.shape[1] for p in parts)
+    R = max(p.response_ids.shape[1] for p in parts)
+    lp = lambda t, v: torch.nn.functional.pad(t, (P - t.shape[1], 0), value=v)  # noqa: E731
+    rp = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
+    return GenerationResult(
+        prompt_ids=torch.cat([lp(p.prompt_ids, pad_id) for p in parts]),
+        prompt_mask=torch.cat([lp(p.prompt_mask, 0) for p in parts]),
+        response_ids=torch.cat([rp(p.response_ids, pad_id) for p in parts]),
+        response_mask=torch.cat([rp(p.response_mask, 0) for p in parts]),
+        rollout_logprobs=torch.cat([rp(p.rollout_logprobs, 0) for p in parts]),
+        temperatures=torch.cat([rp(p.temperatures, 0) for p in parts]),
+        finished=torch.cat([p.finished for p in parts]),
+        texts=[t for p in parts for t in p.texts],
+    )
+
+
+def select_rows(gen: GenerationResult, rows: Sequence[int]) -> GenerationResult:
+    """The sub-result made of ``rows`` (in that order); widths are kept."""
+    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    return GenerationResult(
+        prompt_ids=gen.prompt_ids[idx],
+        prompt_mask=gen.prompt_mask[idx],
+        response_ids=gen.response_ids[idx],
+        response_mask=gen.response_mask[idx],
+        rollout_logprobs=gen.rollout_logprobs[idx],
+        temperatures=gen.temperatures[idx],
+        finished=gen.finished[idx],
+        texts=[gen.texts[i] for i in idx.tolist()],
+    )
+
+
+def merge_results(parts: Sequence[SampleResult], pad_id: int = 0) -> SampleResult:
+    """Concatenate sample results that index the *same* prompt list (extra rounds).
+
+    ``group_index`` values are kept as they are, ``rollouts_spent`` summed, extras
+    concatenated (``[B, R]`` extras right-padded with 0), rewards concatenated when
+    every part has them.
+    """
+    gen = concat_generations([p.generation for p in parts], pad_id)
+    R = gen.response_ids.shape[1]
+    extras: Dict[str, torch.Tensor] = {}
+    keys = set().union(*(p.extras.keys() for p in parts))
+    for k in keys:
+        cols = []
+        for p in parts:
+            B = p.group_index.shape[0]
+            t = p.extras.get(k)
+            if t is None:
+                like = next(q.extras[k] for q in parts if k in q.extras)
+                t = torch.zeros((B,) + tuple(like.shape[1:]), dtype=like.dtype)
+            if t.dim() == 2 and t.shape[1] != R:
+                t = torch.nn.functional.pad(t, (0, R - t.shape[1]))
+            cols.append(t)
+        extras[k] = torch.cat(cols)
+    rewards = None
+    if all(p.rewards is not None for p in parts):
+        rewards = torch.cat([p.rewards for p in parts])
+    pp = None
+    if any(p.prompt_position is not None for p in parts):
+        pp = torch.cat([p.positions() for p in parts])
+    return SampleResult(
+        generation=gen,
+        group_index=torch.cat([p.group_index for p in parts]),
+        rollouts_spent=sum(p.rollouts_spent for p in parts),
+        extras=extras,
+        metrics={},
+        rewards=rewards,
+        prompt_position=pp,
+    )
+
+
+def step_params(params: SamplingParams, ctx: SamplerContext, call: int) -> SamplingParams:
+    """``params`` with a seed derived from ``params.seed`` and the engine call number.
+
+    Several engine calls in one step must not reuse one seed (identical
+    continuations); when ``params.seed`` is None sampling stays unseeded. Call 0
+    keeps ``params`` unchanged, so one-call samplers match plain group sampling.
+    """
+    if params.seed is None or call == 0:
+        return params
+    return dataclasses.replace(params, seed=int(params.seed) + 1_000_003 * int(call))
+
+
+def generate_groups(
+    engine: RolloutEngine,
+    prompts: Sequence[List[int]],
+    counts: Sequence[int],
+    params: SamplingParams,
+    positions: Optional[Sequence[int]] = None,
+) -> SampleResult:
+    """``counts[i]`` rollouts of ``prompts[i]`` in one engine call.
+
+    Args:
+        positions: group id written for prompt ``i`` (default ``i``).
+
+    Returns:
+        a :class:`SampleResult` (``rollouts_spent`` = ``sum(counts)``).
+
+    Raises:
+        ValueError: every count is 0.
+    """
+    pos = list(range(len(prompts))) if positions is None else list(positions)
+    rows, gi = [], []
+    for p, c, g in zip(prompts, counts, pos):
+        rows.extend([p] * int(c))
+        gi.extend([g] * int(c))
+    if not rows:
+        raise ValueError("no rollouts requested")
+    gen = engine.generate(rows, params)
+    return SampleResult(generation=gen, group_index=torch.tensor(gi, dtype=torch.long), rollouts_spent=len(rows))
+
+
+def score_rows(ctx: SamplerContext, group_index: torch.Tensor, texts: List[str]) -> torch.Tensor:
+    """``[B]`` rewards of ``texts`` through ``ctx.score``.
+
+    Raises:
+        ValueError: the context has no scorer (the sampler needs rewards).
+    """
+    if ctx.score is None:
+        raise ValueError("this sampler decides on rewards and needs SamplerContext.score")
+    return torch.tensor(ctx.score(group_index.tolist(), list(texts)), dtype=torch.float32)
+
+
+def group_reward_stats(rewards: torch.Tensor, group_index: torch.Tensor, n_groups: int):
+    """Per-group ``(count, mean, var)`` float64 tensors of length ``n_groups``.
+
+    ``var`` is the population variance (0 for groups with < 2 rows).
+    """
+    r = rewards.double()
+    cnt = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(r))
+    s = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, r)
+    mean = s / cnt.clamp(min=1)
+    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, (r - mean[group_index]) ** 2)
+    return cnt, mean, sq / cnt.clamp(min=1)
 
 
 class Sampler:
@@ -69,6 +253,14 @@ class Sampler:
         """Rollouts for ``prompts`` (one token-id list per chosen prompt)."""
         raise NotImplementedError
 
+    def counts(self, n_prompts: int, ctx: SamplerContext) -> List[int]:
+        """Rollouts per prompt: the selector's allocation when given, else ``n_samples``."""
+        if ctx.rollout_counts is not None:
+            if len(ctx.rollout_counts) != n_prompts:
+                raise ValueError("rollout_counts must have one entry per prompt")
+            return [max(0, int(c)) for c in ctx.rollout_counts]
+        return [self.n_samples] * n_prompts
+
     def state_dict(self) -> Dict[str, Any]:
         """Sampler state for checkpoints."""
         return {}
@@ -79,13 +271,14 @@ class Sampler:
 
 @SAMPLERS.register("group", description="n rollouts per prompt in one engine call (GRPO-style groups).")
 class GroupSampler(Sampler):
-    """``n_samples`` independent rollouts of every prompt, in one engine call."""
+    """``n_samples`` independent rollouts of every prompt, in one engine call.
+
+    When a selector allocates the rollout budget (``ctx.rollout_counts``), prompt
+    ``i`` gets that many rollouts instead.
+    """
 
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see base
-        rows = [p for p in prompts for _ in range(self.n_samples)]
-        gi = torch.arange(len(prompts)).repeat_interleave(self.n_samples)
-        gen = engine.generate(rows, params)
-        return SampleResult(generation=gen, group_index=gi, rollouts_spent=len(rows))
+        return generate_groups(engine, prompts, self.counts(len(prompts), ctx), step_params(params, ctx, 0))
 
 
 @SAMPLERS.register("single", description="One rollout per prompt (SAO, MSSR).")
@@ -94,6 +287,9 @@ class SingleSampler(GroupSampler):
 
     def __init__(self, n_samples: int = 1, **params: Any) -> None:
         super().__init__(1)
+
+    def counts(self, n_prompts, ctx):  # noqa: D102 - always one
+        return [1] * n_prompts
 
 
 def build_sampler(cfg: Any, n_samples: int) -> Sampler:

@@ -1,0 +1,221 @@
+"""One step of prompt selection + rollout: the glue the runner calls.
+
+:func:`collect_rollouts` asks the selector for prompts, applies the selector's
+per-prompt hints and rollout budgets, runs the sampler, scores the rollouts,
+drops and refills groups for filtering selectors (DAPO dynamic sampling), lets
+the selector edit the scored batch (POPO replay), and computes the rollout
+accounting metrics (rollouts spent, prompts skipped, zero-variance share,
+effective batch size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from rlpost.rollout.base import RolloutEngine, SamplingParams
+from rlpost.samplers.base import SampleResult, SamplerContext, Sampler, merge_results, pad_id_of, select_rows, step_params
+
+
+@dataclass
+class StepRollouts:
+    """The scored rollouts of one step.
+
+    Attributes:
+        result: the sampler's output restricted to the batch; ``result.positions()``
+            index ``prompt_indices``; ``group_index`` holds compact group ids.
+        prompt_indices: dataset index of each prompt position.
+        rewards: ``[B]`` float rewards of the batch rows, or None without a scorer.
+        observed: ``(dataset index, rewards)`` of every group scored this step,
+            including groups dropped by a filter: what ``selector.update`` should get.
+        metrics: ``rollout/...``, ``sampler/...`` and ``selector/...`` values.
+    """
+
+    result: SampleResult
+    prompt_indices: List[int]
+    rewards: Optional[torch.Tensor]
+    observed: List[Tuple[int, List[float]]] = field(default_factory=list)
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def row_prompt_index(self) -> torch.Tensor:
+        """``[B]`` long dataset index of each row's prompt."""
+        idx = torch.tensor(self.prompt_indices, dtype=torch.long)
+        return idx[self.result.positions()]
+
+    def update_selector(self, selector: Any) -> None:
+        """Feed :attr:`observed` to ``selector.update`` (no-op when nothing was scored)."""
+        if self.observed:
+            selector.update([i for i, _ in self.observed], [r for _, r in self.observed])
+
+
+def _groups(res: SampleResult) -> Dict[int, List[int]]:
+    out: Dict[int, List[int]] = {}
+    for r, g in enumerate(res.group_index.tolist()):
+        out.setdefault(g, []).append(r)
+    return out
+
+
+def _compact(res: SampleResult, rows: List[int], n_offset_pos: Dict[int, int]) -> SampleResult:
+    """Rows ``rows`` of ``res`` with positions remapped through ``n_offset_pos`` and compact group ids."""
+    gen = select_rows(res.generation, rows)
+    pos = torch.tensor([n_offset_pos[int(res.positions()[r])] for r in rows], dtype=torch.long)
+    gmap: Dict[int, int] = {}
+    gi = torch.tensor([gmap.setdefault(int(res.group_index[r]), len(gmap)) for r in rows], dtype=torch.long)
+    extras = {k: v[rows] for k, v in res.extras.items()}
+    rw = res.rewards[rows] if res.rewards is not None else None
+    return SampleResult(gen, gi, 0, extras, {}, rw, pos)
+
+
+def collect_rollouts(
+    selector: Any,
+    sampler: Sampler,
+    engine: RolloutEngine,
+    params: SamplingParams,
+    *,
+    step: int,
+    encode: Callable[[int], List[int]],
+    score: Optional[Callable[[List[int], List[str]], List[float]]] = None,
+    hint: Optional[Callable[[int, float], List[int]]] = None,
+    seed: int = 0,
+) -> StepRollouts:
+    """Select prompts and produce the step's scored rollouts.
+
+    Args:
+        selector: a :class:`rlpost.selectors.Selector`.
+        sampler: a :class:`Sampler`.
+        engine: the rollout engine.
+        params: sampling parameters (``seed`` set for reproducible rollouts).
+        step: the RL step.
+        encode: ``fn(dataset index) -> prompt token ids``.
+        score: ``fn(dataset indices, texts) -> rewards`` (one per text); without
+            it nothing is scored (filtering selectors and reward-driven samplers
+            then fail).
+        hint: ``fn(dataset index, fraction) -> token ids`` appended to the prompt
+            for selectors that give hints (SEELE); ignored when None.
+        seed: base seed of the step's samplers.
+
+    Returns:
+        :class:`StepRollouts`. The caller trains on ``result`` and then calls
+        ``out.update_selector(selector)``.
+
+    Raises:
+        ValueError: a filtering selector without ``score``.
+    """
+    if selector.filters_groups and score is None:
+        raise ValueError(f"selector {type(selector).__name__} filters groups by reward and needs a scorer")
+    target = selector.prompts_per_step
+    max_rounds = getattr(selector, "max_rounds", 1) if selector.filters_groups else 1
+    idx = list(selector.select(step))
+    skipped_by_selector = int(getattr(selector, "skipped", 0))
+    all_idx: List[int] = []
+    kept_parts: List[SampleResult] = []
+    observed: List[Tuple[int, List[float]]] = []
+    spent = 0
+    rounds = 0
+    n_kept = 0
+    dropped = 0
+    smetrics: Dict[str, float] = {}
+    while idx:
+        prompts = [list(encode(i)) for i in idx]
+        fr = selector.hint_fractions(idx)
+        if fr is not None and hint is not None:
+            prompts = [p + list(hint(i, f)) if f > 0 else p for p, i, f in zip(prompts, idx, fr)]
+        cur = list(idx)
+        ctx = SamplerContext(
+            score=(lambda rows, texts, cur=cur: score([cur[r] for r in rows], texts)) if score is not None else None,
+            step=step,
+            seed=seed + 7919 * rounds,
+            prompt_indices=cur,
+            rollout_counts=selector.rollout_counts(cur),
+        )
+        res = sampler.sample(engine, prompts, step_params(params, ctx, 97 * rounds), ctx)
+        spent += res.rollouts_spent
+        for k, v in res.metrics.items():
+            smetrics[k] = smetrics.get(k, 0.0) + float(v)
+        pos = res.positions()
+        if res.rewards is None and score is not None:
+            res.rewards = torch.tensor(score([cur[int(g)] for g in pos], res.generation.texts), dtype=torch.float32)
+        keep_rows: List[int] = []
+        for g, rows in _groups(res).items():
+            r = res.rewards[rows].tolist() if res.rewards is not None else []
+            if res.rewards is not None:
+                observed.append((cur[int(pos[rows[0]])], r))
+            if selector.filters_groups and (n_kept >= target or not selector.keep_group(r)):
+                dropped += 1 if n_kept < target else 0
+                continue
+            n_kept += 1
+            keep_rows.extend(rows)
+        keep_rows.sort()
+        base = len(all_idx)
+        all_idx.extend(cur)
+        if keep_rows:
+            kept_parts.append(_compact(res, keep_rows, {p: base + p for p in range(len(cur))}))
+        rounds += 1
+        if not selector.filters_groups or n_kept >= target or rounds >= max_rounds:
+            break
+        idx = list(selector.refill(target - n_kept))
+    if not kept_parts:
+        raise RuntimeError("every group of the step was dropped; lower the filter or raise selector.params.max_rounds")
+    # Renumber group ids across rounds and keep only the prompt positions in use.
+    gi_off, pieces = 0, []
+    for part in kept_parts:
+        part.group_index = part.group_index + gi_off
+        gi_off = int(part.group_index.max()) + 1
+        pieces.append(part)
+    merged = merge_results(pieces, pad_id_of(engine)) if len(pieces) > 1 else pieces[0]
+    used = sorted(set(merged.positions().tolist()))
+    remap = {p: j for j, p in enumerate(used)}
+    merged.prompt_position = torch.tensor([remap[int(p)] for p in merged.positions()], dtype=torch.long)
+    if bool((merged.prompt_position == merged.group_index).all()):
+        merged.prompt_position = None
+    merged.rollouts_spent = spent
+    out = StepRollouts(merged, [all_idx[p] for p in used], merged.rewards, observed)
+    out = selector.postprocess(out, step)
+    out.metrics = {**smetrics, **rollout_metrics(out, spent, rounds, skipped_by_selector + dropped + int(smetrics.get("sampler/prompts_skipped", 0)))}
+    try:
+        out.metrics.update(selector.metrics())
+    except Exception:  # pragma: no cover - metrics must never break a step
+        pass
+    return out
+
+
+def rollout_metrics(out: StepRollouts, spent: int, rounds: int, skipped: int) -> Dict[str, float]:
+    """Rollout accounting of one step.
+
+    Keys: ``rollout/spent`` (rollouts generated, discarded ones included),
+    ``rollout/rounds`` (sampler calls), ``rollout/prompts_skipped`` (by the
+    selector before rollout, by a filter after it, or by the sampler),
+    ``rollout/batch_rows``, ``rollout/batch_prompts``, ``rollout/zero_var_frac``
+    (share of scored groups whose rewards were all equal), ``rollout/batch_zero_var_frac``
+    (same over the batch's groups), ``rollout/effective_batch`` (batch rows in
+    groups with reward variance, i.e. with a non-zero group-relative advantage),
+    ``rollout/reward_scored`` (mean reward of everything scored).
+    """
+    res = out.result
+    m = {
+        "rollout/spent": float(spent),
+        "rollout/rounds": float(rounds),
+        "rollout/prompts_skipped": float(skipped),
+        "rollout/batch_rows": float(res.group_index.shape[0]),
+        "rollout/batch_prompts": float(len(out.prompt_indices)),
+    }
+    if out.observed:
+        zv = [max(r) - min(r) <= 1e-9 for _, r in out.observed if r]
+        m["rollout/zero_var_frac"] = float(sum(zv) / max(1, len(zv)))
+        allr = [x for _, r in out.observed for x in r]
+        m["rollout/reward_scored"] = float(sum(allr) / max(1, len(allr)))
+    if out.rewards is not None:
+        eff, zero, n = 0, 0, 0
+        for rows in _groups(res).values():
+            r = out.rewards[rows]
+            n += 1
+            if float(r.max() - r.min()) > 1e-9:
+                eff += len(rows)
+            else:
+                zero += 1
+        m["rollout/effective_batch"] = float(eff)
+        m["rollout/batch_zero_var_frac"] = float(zero / max(1, n))
+    return m

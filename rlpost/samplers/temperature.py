@@ -1,0 +1,86 @@
+"""``sampler=adaptive_temperature``: HAPO's per-token adaptive temperature during rollout.
+
+The temperature rule itself lives with the algorithm in
+:func:`rlpost.algos.hapo.make_temperature_hook` (imported lazily). This sampler
+supplies the normalisation statistics it needs: the log-entropy statistics of
+the previous step's rollouts, recorded from the very logits the hook sees while
+generating (so no extra forward pass), or set by the runner from the trainer's
+batch through :meth:`AdaptiveTemperatureSampler.set_entropy_stats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from rlpost.samplers.base import SAMPLERS, Sampler, generate_groups, step_params
+
+
+@SAMPLERS.register(
+    "adaptive_temperature",
+    paper="HAPO: From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature (arXiv:2509.16591)",
+    description="Group sampling with HAPO's entropy-driven per-token temperature.",
+)
+class AdaptiveTemperatureSampler(Sampler):
+    """``n_samples`` rollouts per prompt with ``T = T0 (1 + tau * h_hat)`` per token.
+
+    ``h_hat`` is the normalised log-entropy of the next-token distribution under
+    the statistics of the previous step's rollouts (first step: plain ``T0``).
+    The statistics come from the token entropies the hook computed while
+    sampling, restricted to real response tokens.
+
+    Args:
+        tau: relative temperature range in [0, 1) (HAPO's released 0.05).
+        entropy_pivot: quantile of log-entropy used as the centre.
+    """
+
+    def __init__(self, n_samples: int, tau: float = 0.05, entropy_pivot: float = 0.5) -> None:
+        super().__init__(n_samples)
+        self.tau = float(tau)
+        self.entropy_pivot = float(entropy_pivot)
+        self.stats = None
+
+    def set_entropy_stats(self, stats: Any) -> None:
+        """Use ``stats`` (a :class:`rlpost.algos.hapo.EntropyStats`) for the next step."""
+        self.stats = stats
+
+    def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
+        from rlpost.algos.hapo import entropy_hhat, make_temperature_hook
+
+        inner = make_temperature_hook(float(params.temperature), self.stats, self.tau)
+        chunks: List[List[torch.Tensor]] = []
+
+        def hook(logits: torch.Tensor, t: int) -> torch.Tensor:
+            if t == 0:
+                chunks.append([])
+            logp = torch.log_softmax(logits.float(), -1)
+            chunks[-1].append(-(logp.exp() * logp).sum(-1).detach().cpu())
+            return inner(logits, t)
+
+        p = dataclasses.replace(step_params(params, ctx, 0), temperature_hook=hook)
+        res = generate_groups(engine, prompts, self.counts(len(prompts), ctx), p)
+        gen = res.generation
+        R = gen.response_mask.shape[1]
+        rows = []
+        for ch in chunks:
+            e = torch.stack(ch, 1)
+            rows.append(torch.nn.functional.pad(e, (0, max(0, R - e.shape[1])))[:, :R])
+        if rows and sum(r.shape[0] for r in rows) == gen.response_mask.shape[0]:
+            ent = torch.cat(rows)
+            _, self.stats = entropy_hhat(ent, gen.response_mask, self.entropy_pivot)
+            res.metrics["sampler/mean_token_entropy"] = float((ent * gen.response_mask).sum() / gen.response_mask.sum().clamp(min=1))
+        m = gen.response_mask > 0
+        if m.any():
+            res.metrics["sampler/temperature_mean"] = float(gen.temperatures[m].mean())
+        return res
+
+    def state_dict(self) -> Dict[str, Any]:  # noqa: D102 - the entropy statistics
+        return {"stats": dataclasses.asdict(self.stats) if self.stats is not None else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
+        from rlpost.algos.hapo import EntropyStats
+
+        s = state.get("stats")
+        self.stats = EntropyStats(**s) if s else None

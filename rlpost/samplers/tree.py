@@ -1,0 +1,233 @@
+"""``sampler=tree``: branch at high-entropy positions of root rollouts (LATR, DATPO).
+
+Each branch row is prompted with the original prompt *plus* the root's prefix up
+to the fork point, and its response is only the suffix it generated itself. So
+the branch shares the prefix tokens exactly, the loss (``response_mask``) covers
+only its own suffix, and the trainer's log-probs are the suffix conditioned on
+prompt + prefix without any extra mask plumbing. ``texts`` hold the *full*
+answer (prefix + suffix) so the verifier scores complete responses;
+``extras['shared_prefix_len']`` gives the prefix length of each row (0 for roots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+
+from rlpost.rollout.base import GenerationResult
+from rlpost.samplers.base import (
+    SAMPLERS,
+    SampleResult,
+    Sampler,
+    concat_generations,
+    generate_groups,
+    pad_id_of,
+    select_rows,
+    step_params,
+)
+
+_SENTENCE_END = (".", "!", "?", "\n", ";", ":")
+
+
+@torch.no_grad()
+def token_entropy(model: torch.nn.Module, gen: GenerationResult, chunk: int = 4) -> torch.Tensor:
+    """``[B, R]`` entropy (nats) of the temperature-1 next-token distribution at each response position.
+
+    Runs ``model`` (a causal LM) over prompt + response, ``chunk`` rows at a time.
+    0 outside ``gen.response_mask``.
+    """
+    from rlpost.models.logprobs import build_inputs
+
+    was_training = model.training
+    model.eval()
+    P = gen.prompt_ids.shape[1]
+    R = gen.response_ids.shape[1]
+    out = torch.zeros(gen.response_ids.shape[0], R)
+    dev = next(model.parameters()).device
+    try:
+        for s in range(0, gen.response_ids.shape[0], chunk):
+            sl = slice(s, s + chunk)
+            ids, attn, pos = build_inputs(gen.prompt_ids[sl], gen.prompt_mask[sl], gen.response_ids[sl], gen.response_mask[sl])
+            logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev)).logits
+            lg = logits[:, P - 1 : P + R - 1].float().cpu()  # predicts response token t
+            logp = torch.log_softmax(lg, -1)
+            out[sl] = -(logp.exp() * logp).sum(-1)
+    finally:
+        if was_training:
+            model.train()
+    return out * gen.response_mask
+
+
+def _decode(engine: Any, ids: List[int], fallback: str) -> str:
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None:
+        return fallback
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+@SAMPLERS.register(
+    "tree",
+    paper="LATR: Lookahead Tree-Based Rollouts (seed entries 108/209); DATPO sentence-entropy tree rollouts (seed entry 18)",
+    description="Root rollouts, then branches resampled from high-entropy fork points sharing the root's prefix.",
+)
+class TreeSampler(Sampler):
+    """Tree rollouts: ``n_roots`` roots per prompt, the rest of the group as branches.
+
+    For every root, the per-token entropy of the policy (one forward pass of
+    ``engine.model``; the sampled token's surprisal ``-rollout_logprob`` when the
+    engine has no model) ranks the fork positions. ``fork_unit=token`` forks at
+    the highest-entropy tokens (LATR's high-uncertainty branching);
+    ``fork_unit=sentence`` forks at sentence starts ranked by the mean entropy
+    of the sentence (DATPO's sentence-level forking). Each branch resamples the
+    response from its fork position ``t`` on (budget ``max_new_tokens - t``).
+
+    LATR's lookahead pruning, simplified: with ``prune_lookahead = L > 0`` a
+    branch whose first ``L`` suffix tokens equal the root's continuation from the
+    same fork point, or an earlier sibling's, is dropped (it is counted as spent).
+    The paper compares branches over a lookahead window with a similarity
+    threshold; exact token equality is our choice.
+
+    Args:
+        n_samples: rows per prompt before pruning (roots + branches).
+        n_roots: roots per prompt (default ``max(1, n_samples // 4)``).
+        fork_unit: ``token`` | ``sentence``.
+        min_prefix: earliest fork position (tokens of shared prefix).
+        prune_lookahead: L of the pruning rule (0 = off).
+        entropy: ``model`` (forward pass) | ``surprisal``.
+
+    Raises:
+        ValueError: bad ``fork_unit`` / ``entropy`` or ``n_roots >= n_samples``.
+    """
+
+    def __init__(
+        self,
+        n_samples: int,
+        n_roots: Optional[int] = None,
+        fork_unit: str = "token",
+        min_prefix: int = 1,
+        prune_lookahead: int = 0,
+        entropy: str = "model",
+    ) -> None:
+        super().__init__(n_samples)
+        self.n_roots = int(n_roots) if n_roots else max(1, n_samples // 4)
+        if self.n_roots >= n_samples and n_samples > 1:
+            raise ValueError("tree: n_roots must be smaller than n_samples (the rest are branches)")
+        if fork_unit not in ("token", "sentence"):
+            raise ValueError("tree: fork_unit must be 'token' or 'sentence'")
+        if entropy not in ("model", "surprisal"):
+            raise ValueError("tree: entropy must be 'model' or 'surprisal'")
+        self.fork_unit = fork_unit
+        self.min_prefix = max(1, int(min_prefix))
+        self.prune_lookahead = int(prune_lookahead)
+        self.entropy = entropy
+
+    def _entropy(self, engine, gen: GenerationResult) -> torch.Tensor:
+        model = getattr(engine, "model", None)
+        if self.entropy == "model" and isinstance(model, torch.nn.Module):
+            return token_entropy(model, gen)
+        return -gen.rollout_logprobs * gen.response_mask
+
+    def fork_points(self, engine, ids: List[int], ent: torch.Tensor, k: int) -> List[int]:
+        """The ``k`` fork positions of one root (length ``len(ids)``), best first.
+
+        Positions range over ``[min_prefix, len(ids) - 1]``; fewer than ``k`` may
+        be returned for short roots.
+        """
+        L = len(ids)
+        cands = list(range(self.min_prefix, L))
+        if not cands:
+            return []
+        if self.fork_unit == "token":
+            score = {t: float(ent[t]) for t in cands}
+        else:
+            starts = [t for t in cands if _decode(engine, [ids[t - 1]], "").endswith(_SENTENCE_END)]
+            if not starts:
+                starts = [self.min_prefix]
+            bounds = starts + [L]
+            score = {}
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if b > a:
+                    score[a] = float(ent[a:b].mean())
+        order = sorted(score, key=lambda t: (-score[t], t))
+        return order[:k]
+
+    def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
+        P = len(prompts)
+        pad = pad_id_of(engine)
+        n_roots = min(self.n_roots, self.n_samples)
+        roots = generate_groups(engine, prompts, [n_roots] * P, step_params(params, ctx, 0))
+        n_branch = self.n_samples - n_roots
+        rg = roots.generation
+        if n_branch <= 0:
+            roots.extras["shared_prefix_len"] = torch.zeros(rg.response_ids.shape[0], dtype=torch.long)
+            return roots
+        ent = self._entropy(engine, rg)
+        b_prompts, b_group, b_prefix, b_root, b_t = [], [], [], [], []
+        for r in range(rg.response_ids.shape[0]):
+            i = int(roots.group_index[r])
+            k = n_branch // n_roots + (1 if (r % n_roots) < n_branch % n_roots else 0)
+            m = rg.response_mask[r] > 0
+            ids = rg.response_ids[r][m].tolist()
+            forks = self.fork_points(engine, ids, ent[r][m], k)
+            forks += [0] * (k - len(forks))  # short root: independent samples instead
+            for t in forks:
+                b_prompts.append(list(prompts[i]) + ids[:t])
+                b_group.append(i)
+                b_prefix.append(ids[:t])
+                b_root.append(r)
+                b_t.append(t)
+        # Branch budgets differ by fork point: one engine call per distinct budget.
+        by_budget: dict = {}
+        for j, t in enumerate(b_t):
+            by_budget.setdefault(max(1, params.max_new_tokens - t), []).append(j)
+        order: List[int] = []
+        parts: List[GenerationResult] = []
+        for call, (budget, js) in enumerate(sorted(by_budget.items())):
+            p = dataclasses.replace(step_params(params, ctx, call + 1), max_new_tokens=budget)
+            parts.append(engine.generate([b_prompts[j] for j in js], p))
+            order.extend(js)
+        bgen = concat_generations(parts, pad)
+        inv = [0] * len(order)
+        for pos, j in enumerate(order):
+            inv[j] = pos
+        bgen = select_rows(bgen, inv)
+        keep = []
+        seen: dict = {}
+        for j in range(len(b_t)):
+            m = bgen.response_mask[j] > 0
+            suf = bgen.response_ids[j][m].tolist()
+            t = b_t[j]
+            bgen.texts[j] = _decode(engine, b_prefix[j] + suf, bgen.texts[j]) if t > 0 else bgen.texts[j]
+            if self.prune_lookahead > 0 and t > 0:
+                L = self.prune_lookahead
+                r = b_root[j]
+                root_ids = rg.response_ids[r][rg.response_mask[r] > 0].tolist()
+                head = tuple(suf[:L])
+                sig = (r, t)
+                sibs = seen.setdefault(sig, {tuple(root_ids[t : t + L])})
+                if head in sibs:
+                    continue
+                sibs.add(head)
+            keep.append(j)
+        spent = roots.rollouts_spent + len(b_t)
+        if keep:
+            bgen = select_rows(bgen, keep)
+            gen = concat_generations([rg, bgen], pad)
+            gi = torch.cat([roots.group_index, torch.tensor([b_group[j] for j in keep], dtype=torch.long)])
+            pre = torch.tensor([0] * rg.response_ids.shape[0] + [b_t[j] for j in keep], dtype=torch.long)
+        else:
+            gen, gi = rg, roots.group_index
+            pre = torch.zeros(rg.response_ids.shape[0], dtype=torch.long)
+        return SampleResult(
+            generation=gen,
+            group_index=gi,
+            rollouts_spent=spent,
+            extras={"shared_prefix_len": pre},
+            metrics={
+                "sampler/branches_pruned": float(len(b_t) - len(keep)),
+                "sampler/mean_fork_pos": float(np.mean(b_t)) if b_t else 0.0,
+            },
+        )

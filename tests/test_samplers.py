@@ -1,0 +1,211 @@
+"""Sampler rules on a fake engine with known per-prompt success rates."""
+
+import torch
+import pytest
+
+from fake_engine import FakeEngine, correct
+from rlpost.rollout.base import SamplingParams
+from rlpost.samplers import SAMPLERS, SamplerContext
+from rlpost.samplers.adaptive import DarsSampler, PilotCommitSampler, apportion
+from rlpost.samplers.base import group_reward_stats
+
+
+def ctx_for(prompts, step=0, indices=None):
+    return SamplerContext(score=lambda rows, texts: [correct(t) for t in texts], step=step, seed=0, prompt_indices=indices)
+
+
+PARAMS = SamplingParams(max_new_tokens=6, seed=5)
+
+
+def make(name, n=8, **kw):
+    return SAMPLERS.get(name)(n, **kw)
+
+
+def test_group_and_single_counts_and_allocation():
+    eng = FakeEngine({10: 0.5, 11: 0.5})
+    prompts = [[10, 5], [11, 5]]
+    r = make("group", 4).sample(eng, prompts, PARAMS, SamplerContext())
+    assert r.group_index.tolist() == [0] * 4 + [1] * 4 and r.rollouts_spent == 8
+    r = make("group", 4).sample(eng, prompts, PARAMS, SamplerContext(rollout_counts=[3, 1]))
+    assert r.group_index.tolist() == [0, 0, 0, 1]
+    r = make("single", 4).sample(eng, prompts, PARAMS, SamplerContext())
+    assert r.group_index.tolist() == [0, 1]
+
+
+def test_apportion_sums_and_caps():
+    assert apportion([1, 1, 2], 8) == [2, 2, 4]
+    assert sum(apportion([0.3, 0.3, 0.4], 7)) == 7
+    assert apportion([1, 100], 10, cap=[10, 3]) == [7, 3]
+    assert apportion([0, 0], 5) == [0, 0]
+
+
+def test_vigor_tops_up_high_variance_prompts_within_budget():
+    eng = FakeEngine({1: 0.0, 2: 0.5, 3: 1.0, 4: 0.5})
+    prompts = [[1], [2], [3], [4]]
+    s = make("vigor", 8, n_init=2, increment=2)
+    r = s.sample(eng, prompts, PARAMS, ctx_for(prompts))
+    cnt = torch.bincount(r.group_index, minlength=4)
+    assert r.rollouts_spent == int(cnt.sum()) <= 8 * 4
+    # all-wrong / all-right prompts never show variance -> fewer rollouts than the p=0.5 ones
+    assert cnt[1] + cnt[3] > cnt[0] + cnt[2]
+    assert r.rewards is not None and r.rewards.shape[0] == r.group_index.shape[0]
+
+
+def test_dars_gives_hard_prompts_more_rollouts():
+    eng = FakeEngine({1: 0.1, 2: 0.9})
+    prompts = [[1], [2]]
+    s = DarsSampler(4, hard_threshold=0.5, stages=2, max_total=16)
+    r = s.sample(eng, prompts, PARAMS, ctx_for(prompts))
+    cnt = torch.bincount(r.group_index, minlength=2)
+    assert cnt[1] == 4  # easy prompt: no extra stage
+    assert cnt[0] > 4 and cnt[0] <= 16
+    # equal-treatment schedule: an all-wrong group of 4 targets ceil(4 / (2 sqrt(a(1-a)))) with a = 0.1
+    assert s.target_total(4, 0) == 7
+
+
+def test_pilot_commit_skips_uninformative_prompts():
+    eng = FakeEngine({1: 0.0, 2: 0.5, 3: 1.0})
+    prompts = [[1], [2], [3]]
+    s = PilotCommitSampler(8, pilot_n=4, skip_threshold=0.1)
+    r = s.sample(eng, prompts, PARAMS, ctx_for(prompts))
+    present = set(r.group_index.tolist())
+    assert present == {1}
+    assert r.rollouts_spent == 24  # whole budget: pilot 12 + commit 12
+    assert r.metrics["sampler/prompts_skipped"] == 2
+    # Jeffreys posterior variance: 2/4 successes is more informative than 0/4
+    info = PilotCommitSampler.informativeness(torch.tensor([0.0, 2.0]).numpy(), torch.tensor([4.0, 4.0]).numpy())
+    assert info[0] == pytest.approx(0.5 * 4.5 / (5 * 6)) and info[1] > info[0]
+
+
+def test_ar3po_stops_early_and_reuses_cached_correct_response():
+    eng = FakeEngine({1: 1.0, 2: 0.0})
+    prompts = [[1], [2]]
+    s = make("ar3po", 8, n_stage=2)
+    r = s.sample(eng, prompts, PARAMS, ctx_for(prompts, step=0, indices=[7, 9]))
+    cnt = torch.bincount(r.group_index, minlength=2)
+    assert cnt[0] == 2 and cnt[1] == 8  # solved prompt stops after one stage
+    assert 7 in s.cache and 9 not in s.cache
+    # Prompt 9 becomes solvable once, then impossible: the cached answer is reused.
+    eng.p[2] = 1.0
+    s.sample(eng, prompts, PARAMS, ctx_for(prompts, step=1, indices=[7, 9]))
+    eng.p[2] = 0.0
+    r = s.sample(eng, prompts, PARAMS, ctx_for(prompts, step=2, indices=[7, 9]))
+    rows = (r.group_index == 1).nonzero().flatten().tolist()
+    assert r.rewards[rows].sum() == 1.0 and r.metrics["sampler/reused"] == 1
+    assert r.extras["replay_age"][rows].tolist().count(1.0) == 1
+    assert r.generation.texts[rows[-1]].startswith("1")
+    st = s.state_dict()
+    s2 = make("ar3po", 8)
+    s2.load_state_dict(st)
+    assert s2.cache.keys() == s.cache.keys()
+
+
+class EntropyModel(torch.nn.Module):
+    """Fake causal LM whose next-token distribution is peaked except after token 7."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **_):
+        B, T = input_ids.shape
+        logits = torch.full((B, T, 12), -10.0)
+        logits[..., 5] = 10.0
+        logits[input_ids == 7] = 0.0  # uniform after a 7
+
+        class O:
+            pass
+
+        o = O()
+        o.logits = logits
+        return o
+
+
+def test_tree_branches_share_prefix_and_carry_loss_only_on_suffix():
+    eng = FakeEngine({1: 0.5}, resp_len=6, model=EntropyModel())
+    prompts = [[1, 9]]
+    s = make("tree", 4, n_roots=1, entropy="model")
+    r = s.sample(eng, prompts, PARAMS, ctx_for(prompts))
+    g = r.generation
+    assert r.rollouts_spent == 4 and g.response_ids.shape[0] == 4
+    root = g.response_ids[0][g.response_mask[0] > 0].tolist()
+    pre = r.extras["shared_prefix_len"].tolist()
+    assert pre[0] == 0 and all(t >= 1 for t in pre[1:])
+    for b in range(1, 4):
+        t = pre[b]
+        prompt = g.prompt_ids[b][g.prompt_mask[b] > 0].tolist()
+        # the branch is prompted with prompt + the root's first t tokens, exactly
+        assert prompt == [1, 9] + root[:t]
+        # loss only on its own suffix: response holds the suffix tokens only
+        suffix = g.response_ids[b][g.response_mask[b] > 0].tolist()
+        assert int(g.response_mask[b].sum()) == len(suffix) <= 6 - t
+        assert g.texts[b] == eng.tokenizer.decode(root[:t] + suffix)
+    # fork points are where the model is uncertain: right after a 7 in the root
+    sevens = [i + 1 for i, x in enumerate(root[:-1]) if x == 7]
+    if sevens:
+        assert pre[1] in sevens
+
+
+def test_tree_prunes_branches_identical_to_root():
+    eng = FakeEngine({1: 1.0}, resp_len=4)
+    s = make("tree", 4, n_roots=1, entropy="surprisal", prune_lookahead=1)
+    r = s.sample(eng, [[1]], PARAMS, ctx_for([[1]]))
+    assert r.rollouts_spent == 4
+    assert r.group_index.shape[0] == 4 - int(r.metrics["sampler/branches_pruned"])
+
+
+def test_param_perturb_restores_weights_exactly_and_perturbs_during_generation():
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in lin.state_dict().items()}
+    seen = []
+
+    class Eng(FakeEngine):
+        def generate(self, prompts, params):
+            seen.append(lin[0].weight.detach().clone())
+            return super().generate(prompts, params)
+
+    eng = Eng({1: 0.5}, model=lin)
+    s = make("param_perturb", 4, n_policies=2, sigma=0.1)
+    r = s.sample(eng, [[1], [1]], PARAMS, ctx_for([[1], [1]]))
+    assert r.rollouts_spent == 8
+    for k, v in lin.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert torch.equal(seen[0], before["0.weight"]) and not torch.equal(seen[1], before["0.weight"])
+    assert r.extras["param_sample"].tolist().count(1) == 4
+    w = make("param_perturb", 4, n_policies=2, grouping="within").sample(eng, [[1], [1]], PARAMS, ctx_for([[1], [1]]))
+    assert sorted(set(w.group_index.tolist())) == [0, 1, 2, 3]
+    assert w.positions().tolist().count(1) == 4
+
+
+def test_adaptive_temperature_uses_hook_and_learns_stats():
+    pytest.importorskip("rlpost.algos.hapo")
+
+    class Eng(FakeEngine):
+        def generate(self, prompts, params):
+            out = super().generate(prompts, params)
+            T = []
+            for t in range(out.response_ids.shape[1]):
+                logits = torch.randn(len(prompts), 12, generator=torch.Generator().manual_seed(t)) * (1 + t)
+                T.append(params.temperature_hook(logits, t))
+            out.temperatures = torch.stack(T, 1) * out.response_mask
+            return out
+
+    eng = Eng({1: 0.5})
+    s = make("adaptive_temperature", 4, tau=0.2)
+    r1 = s.sample(eng, [[1]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=1), SamplerContext())
+    m = r1.generation.response_mask > 0
+    assert torch.allclose(r1.generation.temperatures[m], torch.ones(int(m.sum())))  # no stats yet
+    assert s.stats is not None
+    r2 = s.sample(eng, [[1]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=1), SamplerContext())
+    t2 = r2.generation.temperatures[r2.generation.response_mask > 0]
+    assert t2.min() < 1.0 < t2.max() and t2.min() >= 0.8 - 1e-6 and t2.max() <= 1.2 + 1e-6
+
+
+def test_reward_samplers_need_a_scorer():
+    with pytest.raises(ValueError):
+        make("vigor", 4).sample(FakeEngine({1: 0.5}), [[1]], PARAMS, SamplerContext())
+
+
+def test_group_reward_stats():
+    cnt, mean, var = group_reward_stats(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]), 2)
+    assert cnt.tolist() == [2, 2] and mean.tolist() == [0.5, 1.0] and var.tolist() == [0.25, 0.0]
