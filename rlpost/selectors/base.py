@@ -7,13 +7,32 @@ selects exactly the same prompts.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from rlpost.registry import Registry
 
 SELECTORS = Registry("prompt selector", "selector")
+
+
+def is_zero_variance(rewards: Sequence[float], tol: float = 1e-9) -> bool:
+    """True when all rewards of a group are equal (GRPO advantage 0 for every row)."""
+    return len(rewards) == 0 or (max(rewards) - min(rewards)) <= tol
+
+
+def success_counts(rewards: Sequence[float], threshold: float = 0.5, binary: bool = False):
+    """``(successes, failures)`` of one group of rewards in [0, 1].
+
+    ``binary``: a reward counts as a success when ``>= threshold``; otherwise
+    fractional rewards add fractional evidence (``r`` successes, ``1 - r``
+    failures, clipped to [0, 1]).
+    """
+    r = np.clip(np.asarray(rewards, dtype=np.float64), 0.0, 1.0)
+    if binary:
+        s = float((r >= threshold).sum())
+        return s, float(len(r)) - s
+    return float(r.sum()), float((1.0 - r).sum())
 
 
 class Selector:
@@ -23,14 +42,54 @@ class Selector:
         num_prompts: size of the training split (indices ``0..num_prompts-1``).
         prompts_per_step: prompts to return from :meth:`select`.
         seed: seed of the selector's own random generator.
+
+    Optional hooks (defaults do nothing), read by
+    :func:`rlpost.samplers.driver.collect_rollouts`:
+
+    * :attr:`filters_groups` / :meth:`keep_group` / :meth:`refill`: drop groups
+      after their rewards are known and ask for replacement prompts (DAPO's
+      dynamic sampling).
+    * :meth:`rollout_counts`: per-prompt rollout budget (CurES).
+    * :meth:`hint_fractions`: per-prompt hint length (SEELE).
+    * :meth:`postprocess`: edit the step's rollouts after scoring (POPO replay).
+    * :meth:`attach`: receive run resources (examples, a prompt-entropy function).
     """
+
+    #: drop groups :meth:`keep_group` rejects and refill the batch
+    filters_groups: bool = False
 
     def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, **params: Any) -> None:
         if num_prompts <= 0:
             raise ValueError("the training split is empty")
+        if prompts_per_step <= 0:
+            raise ValueError("prompts_per_step must be >= 1")
         self.num_prompts = num_prompts
         self.prompts_per_step = prompts_per_step
         self.rng = np.random.default_rng(seed)
+        self.skipped = 0  # prompts considered and skipped during the last select()
+
+    def keep_group(self, rewards: Sequence[float]) -> bool:
+        """Whether a scored group enters the batch (only read when :attr:`filters_groups`)."""
+        return True
+
+    def refill(self, n: int) -> List[int]:
+        """``n`` more candidate prompts for the current step (only with :attr:`filters_groups`)."""
+        return []
+
+    def rollout_counts(self, prompt_indices: List[int]) -> Optional[List[int]]:
+        """Rollouts per selected prompt, or None for the sampler's default."""
+        return None
+
+    def hint_fractions(self, prompt_indices: List[int]) -> Optional[List[float]]:
+        """Share in [0, 1] of each prompt's reference solution given as a hint, or None."""
+        return None
+
+    def postprocess(self, out: Any, step: int) -> Any:
+        """Edit the scored step rollouts (a ``StepRollouts``) before training; default unchanged."""
+        return out
+
+    def attach(self, **resources: Any) -> None:
+        """Receive run resources (``examples=``, ``prompt_entropy=``); unknown ones are ignored."""
 
     def select(self, step: int) -> List[int]:
         """Dataset indices of the prompts for ``step``."""
@@ -81,16 +140,25 @@ class UniformSelector(Selector):
         self.pos = int(state["pos"])
 
 
-def build_selector(cfg: Any, num_prompts: int, seed: int) -> Selector:
+def build_selector(cfg: Any, num_prompts: int, seed: int, n_samples: Optional[int] = None) -> Selector:
     """Instantiate ``cfg.name`` with ``cfg.params``.
+
+    ``n_samples`` (the algorithm's group size) is passed to selectors that
+    allocate rollouts (their ``__init__`` takes ``n_samples``) unless the params
+    set it.
 
     Raises:
         ConfigError: unknown selector or unknown parameter.
     """
+    import inspect
+
     from rlpost.errors import ConfigError
 
     cls = SELECTORS.get(cfg.name)
+    params = dict(cfg.params or {})
+    if n_samples is not None and "n_samples" in inspect.signature(cls.__init__).parameters:
+        params.setdefault("n_samples", int(n_samples))
     try:
-        return cls(num_prompts, cfg.prompts_per_step, seed, **dict(cfg.params or {}))
+        return cls(num_prompts, cfg.prompts_per_step, seed, **params)
     except TypeError as e:
-        raise ConfigError(f"selector={cfg.name}: bad selector.params {dict(cfg.params or {})}: {e}") from None
+        raise ConfigError(f"selector={cfg.name}: bad selector.params {params}: {e}") from None

@@ -1,0 +1,383 @@
+"""Reward-history selectors: dynamic_filter (DAPO), greso, hive, cdas, popo."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from rlpost.selectors.base import SELECTORS, UniformSelector, Selector, is_zero_variance
+
+
+@SELECTORS.register(
+    "dynamic_filter",
+    paper="DAPO: An Open-Source LLM Reinforcement Learning System at Scale (arXiv:2503.14476), dynamic sampling",
+    description="Over-sample, drop groups whose rewards are all equal, refill to the batch size.",
+)
+class DynamicFilterSelector(UniformSelector):
+    """DAPO's dynamic sampling.
+
+    :meth:`select` returns ``ceil(oversample * prompts_per_step)`` candidates in
+    shuffled-epoch order; after scoring, groups whose rewards are all equal are
+    dropped (:meth:`keep_group`) and the rollout driver asks :meth:`refill` for
+    more candidates, up to ``max_rounds`` generation rounds, then keeps the
+    first ``prompts_per_step`` surviving groups. If the rounds run out, the
+    batch is smaller (never padded with zero-variance groups).
+
+    Args:
+        oversample: candidate prompts per batch slot in the first round.
+        max_rounds: generation rounds per step at most.
+    """
+
+    filters_groups = True
+
+    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, oversample: float = 1.5, max_rounds: int = 4) -> None:
+        super().__init__(num_prompts, prompts_per_step, seed)
+        self.oversample = max(1.0, float(oversample))
+        self.max_rounds = max(1, int(max_rounds))
+        self.dropped = 0
+        self.seen_groups = 0
+
+    def _draw(self, n: int) -> List[int]:
+        keep = self.prompts_per_step
+        self.prompts_per_step = n
+        try:
+            return UniformSelector.select(self, 0)
+        finally:
+            self.prompts_per_step = keep
+
+    def select(self, step: int) -> List[int]:  # noqa: D102 - see class
+        self.dropped = 0
+        self.seen_groups = 0
+        return self._draw(math.ceil(self.oversample * self.prompts_per_step))
+
+    def refill(self, n: int) -> List[int]:  # noqa: D102 - see class
+        return self._draw(max(1, math.ceil(self.oversample * n)))
+
+    def keep_group(self, rewards: Sequence[float]) -> bool:  # noqa: D102 - see class
+        self.seen_groups += 1
+        ok = not is_zero_variance(list(rewards))
+        self.dropped += 0 if ok else 1
+        return ok
+
+    def metrics(self) -> Dict[str, float]:  # noqa: D102
+        return {"selector/groups_dropped": float(self.dropped), "selector/groups_seen": float(self.seen_groups)}
+
+
+@SELECTORS.register(
+    "greso",
+    paper="Act Only When It Pays: Efficient RL for LLM Reasoning via Selective Rollouts (GRESO, arXiv:2506.02177)",
+    description="Skip prompts whose recent groups were all-equal, with a probability that grows with the streak.",
+)
+class GresoSelector(UniformSelector):
+    """GRESO's pre-rollout filter.
+
+    Each prompt keeps the length ``z`` of its current streak of zero-variance
+    groups and whether the last one was all-correct (easy) or all-wrong (hard).
+    Walking the shuffled epoch order, a candidate with ``z > 0`` is kept with
+    probability ``p_e ** z`` (``p_e = p_easy`` or ``p_hard``) and otherwise
+    skipped; prompts never seen or last seen informative are always kept. The
+    two exploration probabilities adapt each step: if the share of easy
+    (hard) zero-variance groups in the batch exceeds ``target_easy``
+    (``target_hard``), ``p_easy`` (``p_hard``) shrinks by ``step_size``, else it
+    grows, within ``[p_min, 1]``. At most ``max_skip_factor * prompts_per_step``
+    candidates are skipped per step (then the rest are taken as they come).
+
+    Args:
+        p_easy, p_hard: initial keep probabilities per streak step.
+        target_easy, target_hard: wanted share of zero-variance groups of each kind.
+        step_size: adaptation step of ``p_easy`` / ``p_hard``.
+        p_min: lower bound of the keep probabilities.
+        threshold: reward counted as success.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        prompts_per_step: int,
+        seed: int = 0,
+        p_easy: float = 0.5,
+        p_hard: float = 0.5,
+        target_easy: float = 0.125,
+        target_hard: float = 0.125,
+        step_size: float = 0.01,
+        p_min: float = 0.05,
+        max_skip_factor: float = 8.0,
+        threshold: float = 0.5,
+    ) -> None:
+        super().__init__(num_prompts, prompts_per_step, seed)
+        self.p = {"easy": float(p_easy), "hard": float(p_hard)}
+        self.target = {"easy": float(target_easy), "hard": float(target_hard)}
+        self.step_size, self.p_min = float(step_size), float(p_min)
+        self.max_skip = int(max_skip_factor * prompts_per_step)
+        self.threshold = float(threshold)
+        self.streak = np.zeros(num_prompts, dtype=np.int64)
+        self.kind = np.zeros(num_prompts, dtype=np.int64)  # 1 easy, 2 hard
+
+    def keep_probability(self, i: int) -> float:
+        """Probability that prompt ``i`` is rolled out when drawn."""
+        z = int(self.streak[i])
+        if z == 0:
+            return 1.0
+        return self.p["easy" if self.kind[i] == 1 else "hard"] ** z
+
+    def select(self, step: int) -> List[int]:  # noqa: D102 - see class
+        out: List[int] = []
+        self.skipped = 0
+        while len(out) < self.prompts_per_step:
+            if self.pos >= len(self.order):
+                self.order = self.rng.permutation(self.num_prompts).tolist()
+                self.pos = 0
+            i = self.order[self.pos]
+            self.pos += 1
+            if i in out:
+                continue
+            if self.skipped < self.max_skip and self.rng.random() >= self.keep_probability(i):
+                self.skipped += 1
+                continue
+            out.append(i)
+        return out
+
+    def update(self, prompt_indices, rewards):  # noqa: D102 - see class
+        n = max(1, len(prompt_indices))
+        n_kind = {"easy": 0, "hard": 0}
+        for i, r in zip(prompt_indices, rewards):
+            r = list(r)
+            if is_zero_variance(r):
+                k = "easy" if r and r[0] >= self.threshold else "hard"
+                n_kind[k] += 1
+                self.streak[i] += 1
+                self.kind[i] = 1 if k == "easy" else 2
+            else:
+                self.streak[i] = 0
+                self.kind[i] = 0
+        for k in ("easy", "hard"):
+            d = -self.step_size if n_kind[k] / n > self.target[k] else self.step_size
+            self.p[k] = float(min(1.0, max(self.p_min, self.p[k] + d)))
+
+    def metrics(self) -> Dict[str, float]:  # noqa: D102
+        return {
+            "selector/prompts_skipped": float(self.skipped),
+            "selector/p_easy": self.p["easy"],
+            "selector/p_hard": self.p["hard"],
+        }
+
+    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
+        return {**super().state_dict(), "p": dict(self.p), "streak": self.streak.tolist(), "kind": self.kind.tolist()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
+        super().load_state_dict(state)
+        self.p = dict(state["p"])
+        self.streak = np.asarray(state["streak"], dtype=np.int64)
+        self.kind = np.asarray(state["kind"], dtype=np.int64)
+
+
+class HistoryMixin:
+    """Per-prompt ring buffer of group mean rewards (``window`` most recent)."""
+
+    def _init_history(self, n: int, window: int) -> None:
+        self.window = int(window)
+        self.hist: Dict[int, List[float]] = {}
+
+    def _push(self, i: int, v: float) -> None:
+        h = self.hist.setdefault(int(i), [])
+        h.append(float(v))
+        if len(h) > self.window:
+            del h[0]
+
+
+@SELECTORS.register(
+    "hive",
+    paper="HIVE: History-Informed and online-VErified prompt selection (arXiv:2603.25184)",
+    description="Coarse pick at the learning edge from reward history, then prune prompts whose prompt entropy shows stale history.",
+)
+class HiveSelector(HistoryMixin, Selector):
+    """Two-stage selection before rollout.
+
+    Stage 1 (history): utility ``u_i = m_i (1 - m_i) + c * s_i`` from the prompt's
+    last ``history_window`` group accuracies, ``m_i`` their mean (intermediate
+    difficulty) and ``s_i`` their standard deviation (uncertainty; ``c =
+    uncertainty_weight``). Unseen prompts get the maximum ``0.25 + c * 0.5``,
+    so they are explored. The ``pool_multiplier * k`` highest-utility prompts
+    (random tie-breaks) form the candidate pool.
+
+    Stage 2 (online verification): when a ``prompt_entropy(indices) -> list``
+    function is attached (the policy's mean next-token entropy over the prompt
+    tokens, one prefill), a candidate whose entropy changed by more than
+    ``entropy_threshold`` (relative) since its history was last recorded has
+    stale history: it is pruned from this step, its history is cleared so it
+    returns as unseen. The ``k`` best remaining candidates are chosen (pruned
+    ones only fill a shortfall). Without the function only stage 1 runs. The
+    thresholds are our choices; the abstract gives none.
+
+    Args:
+        history_window: accuracies kept per prompt.
+        uncertainty_weight: ``c``.
+        pool_multiplier: candidate pool size / prompts_per_step.
+        entropy_threshold: relative entropy change marking stale history.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        prompts_per_step: int,
+        seed: int = 0,
+        history_window: int = 4,
+        uncertainty_weight: float = 0.5,
+        pool_multiplier: float = 2.0,
+        entropy_threshold: float = 0.15,
+        threshold: float = 0.5,
+    ) -> None:
+        super().__init__(num_prompts, prompts_per_step, seed)
+        self._init_history(num_prompts, history_window)
+        self.c = float(uncertainty_weight)
+        self.pool_multiplier = max(1.0, float(pool_multiplier))
+        self.entropy_threshold = float(entropy_threshold)
+        self.threshold = float(threshold)
+        self.entropy_at: Dict[int, float] = {}
+        self.prompt_entropy: Optional[Callable[[List[int]], List[float]]] = None
+        self.pending_entropy: Dict[int, float] = {}
+        self.pruned = 0
+
+    def attach(self, **resources: Any) -> None:  # noqa: D102 - takes prompt_entropy
+        if resources.get("prompt_entropy") is not None:
+            self.prompt_entropy = resources["prompt_entropy"]
+
+    def utility(self) -> np.ndarray:
+        """``[N]`` stage-1 utility of every prompt."""
+        u = np.full(self.num_prompts, 0.25 + 0.5 * self.c)
+        for i, h in self.hist.items():
+            a = np.asarray(h)
+            m = a.mean()
+            u[i] = m * (1 - m) + self.c * (a.std() if len(a) > 1 else 0.5)
+        return u
+
+    def select(self, step: int) -> List[int]:  # noqa: D102 - see class
+        k = min(self.prompts_per_step, self.num_prompts)
+        u = self.utility()
+        order = np.lexsort((self.rng.random(self.num_prompts), -u))
+        pool = order[: min(self.num_prompts, int(math.ceil(self.pool_multiplier * k)))].tolist()
+        self.pruned = 0
+        self.pending_entropy = {}
+        if self.prompt_entropy is None:
+            return pool[:k]
+        ent = [float(e) for e in self.prompt_entropy(pool)]
+        keep, stale = [], []
+        for i, e in zip(pool, ent):
+            self.pending_entropy[i] = e
+            old = self.entropy_at.get(i)
+            if old is not None and abs(e - old) > self.entropy_threshold * max(abs(old), 1e-6):
+                stale.append(i)
+            else:
+                keep.append(i)
+        for i in stale:
+            self.hist.pop(i, None)
+            self.entropy_at.pop(i, None)
+        self.pruned = len(stale)
+        self.skipped = len(stale)
+        return (keep + stale)[:k]
+
+    def update(self, prompt_indices, rewards):  # noqa: D102
+        for i, r in zip(prompt_indices, rewards):
+            r = list(r)
+            self._push(int(i), float(np.mean([x >= self.threshold for x in r])) if r else 0.0)
+            if int(i) in self.pending_entropy:
+                self.entropy_at[int(i)] = self.pending_entropy[int(i)]
+
+    def metrics(self) -> Dict[str, float]:  # noqa: D102
+        return {"selector/pruned_stale": float(self.pruned), "selector/seen": float(len(self.hist))}
+
+    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
+        return {
+            **super().state_dict(),
+            "hist": {str(k): v for k, v in self.hist.items()},
+            "entropy_at": {str(k): v for k, v in self.entropy_at.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
+        super().load_state_dict(state)
+        self.hist = {int(k): list(v) for k, v in state["hist"].items()}
+        self.entropy_at = {int(k): float(v) for k, v in state["entropy_at"].items()}
+
+
+@SELECTORS.register(
+    "cdas",
+    paper="Competence-Difficulty Alignment Sampling for RL on reasoning (CDAS, seed entry 30)",
+    description="Difficulty from aggregated performance discrepancies, competence by a fixed point; pick problems aligned with competence.",
+)
+class CdasSelector(Selector):
+    """Competence-difficulty alignment (our reading of the abstract, on a logit scale).
+
+    Model: ``P(solve x) = sigmoid(theta - D(x))`` with model competence ``theta``
+    and problem difficulty ``D(x)``. Each time ``x`` is rolled out at step
+    ``t`` its performance discrepancy is ``delta_t(x) = theta_t - logit(acc_t(x))``
+    (the difficulty that step's accuracy implies; accuracy smoothed as ``(s +
+    0.5) / (n + 1)``), and ``D(x)`` is the mean of its discrepancies, steadier
+    than one step's pass rate. Competence is the fixed point of ``theta =
+    theta + (mean acc - mean_x sigmoid(theta - D(x)))`` over the step's
+    problems, iterated with the discrepancies to convergence. Unseen problems
+    have ``D = theta``. Selection is symmetric around competence: half the batch
+    from the problems with ``D >= theta`` closest to it, half from ``D < theta``
+    (the other side fills any shortfall), ties broken at random.
+
+    Args:
+        threshold: reward counted as success.
+        fixed_point_iters: iterations of the competence update.
+    """
+
+    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, threshold: float = 0.5, fixed_point_iters: int = 50) -> None:
+        super().__init__(num_prompts, prompts_per_step, seed)
+        self.theta = 0.0
+        self.sum_delta = np.zeros(num_prompts)
+        self.n_obs = np.zeros(num_prompts)
+        self.threshold = float(threshold)
+        self.iters = int(fixed_point_iters)
+
+    @property
+    def difficulty(self) -> np.ndarray:
+        """``[N]`` difficulty estimates (unseen: current competence)."""
+        return np.where(self.n_obs > 0, self.sum_delta / np.maximum(self.n_obs, 1), self.theta)
+
+    def select(self, step: int) -> List[int]:  # noqa: D102 - see class
+        k = min(self.prompts_per_step, self.num_prompts)
+        D = self.difficulty
+        gap = np.abs(D - self.theta) + 1e-9 * self.rng.random(self.num_prompts)
+        above = [i for i in np.argsort(gap, kind="stable") if D[i] >= self.theta]
+        below = [i for i in np.argsort(gap, kind="stable") if D[i] < self.theta]
+        h = k - k // 2
+        out = above[:h] + below[: k // 2]
+        rest = [i for i in np.argsort(gap, kind="stable") if i not in set(out)]
+        out += rest[: k - len(out)]
+        return [int(i) for i in out]
+
+    def update(self, prompt_indices, rewards):  # noqa: D102 - see class
+        idx = [int(i) for i in prompt_indices]
+        if not idx:
+            return
+        acc = np.array([(sum(1 for x in r if x >= self.threshold) + 0.5) / (len(r) + 1.0) for r in rewards])
+        la = np.log(acc) - np.log1p(-acc)
+        prev_sum, prev_n = self.sum_delta[idx].copy(), self.n_obs[idx].copy()
+        theta = self.theta
+        for _ in range(self.iters):
+            D = (prev_sum + (theta - la)) / (prev_n + 1)
+            new = theta + (acc.mean() - (1 / (1 + np.exp(-(theta - D)))).mean())
+            if abs(new - theta) < 1e-8:
+                theta = new
+                break
+            theta = new
+        self.theta = float(theta)
+        self.sum_delta[idx] = prev_sum + (self.theta - la)
+        self.n_obs[idx] = prev_n + 1
+
+    def metrics(self) -> Dict[str, float]:  # noqa: D102
+        return {"selector/competence": self.theta}
+
+    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
+        return {**super().state_dict(), "theta": self.theta, "sum_delta": self.sum_delta.tolist(), "n_obs": self.n_obs.tolist()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
+        super().load_state_dict(state)
+        self.theta = float(state["theta"])
+        self.sum_delta = np.asarray(state["sum_delta"], dtype=np.float64)
+        self.n_obs = np.asarray(state["n_obs"], dtype=np.float64)

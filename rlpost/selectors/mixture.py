@@ -1,0 +1,241 @@
+"""``selector=domain_mixture`` (Apriel-Reasoner) and ``selector=seele`` (hint lengths from an IRT fit)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from rlpost.selectors.base import SELECTORS, Selector, UniformSelector, is_zero_variance
+
+
+@SELECTORS.register(
+    "domain_mixture",
+    paper="Apriel-Reasoner: adaptive multi-domain sampling (seed entry 50)",
+    description="Ratio-preserving multi-domain sampling: quotas corrected by each domain's share of effective groups.",
+)
+class DomainMixtureSelector(Selector):
+    """Keep the *realised* domain ratios on target.
+
+    Domains come from ``attach(examples=...)`` (``example.meta['domain']``, else
+    ``'default'``) or the ``domains`` parameter (one label per prompt). What is
+    "realised" is measured per domain as an exponential moving average (factor
+    ``ema``) of the share of its groups that are effective (mixed rewards), since
+    zero-variance groups add nothing to a GRPO update; domains whose groups are
+    less often effective (or, in the paper, whose rollouts are longer) would
+    otherwise be under-represented. Quotas per step are ``target_d /
+    eff_d`` normalised and rounded by largest remainder; prompts are drawn
+    uniformly without replacement inside each domain.
+
+    Args:
+        targets: ``{domain: ratio}`` (default: equal shares).
+        domains: per-prompt labels (overrides examples).
+        ema: smoothing of the per-domain effective share.
+        floor: lowest effective share used in the correction.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        prompts_per_step: int,
+        seed: int = 0,
+        targets: Optional[Dict[str, float]] = None,
+        domains: Optional[Sequence[str]] = None,
+        ema: float = 0.8,
+        floor: float = 0.05,
+    ) -> None:
+        super().__init__(num_prompts, prompts_per_step, seed)
+        self.targets_cfg = dict(targets or {})
+        self.ema, self.floor = float(ema), float(floor)
+        self.eff: Dict[str, float] = {}
+        self.realised: Dict[str, float] = {}
+        self._set_domains(list(domains) if domains is not None else ["default"] * num_prompts)
+
+    def _set_domains(self, labels: List[str]) -> None:
+        if len(labels) != self.num_prompts:
+            raise ValueError("domain_mixture needs one domain label per prompt")
+        self.labels = [str(x) for x in labels]
+        self.by_domain: Dict[str, List[int]] = {}
+        for i, d in enumerate(self.labels):
+            self.by_domain.setdefault(d, []).append(i)
+        names = sorted(self.by_domain)
+        t = {d: float(self.targets_cfg.get(d, 0.0 if self.targets_cfg else 1.0)) for d in names}
+        tot = sum(t.values()) or 1.0
+        self.targets = {d: v / tot for d, v in t.items()}
+        for d in names:
+            self.eff.setdefault(d, 1.0)
+
+    def attach(self, **resources: Any) -> None:  # noqa: D102 - takes examples
+        ex = resources.get("examples")
+        if ex is not None and len(ex) == self.num_prompts:
+            self._set_domains([str((getattr(e, "meta", {}) or {}).get("domain", "default")) for e in ex])
+
+    def quotas(self) -> Dict[str, int]:
+        """Prompts per domain for the next step."""
+        from rlpost.samplers.adaptive import apportion
+
+        names = [d for d in sorted(self.by_domain) if self.targets.get(d, 0) > 0]
+        w = [self.targets[d] / max(self.eff[d], self.floor) for d in names]
+        q = apportion(w, self.prompts_per_step, cap=[len(self.by_domain[d]) for d in names])
+        return dict(zip(names, q))
+
+    def select(self, step: int) -> List[int]:  # noqa: D102 - see class
+        out: List[int] = []
+        for d, q in self.quotas().items():
+            if q:
+                out += self.rng.choice(self.by_domain[d], size=q, replace=False).tolist()
+        return out
+
+    def update(self, prompt_indices, rewards):  # noqa: D102 - see class
+        n: Dict[str, int] = {}
+        e: Dict[str, int] = {}
+        for i, r in zip(prompt_indices, rewards):
+            d = self.labels[int(i)]
+            n[d] = n.get(d, 0) + 1
+            e[d] = e.get(d, 0) + (0 if is_zero_variance(list(r)) else 1)
+        for d in n:
+            self.eff[d] = self.ema * self.eff[d] + (1 - self.ema) * e[d] / n[d]
+        tot = sum(e.values())
+        if tot:
+            for d in self.by_domain:
+                self.realised[d] = self.ema * self.realised.get(d, self.targets.get(d, 0)) + (1 - self.ema) * e.get(d, 0) / tot
+
+    def metrics(self) -> Dict[str, float]:  # noqa: D102
+        return {f"selector/realised_{d}": v for d, v in self.realised.items()}
+
+    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
+        return {**super().state_dict(), "eff": dict(self.eff), "realised": dict(self.realised), "labels": list(self.labels)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
+        super().load_state_dict(state)
+        self._set_domains(list(state["labels"]))
+        self.eff = dict(state["eff"])
+        self.realised = dict(state["realised"])
+
+
+def fit_irt_difficulty(h: Sequence[float], acc: Sequence[float], n: Sequence[float], slope: float, prior_mean: float, prior_sd: float, iters: int = 25) -> float:
+    """MAP difficulty ``b`` of a one-parameter logistic IRT curve ``P(h) = sigmoid(slope (h - b))``.
+
+    Args:
+        h: hint fractions of past rounds.
+        acc: observed accuracies at those hints (in [0, 1]).
+        n: rollouts behind each accuracy (binomial weights).
+        slope: fixed discrimination ``a``.
+        prior_mean, prior_sd: Gaussian prior on ``b``.
+    Returns:
+        the posterior-mode ``b`` (Newton's method on the binomial log-likelihood).
+    """
+    h, acc, n = (np.asarray(x, dtype=np.float64) for x in (h, acc, n))
+    b = float(prior_mean)
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-slope * (h - b)))
+        g = float((n * (acc - p) * -slope).sum()) - (b - prior_mean) / prior_sd**2
+        H = float(-(n * p * (1 - p) * slope**2).sum()) - 1.0 / prior_sd**2
+        step = g / H
+        b -= step
+        if abs(step) < 1e-8:
+            break
+    return b
+
+
+@SELECTORS.register(
+    "seele",
+    paper="SEELE: hint-length control by item response theory for RLVR (seed entry 9)",
+    description="Uniform prompts, each with a hint (prefix of its reference solution) sized by a per-prompt IRT fit to hit a target accuracy.",
+)
+class SeeleSelector(UniformSelector):
+    """Per-prompt hint length from an item-response-theory fit.
+
+    A prompt's accuracy as a function of the hint fraction ``h`` (share of its
+    reference solution appended after the prompt) is modelled as ``sigmoid(a (h
+    - b_x))``, slope ``a`` shared and fixed, difficulty ``b_x`` fitted by MAP
+    (Gaussian prior) to all ``(h, accuracy)`` pairs of that prompt so far
+    (:func:`fit_irt_difficulty`). The next hint solves ``sigmoid(a (h - b_x)) =
+    target``: ``h = b_x + logit(target) / a``, clipped to ``[0, max_hint]``.
+    Each selection of a prompt is one round (the paper runs several rounds
+    inside a step; here rounds are spread over steps, our simplification).
+    Prompts are drawn like ``uniform``. The hint tokens are built by the
+    ``hint`` function the runner passes to the rollout driver (see
+    :func:`make_hint_fn`).
+
+    Args:
+        target: accuracy to aim for.
+        slope: IRT discrimination ``a`` (per unit of hint fraction).
+        prior_b: prior mean of ``b_x`` (start hint = prior_b + logit(target) / a).
+        prior_sd: prior standard deviation of ``b_x``.
+        max_hint: largest hint fraction.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        prompts_per_step: int,
+        seed: int = 0,
+        target: float = 0.5,
+        slope: float = 6.0,
+        prior_b: float = 0.3,
+        prior_sd: float = 0.5,
+        max_hint: float = 0.9,
+        threshold: float = 0.5,
+    ) -> None:
+        super().__init__(num_prompts, prompts_per_step, seed)
+        if not 0 < target < 1:
+            raise ValueError("seele target must be in (0, 1)")
+        self.target, self.slope = float(target), float(slope)
+        self.prior_b, self.prior_sd, self.max_hint = float(prior_b), float(prior_sd), float(max_hint)
+        self.threshold = float(threshold)
+        self.obs: Dict[int, List[List[float]]] = {}
+        self.last_hint: Dict[int, float] = {}
+
+    def hint_for(self, i: int) -> float:
+        """Hint fraction for prompt ``i`` from its current IRT fit."""
+        o = self.obs.get(int(i))
+        b = self.prior_b if not o else fit_irt_difficulty(*zip(*o), slope=self.slope, prior_mean=self.prior_b, prior_sd=self.prior_sd)
+        h = b + np.log(self.target / (1 - self.target)) / self.slope
+        return float(np.clip(h, 0.0, self.max_hint))
+
+    def hint_fractions(self, prompt_indices: List[int]) -> Optional[List[float]]:  # noqa: D102 - see class
+        out = [self.hint_for(i) for i in prompt_indices]
+        for i, h in zip(prompt_indices, out):
+            self.last_hint[int(i)] = h
+        return out
+
+    def update(self, prompt_indices, rewards):  # noqa: D102 - see class
+        for i, r in zip(prompt_indices, rewards):
+            r = list(r)
+            if not r:
+                continue
+            acc = sum(1 for x in r if x >= self.threshold) / len(r)
+            self.obs.setdefault(int(i), []).append([self.last_hint.get(int(i), 0.0), acc, float(len(r))])
+
+    def metrics(self) -> Dict[str, float]:  # noqa: D102
+        h = list(self.last_hint.values())
+        return {"selector/hint_mean": float(np.mean(h)) if h else 0.0}
+
+    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
+        return {**super().state_dict(), "obs": {str(k): v for k, v in self.obs.items()}, "last_hint": {str(k): v for k, v in self.last_hint.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
+        super().load_state_dict(state)
+        self.obs = {int(k): [list(x) for x in v] for k, v in state["obs"].items()}
+        self.last_hint = {int(k): float(v) for k, v in state["last_hint"].items()}
+
+
+def make_hint_fn(examples: Sequence[Any], tokenizer: Any, prefix: str = "") -> Any:
+    """``fn(dataset index, fraction) -> token ids`` of a hint for SEELE.
+
+    The hint is the first ``fraction`` of the example's reference solution
+    (``example.meta['solution']``, else ``str(example.answer)``), cut at a
+    character boundary, preceded by ``prefix``; tokens are appended after the
+    rendered prompt (so they open the assistant turn and carry no loss).
+    """
+
+    def fn(i: int, fraction: float) -> List[int]:
+        ex = examples[int(i)]
+        sol = str((getattr(ex, "meta", {}) or {}).get("solution") or ex.answer)
+        k = int(round(len(sol) * max(0.0, min(1.0, fraction))))
+        if k <= 0:
+            return []
+        return list(tokenizer.encode(prefix + sol[:k], add_special_tokens=False))
+
+    return fn
