@@ -75,7 +75,7 @@ def evaluate(
     eval_cfg: Any,
     seed: int = 0,
     reward_fn: Any = None,
-    n_boot: int = 1000,
+    n_boot: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Evaluate ``task``'s held-out split with ``engine``.
 
@@ -100,10 +100,10 @@ def evaluate(
         reward_fn: a :class:`rlpost.rewards.RewardFunction` for ``task``; by
             default one is built with the task's ``reward.timeout_s`` and closed
             afterwards.
-        n_boot: bootstrap replicates.
+        n_boot: bootstrap replicates (default ``eval.n_boot``, else 1000).
     Returns:
         A dict with ``task``, ``n`` (problems), ``accuracy`` with
-        ``accuracy_ci_low``/``accuracy_ci_high``, ``response_length_mean``
+        ``accuracy_ci_low``/``accuracy_ci_high`` (also as ``ci_low``/``ci_high``), ``response_length_mean``
         (tokens, greedy), ``truncated_frac``, ``format_rate``,
         ``verifier_errors``, ``verifier_timeouts``, ``time_s``, ``seed``, the
         pass@k / maj@k / mean@k figures (each with ``_ci_low``/``_ci_high``)
@@ -124,6 +124,7 @@ def evaluate(
     temperature = float(_cfg_get(eval_cfg, "temperature", 1.0))
     ks = [int(k) for k in (_cfg_get(eval_cfg, "ks", [1]) or [1])]
     batch_size = max(1, int(_cfg_get(eval_cfg, "batch_size", 64)))
+    n_boot = int(n_boot if n_boot is not None else _cfg_get(eval_cfg, "n_boot", 1000))
     examples = list(task.eval_examples())
     if limit is not None:
         examples = examples[: int(limit)]
@@ -170,6 +171,7 @@ def evaluate(
         )
     out: Dict[str, Any] = {"task": task.name, "n": n, "seed": seed}
     out.update(_ci_fields("accuracy", correct, seed, n_boot))
+    out["ci_low"], out["ci_high"] = out["accuracy_ci_low"], out["accuracy_ci_high"]  # aliases
     out["response_length_mean"] = float(np.mean(greedy["lengths"]))
     out["truncated_frac"] = float(np.mean([not f for f in greedy["finished"]]))
     out["format_rate"] = float(np.mean([float(f) for f in greedy["format"]]))
@@ -288,3 +290,52 @@ def format_result(result: Dict[str, Any]) -> str:
         if isinstance(v, float) and not math.isnan(v):
             lines.append(f"  {key} {v:.3f} [{result[key + '_ci_low']:.3f}, {result[key + '_ci_high']:.3f}]")
     return "\n".join(lines)
+
+
+def build_eval_tasks(specs: Sequence[str], extra_overrides: Sequence[str] = ()) -> Dict[str, Any]:
+    """Tasks named in ``eval.tasks``, each composed from its preset ``conf/task/<name>.yaml``.
+
+    An entry is ``<preset>`` or ``<preset>:<path>`` (sets ``task.path``, e.g.
+    ``gsm8k:../shared/data/gsm8k/test.jsonl``). Tasks are evaluation-only here:
+    their training split is never read.
+
+    Args:
+        specs: entries of ``eval.tasks``.
+        extra_overrides: further Hydra overrides applied to every preset.
+    Returns:
+        ``{task name: Task}`` in the order given.
+    Raises:
+        ConfigError: unknown preset (lists the choices) or invalid override.
+        DataError: unreadable file / unreachable hub.
+    """
+    from rlpost.config.compose import compose_config
+    from rlpost.tasks import build_task
+
+    tasks: Dict[str, Any] = {}
+    for spec in specs:
+        name, _, path = str(spec).partition(":")
+        overrides = [f"task={name.strip()}"] + list(extra_overrides)
+        if path:
+            overrides.append(f"task.path={path.strip()}")
+        cfg = compose_config(overrides)
+        task = build_task(cfg.task)
+        tasks[task.name] = task
+    return tasks
+
+
+def evaluate_tasks(
+    engine: RolloutEngine, tokenizer: Any, tasks: Dict[str, Any], eval_cfg: Any, seed: int = 0
+) -> Dict[str, Any]:
+    """:func:`evaluate` on every task, plus the :func:`aggregate` figures.
+
+    Returns:
+        ``{"results": {task: result}, "aggregate": {...}, "metrics": flat
+        eval/<task>/... and eval/aggregate/... scalars for the metrics log}``.
+    """
+    results = {name: evaluate(engine, tokenizer, t, eval_cfg, seed=seed) for name, t in tasks.items()}
+    agg = aggregate(results, seed=seed, n_boot=int(_cfg_get(eval_cfg, "n_boot", 1000))) if len(results) > 1 else {}
+    metrics: Dict[str, float] = {}
+    for name, res in results.items():
+        metrics.update(scalar_metrics(res, f"eval/{name}"))
+    metrics.update({f"eval/aggregate/{k}": float(v) for k, v in agg.items()})
+    return {"results": results, "aggregate": agg, "metrics": metrics}

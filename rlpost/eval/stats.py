@@ -7,7 +7,7 @@ closed forms with a few hand-written numbers.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -121,7 +121,7 @@ def bootstrap_ci(
 
 
 def paired_bootstrap(
-    diffs: np.ndarray, n_boot: int = 2000, alpha: float = 0.05, seed: int = 0
+    diffs: Union[np.ndarray, Sequence[np.ndarray]], n_boot: int = 2000, alpha: float = 0.05, seed: int = 0
 ) -> Dict[str, float]:
     """Paired bootstrap CI of a mean difference over matched seeds and problems.
 
@@ -132,30 +132,39 @@ def paired_bootstrap(
     enter the interval) and averages the resampled cells. This is the paired-CI
     standard of DataFlex-RL's method comparisons.
 
+    A list of ``[S, P_t]`` arrays (one per benchmark, same seeds in the same
+    order) gives the benchmark-balanced difference: the mean over benchmarks of
+    each benchmark's mean, with seeds resampled jointly and problems resampled
+    within each benchmark (stratified).
+
     Args:
-        diffs: ``[S, P]`` matched differences (``S`` seeds, ``P`` problems).
+        diffs: ``[S, P]`` matched differences, or a list of ``[S, P_t]``.
+        n_boot: replicates; alpha: 1 - confidence level.
     Returns:
         ``{"mean", "ci_low", "ci_high", "p_value", "significant"}`` where
         ``p_value`` is the two-sided bootstrap sign probability
         ``2 * min(P(d* <= 0), P(d* >= 0))`` (capped at 1) and ``significant`` is
         1.0 when the ``1 - alpha`` interval excludes 0.
     Raises:
-        ConfigError: ``diffs`` is not a non-empty 2-D array.
+        ConfigError: an array is not non-empty 2-D, or the seed counts differ.
     """
-    d = np.asarray(diffs, dtype=np.float64)
-    if d.ndim != 2 or d.size == 0:
-        raise ConfigError(f"paired_bootstrap needs a non-empty [seeds, problems] array, got shape {d.shape}")
-    S, P = d.shape
+    strata = [np.asarray(diffs, dtype=np.float64)] if isinstance(diffs, np.ndarray) else [
+        np.asarray(d, dtype=np.float64) for d in diffs
+    ]
+    if not strata or any(d.ndim != 2 or d.size == 0 for d in strata):
+        raise ConfigError(f"paired_bootstrap needs non-empty [seeds, problems] arrays, got shapes {[d.shape for d in strata]}")
+    S = strata[0].shape[0]
+    if any(d.shape[0] != S for d in strata):
+        raise ConfigError(f"paired_bootstrap: every benchmark needs the same seeds, got {[d.shape[0] for d in strata]}")
     rng = np.random.default_rng(seed)
     means = np.empty(n_boot)
     for b in range(n_boot):
-        si = rng.integers(0, S, size=S) if S > 1 else np.zeros(1, dtype=int)
-        pi = rng.integers(0, P, size=P)
-        means[b] = d[np.ix_(si, pi)].mean()
+        si = rng.integers(0, S, size=S)
+        means[b] = np.mean([d[np.ix_(si, rng.integers(0, d.shape[1], size=d.shape[1]))].mean() for d in strata])
     lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
     p = min(1.0, 2.0 * min(float((means <= 0).mean()), float((means >= 0).mean())))
     return {
-        "mean": float(d.mean()),
+        "mean": float(np.mean([d.mean() for d in strata])),
         "ci_low": float(lo),
         "ci_high": float(hi),
         "p_value": p,

@@ -58,6 +58,13 @@ class RewardFunction:
         length_penalty: subtracted per response token.
         isolate: run the verifier in a worker process (True) or in-process
             (False: no hang protection, for debugging).
+        majority_vote: TTRL pseudo-labels (Zuo et al., "TTRL: Test-Time
+            Reinforcement Learning", arXiv:2504.16084): responses to the same
+            prompt (same ``Example.index``) vote with their extracted answers
+            (``task.answer_key``); the most frequent answer becomes the label and
+            each response is scored against it by the task's verifier. Gold
+            answers are only used for the monitoring metrics
+            ``reward/ttrl_label_accuracy`` and ``reward/gold_correct_mean``.
     """
 
     def __init__(
@@ -70,6 +77,7 @@ class RewardFunction:
         max_len: int = 0,
         length_penalty: float = 0.0,
         isolate: bool = True,
+        majority_vote: bool = False,
     ) -> None:
         self.task = task
         self.timeout_s = float(timeout_s)
@@ -79,7 +87,30 @@ class RewardFunction:
         self.max_len = max_len
         self.length_penalty = length_penalty
         self.isolate = isolate
+        self.majority_vote = majority_vote
         self._pool: Optional[Any] = None
+
+    @classmethod
+    def from_config(cls, task: Any, reward_cfg: Any, max_len: int = 0) -> "RewardFunction":
+        """Build from a ``task.reward`` node (:class:`rlpost.config.schema.RewardConfig`).
+
+        Args:
+            task: the task whose verifier scores responses.
+            reward_cfg: ``cfg.task.reward``.
+            max_len: generation limit in tokens (``rollout.max_new_tokens``), the
+                end of DAPO's overlong window.
+        """
+        g = lambda k, d: getattr(reward_cfg, k, d) if reward_cfg is not None else d  # noqa: E731
+        return cls(
+            task,
+            timeout_s=g("timeout_s", 5.0),
+            format_weight=g("format_weight", 0.0),
+            overlong_buffer=g("overlong_buffer", 0),
+            overlong_penalty=g("overlong_penalty", 1.0),
+            max_len=max_len,
+            length_penalty=g("length_penalty", 0.0),
+            majority_vote=bool(g("majority_vote", False)),
+        )
 
     def _ensure_pool(self) -> Any:
         global _WORKER_TASK
@@ -156,7 +187,11 @@ class RewardFunction:
             responses: decoded responses, examples: their :class:`Example`\\ s,
             lengths: ``[B]`` response lengths in tokens.
         """
-        scores, fmts, counts = self.correctness(responses, examples)
+        extra: Dict[str, float] = {}
+        if self.majority_vote:
+            scores, fmts, counts, extra = self._ttrl_correctness(responses, examples)
+        else:
+            scores, fmts, counts = self.correctness(responses, examples)
         corr = torch.tensor(scores, dtype=torch.float32)
         fmt = torch.tensor([float(f) for f in fmts])
         r = corr + self.format_weight * fmt
@@ -169,5 +204,42 @@ class RewardFunction:
             "reward/format_mean": float(fmt.mean()) if len(fmt) else 0.0,
             "reward/verifier_errors": float(counts["errors"]),
             "reward/verifier_timeouts": float(counts["timeouts"]),
+            **extra,
         }
         return r, metrics
+
+    def _ttrl_correctness(
+        self, responses: Sequence[str], examples: Sequence[Any]
+    ) -> Tuple[List[float], List[bool], Dict[str, float], Dict[str, float]]:
+        """Scores against per-prompt majority-vote labels (TTRL), plus label-quality metrics."""
+        from rlpost.eval.stats import majority_vote
+
+        groups: Dict[Any, List[int]] = {}
+        for i, ex in enumerate(examples):
+            groups.setdefault((ex.index, ex.question), []).append(i)
+        keys = [self.task.answer_key(r) for r in responses]
+        pseudo: List[Any] = list(examples)
+        labelled = [False] * len(responses)
+        winners: List[int] = []
+        ratios: List[float] = []
+        for members in groups.values():
+            j = majority_vote([keys[i] for i in members])
+            if j is None:
+                continue
+            w = members[j]
+            winners.append(w)
+            ratios.append(sum(keys[i] == keys[w] for i in members) / len(members))
+            label = self.task.extract_answer(responses[w])
+            for i in members:
+                pseudo[i] = self.task.with_answer(examples[i], label)
+                labelled[i] = True
+        scores, fmts, counts = self.correctness(responses, pseudo)
+        scores = [s if ok else 0.0 for s, ok in zip(scores, labelled)]
+        gold, _, gcounts = self.correctness(responses, examples)
+        counts = {k: counts[k] + gcounts[k] for k in counts}
+        extra = {
+            "reward/ttrl_label_accuracy": float(sum(gold[w] > 0.5 for w in winners) / len(groups)) if groups else 0.0,
+            "reward/ttrl_majority_ratio": float(sum(ratios) / len(ratios)) if ratios else 0.0,
+            "reward/gold_correct_mean": float(sum(gold) / len(gold)) if gold else 0.0,
+        }
+        return scores, fmts, counts, extra
