@@ -1,0 +1,174 @@
+"""Advantage estimators on small hand-computed tensors."""
+
+import math
+
+import pytest
+import torch
+
+from rlpost.algos.advantages import AdvantageInput, compute_advantages
+from rlpost.algos.registries import ADV_ESTIMATORS
+from rlpost.algos.shaping import BetaBaselineTracker, overlong_penalty
+
+
+def inp(rewards, lengths, groups, R=None, **kw):
+    R = R or max(lengths)
+    mask = torch.zeros(len(lengths), R)
+    for i, L in enumerate(lengths):
+        mask[i, :L] = 1.0
+    return AdvantageInput(
+        rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
+        group_index=torch.tensor(groups), **kw,
+    )
+
+
+def seq_adv(out, x):
+    """Advantage of each sequence (its first token) and a check that it is constant on the mask."""
+    a = out.advantages
+    assert torch.all(a[x.response_mask == 0] == 0)
+    first = a[:, 0]
+    assert torch.allclose(a, first[:, None] * x.response_mask, atol=1e-6)
+    return first
+
+
+def test_grpo_values_and_zero_mean_per_group():
+    x = inp([1, 0, 0, 1, 1, 1], [2, 3, 1, 2, 2, 2], [0, 0, 0, 0, 1, 1])
+    a = seq_adv(compute_advantages("grpo", x), x)
+    # group 0: mean 0.5, unbiased std sqrt(1/3)
+    s = math.sqrt(1 / 3)
+    assert torch.allclose(a[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (s + 1e-6), atol=1e-5)
+    assert abs(float(a[:4].sum())) < 1e-5
+    # zero-variance group -> exactly 0, never NaN
+    assert torch.equal(a[4:], torch.zeros(2))
+
+
+def test_dr_grpo_no_std():
+    x = inp([2, 0, 1], [1, 1, 1], [0, 0, 0])
+    a = seq_adv(compute_advantages("grpo", x, norm_by_std=False), x)
+    assert torch.allclose(a, torch.tensor([1.0, -1.0, 0.0]))
+
+
+def test_rloo_leave_one_out():
+    x = inp([1, 0, 0, 1, 5], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1])
+    a = seq_adv(compute_advantages("rloo", x), x)
+    # sample 0: 1 - mean(0,0,1) = 2/3; sample 1: 0 - mean(1,0,1) = -2/3
+    assert torch.allclose(a, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0]), atol=1e-6)
+
+
+def test_opo_length_weighted_baseline():
+    x = inp([1, 0], [3, 1], [0, 0])
+    a = seq_adv(compute_advantages("opo", x), x)
+    b = (3 * 1 + 1 * 0) / 4
+    assert torch.allclose(a, torch.tensor([1 - b, -b]))
+
+
+def test_gpg_rectification_alpha():
+    # two groups; the second has zero variance: M = 2 of B = 4 -> alpha = 2
+    x = inp([1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1])
+    a = seq_adv(compute_advantages("gpg", x, norm_by_std=False), x)
+    assert torch.allclose(a, torch.tensor([1.0, -1.0, 0.0, 0.0]))
+
+
+def test_mc_grpo_median_and_pivot_excluded():
+    x = inp([3, 1, 2, 0, 5], [1, 2, 1, 1, 1], [0, 0, 0, 0, 0])
+    out = compute_advantages("mc_grpo", x, norm_by_std=False)
+    a = seq_adv(out, x)
+    assert torch.allclose(a, torch.tensor([1.0, -1.0, 0.0, -2.0, 3.0]))
+    # the median rollout (reward 2, index 2) is the pivot, removed from the loss mask
+    assert torch.equal(out.loss_mask.sum(-1), torch.tensor([1.0, 2.0, 0.0, 1.0, 1.0]))
+
+
+def test_reinforce_pp_global_whitening_and_kl_in_reward():
+    x = inp([1, 0], [2, 1], [0, 1], token_rewards=torch.tensor([[-0.1, -0.1], [-0.2, 0.0]]))
+    out = compute_advantages("reinforce_pp", x)
+    # returns: seq0 tokens: [1 - 0.2, 1 - 0.1] = [0.8, 0.9]; seq1: [-0.2]
+    assert torch.allclose(out.returns, torch.tensor([[0.8, 0.9], [-0.2, 0.0]]), atol=1e-6)
+    m = x.response_mask
+    v = out.advantages[m > 0]
+    assert abs(float(v.mean())) < 1e-5 and abs(float(v.std()) - 1.0) < 1e-3
+
+
+def test_reinforce_pp_baseline_subtracts_group_mean():
+    # one group: rewards 1, 0 -> shifted 0.5, -0.5; equal lengths -> whitened +-1/std
+    x = inp([1, 0], [1, 1], [0, 0])
+    out = compute_advantages("reinforce_pp_baseline", x)
+    a = out.advantages[:, 0]
+    assert a[0] > 0 > a[1] and abs(float(a.sum())) < 1e-5
+
+
+def test_remax_greedy_baseline_and_missing_raises():
+    x = inp([1, 0], [2, 1], [0, 1], baseline_rewards=torch.tensor([0.25, 0.5]))
+    a = seq_adv(compute_advantages("remax", x), x)
+    assert torch.allclose(a, torch.tensor([0.75, -0.5]))
+    with pytest.raises(ValueError, match="baseline"):
+        compute_advantages("remax", inp([1.0], [1], [0]))
+
+
+def test_gae_zero_values_returns_outcome_and_raises_without_critic():
+    x = inp([1.0], [3], [0], values=torch.zeros(1, 3))
+    out = compute_advantages("gae", x, gamma=1.0, lam=1.0, whiten=False)
+    assert torch.allclose(out.advantages, torch.ones(1, 3))
+    x2 = inp([1.0], [2], [0], values=torch.tensor([[0.5, 0.25]]))
+    out2 = compute_advantages("sao", x2)
+    # lam=1, gamma=1: A_t = R - V(s_t)
+    assert torch.allclose(out2.advantages, torch.tensor([[0.5, 0.75]]))
+    with pytest.raises(ValueError, match="critic"):
+        compute_advantages("gae", inp([1.0], [2], [0]))
+
+
+def test_hapo_token_level_group_average():
+    # group: r = [1, 0], lengths [3, 1]: token mean mu = 3/4, population var = (3*(1/4)^2 + 1*(3/4)^2)/4 = 3/16
+    x = inp([1, 0], [3, 1], [0, 0])
+    a = seq_adv(compute_advantages("hapo", x, eps=0.0), x)
+    sd = math.sqrt(3 / 16)
+    assert torch.allclose(a, torch.tensor([0.25 / sd, -0.75 / sd]), atol=1e-5)
+    # token-weighted mean of the advantage is 0 (unbiased at the token level)
+    assert abs(float((a * torch.tensor([3.0, 1.0])).sum())) < 1e-5
+
+
+def test_hapo_falls_back_to_grpo_for_extreme_groups():
+    # 1 one-token correct answer among 9 wrong ones of 40 tokens: the token-level advantage of the
+    # correct one is (1 - 1/361) / sqrt(1/361 * 360/361) ~ 19 >= 5 -> the group uses GRPO's advantage
+    x = inp([1] + [0] * 9, [1] + [40] * 9, [0] * 10)
+    a = seq_adv(compute_advantages("hapo", x), x)
+    g = seq_adv(compute_advantages("grpo", x), x)
+    assert torch.allclose(a, g, atol=1e-5)
+
+
+def test_mssr_entropy_shaping_is_bounded_and_keeps_sign():
+    H = torch.tensor([[0.1, 10.0], [10.0, 0.0]])
+    x = inp([1, 0], [2, 2], [0, 1], entropy=H, baseline_rewards=torch.tensor([0.5, 0.5]))
+    out = compute_advantages("mssr", x, batch_norm=False, entropy_alpha=0.4, entropy_kappa=2.0)
+    # A = [0.5, -0.5]; bonus = min(0.4 H, |A| / 2)
+    expect = torch.tensor([[0.5 + 0.04, 0.75], [-0.5 + 0.25, -0.5]])
+    assert torch.allclose(out.advantages, expect, atol=1e-6)
+    assert torch.all(torch.sign(out.advantages) == torch.sign(torch.tensor([[1.0, 1], [-1, -1]])))
+    with pytest.raises(ValueError, match="entropy"):
+        compute_advantages("mssr", inp([1.0], [1], [0]))
+
+
+def test_dapo_overlong_shaping_via_adv_params():
+    # max_len 10, buffer 4: L<=6 -> 0, L=8 -> -(8-6)/4 = -0.5, L=10 -> -1
+    assert torch.allclose(overlong_penalty(torch.tensor([5, 8, 10, 11]), 10, 4), torch.tensor([0.0, -0.5, -1.0, -1.0]))
+    x = inp([1, 1], [5, 8], [0, 0], R=10)
+    a = seq_adv(compute_advantages("grpo", x, norm_by_std=False, overlong_buffer=0.4, max_len=10), x)
+    assert torch.allclose(a, torch.tensor([0.25, -0.25]))
+
+
+def test_beta_tracker_posterior_mean():
+    t = BetaBaselineTracker(rho=1.0)
+    assert torch.allclose(t.baseline([7]), torch.tensor([0.5]))
+    t.update([7, 7], [1.0, 1.0])
+    assert torch.allclose(t.baseline([7, 8]), torch.tensor([3 / 4, 0.5]))
+    t2 = BetaBaselineTracker()
+    t2.load_state_dict(t.state_dict())
+    assert torch.allclose(t2.baseline([7]), torch.tensor([0.75]))
+
+
+@pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
+def test_every_estimator_zero_variance_group_is_finite(name):
+    x = inp([1, 1, 1], [2, 1, 3], [0, 0, 0], values=torch.zeros(3, 3), entropy=torch.ones(3, 3),
+            baseline_rewards=torch.ones(3))
+    out = compute_advantages(name, x)
+    assert torch.isfinite(out.advantages).all()
+    if ADV_ESTIMATORS.tag(name, "needs_group"):
+        assert torch.equal(out.advantages, torch.zeros_like(out.advantages))
