@@ -265,10 +265,9 @@ def main() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-    try:
-        import rlpost.eval.compare as _cmp  # noqa: F401  (registers `rlpost compare` when present)
-    except ImportError:
-        pass
+    from rlpost.eval.compare import register_cli
+
+    register_cli(app)  # `rlpost compare`
     app()
 
 
