@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -275,6 +274,3 @@ def register_cli(app: Any) -> None:
         if json_out is not None:
             json_out.write_text(json.dumps(results, indent=1))
 
-
-if "rlpost.cli" in sys.modules and hasattr(sys.modules["rlpost.cli"], "app"):
-    register_cli(sys.modules["rlpost.cli"].app)
