@@ -50,11 +50,11 @@ def _launch(fn: Callable[[Any], Any], overrides: List[str], multirun: bool) -> N
     """Run ``fn(cfg)`` under Hydra's own main (run dirs, sweeps, launchers)."""
     import hydra
 
-    from rlpost.config.compose import conf_dir
+    from rlpost.config.compose import conf_dir, normalize_overrides
     from rlpost.config.schema import register_schemas
 
     register_schemas()
-    argv = ["rlpost"] + (["--multirun"] if multirun else []) + list(overrides)
+    argv = ["rlpost"] + (["--multirun"] if multirun else []) + normalize_overrides(list(overrides))
     old = sys.argv
     sys.argv = argv
     try:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlpost.config.schema import GROUP_SCHEMAS, register_schemas
 from rlpost.errors import ConfigError
+from rlpost.tasks.answer_tags import EXTRACTORS
 
 
 def conf_dir() -> Path:
@@ -91,6 +92,24 @@ def friendly_error(err: Exception) -> ConfigError:
     return ConfigError(f"Invalid config: {first}")
 
 
+#: Free-form dict fields: their keys are a component's own parameters, so an
+#: override may add a key the preset does not list (``task.params.min_numbers=3``).
+FREE_DICTS = (
+    "task.params.", "task.reward.verifier_params.", "algo.adv_params.", "algo.loss_params.",
+    "sampler.params.", "selector.params.", "precision.correction_params.",
+)
+
+
+def normalize_overrides(overrides: List[str]) -> List[str]:
+    """Turn ``a.params.k=v`` into Hydra's add-or-override ``++a.params.k=v`` for :data:`FREE_DICTS`."""
+    out = []
+    for o in overrides:
+        if "=" in o and not o.startswith(("+", "~")) and o.split("=", 1)[0].startswith(FREE_DICTS):
+            o = "++" + o
+        out.append(o)
+    return out
+
+
 def compose_config(overrides: List[str], return_hydra_config: bool = False) -> DictConfig:
     """Compose ``conf/config.yaml`` with Hydra ``overrides`` (no sweeps).
 
@@ -105,7 +124,7 @@ def compose_config(overrides: List[str], return_hydra_config: bool = False) -> D
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+            cfg = compose("config", overrides=normalize_overrides(list(overrides)), return_hydra_config=return_hydra_config)
     except ConfigError:
         raise
     except Exception as e:  # Hydra raises several unrelated exception types
@@ -186,7 +205,7 @@ def validate_config(cfg: DictConfig) -> None:
         (cfg.trainer.engine in ("torch", "deepspeed"), f"trainer.engine={cfg.trainer.engine!r}: valid choices are torch, deepspeed"),
         (cfg.logger.backend in ("wandb", "jsonl", "none"), f"logger.backend={cfg.logger.backend!r}: valid choices are wandb, jsonl, none"),
         (cfg.model.source in ("gguf_wheel", "hf", "tiny"), f"model.source={cfg.model.source!r}: valid choices are gguf_wheel, hf, tiny"),
-        (cfg.task.answer_format in ("tags", "boxed", "last_number"), f"task.answer_format={cfg.task.answer_format!r}: valid choices are tags, boxed, last_number"),
+        (cfg.task.answer_format in EXTRACTORS, f"task.answer_format={cfg.task.answer_format!r}: valid choices are {', '.join(EXTRACTORS)}"),
     ]
     if a.mini_batches > 1:
         B = cfg.selector.prompts_per_step * a.n_samples_per_prompt
