@@ -247,3 +247,33 @@ def test_compare_cli_command(tmp_path):
     assert json.loads(out.read_text())[0]["overall"]["diff"] == 0.0
     bad = CliRunner().invoke(cli.app, ["compare", str(tmp_path / "A"), str(tmp_path / "missing")])
     assert bad.exit_code == DataError.exit_code and "no run with eval.json" in bad.output
+
+
+def test_eval_tasks_from_presets_with_paths():
+    from pathlib import Path
+
+    from rlpost.eval.evaluate import build_eval_tasks, evaluate_tasks
+
+    data = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    if not data.is_dir():
+        pytest.skip(f"shared benchmark data not found at {data}")
+    tasks = build_eval_tasks([f"aime24:{data / 'aime24' / 'test.jsonl'}", f"amc23:{data / 'amc23' / 'test.jsonl'}"])
+    assert list(tasks) == ["aime24", "amc23"]
+    golds = {name: [str(e.answer) for e in t.eval_examples()] for name, t in tasks.items()}
+
+    class Tok:
+        chat_template = None
+
+        def __call__(self, text):
+            return {"input_ids": [len(text)]}
+
+    # always answers 27: right on AMC problem 0 only (and on no AIME problem)
+    eng = ScriptedEngine(lambda p, i: "so \\boxed{27}")
+    out = evaluate_tasks(eng, Tok(), tasks, EvalConfig(limit=5, n_boot=200))
+    assert golds["amc23"][0] == "27.0"
+    assert out["results"]["amc23"]["accuracy"] == pytest.approx(1 / 5)
+    assert out["results"]["aime24"]["accuracy"] == 0.0
+    assert out["metrics"]["eval/amc23/accuracy"] == pytest.approx(0.2)
+    assert out["metrics"]["eval/aggregate/macro_accuracy"] == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="Valid choices"):
+        build_eval_tasks(["gsm8kk"])
