@@ -211,6 +211,7 @@ REGISTRY_GROUPS = {
     "loss_agg": ("rlpost.algos.registries", "LOSS_AGGS"),
     "kl": ("rlpost.algos.registries", "KL_ESTIMATORS"),
     "task_kind": ("rlpost.tasks.base", "TASKS"),
+    "verifier": ("rlpost.tasks.verifiers", "VERIFIERS"),
 }
 
 
