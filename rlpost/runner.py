@@ -128,7 +128,8 @@ class Run:
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
         self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
-        self.selector = build_selector(cfg.selector, len(self.train_examples), cfg.seed)
+        self.selector = build_selector(cfg.selector, len(self.train_examples), cfg.seed, cfg.algo.n_samples_per_prompt)
+        self.selector.attach(examples=self.train_examples)
         self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
         r = cfg.task.reward
         self.reward_fn = RewardFunction(
@@ -202,24 +203,27 @@ class Run:
         t_step = time.perf_counter()
         m: Dict[str, Any] = {"step": step}
 
-        # select
-        idx = self.selector.select(step)
-        prompts = [self.prompt_ids(i) for i in idx]
+        # select + rollout (selector hints / budgets / refills / replay live in the driver)
+        from rlpost.samplers.driver import collect_rollouts
+        from rlpost.selectors.mixture import make_hint_fn
 
-        # rollout
         t0 = time.perf_counter()
 
-        def score(rows: List[int], texts: List[str]) -> List[float]:
-            ex = [self.train_examples[idx[r]] for r in rows]
+        def score(indices: List[int], texts: List[str]) -> List[float]:
+            ex = [self.train_examples[int(i)] for i in indices]
             lens = torch.tensor([len(self.tokenizer(t)["input_ids"]) for t in texts])
             return self.reward_fn(texts, ex, lens)[0].tolist()
 
-        sres = self.sampler.sample(self.engine, prompts, self.sampling_params(step),
-                                   SamplerContext(score=score, step=step, seed=step_seed(cfg.seed, step, "sampler")))
+        step_out = collect_rollouts(
+            self.selector, self.sampler, self.engine, self.sampling_params(step), step=step,
+            encode=self.prompt_ids, score=score, hint=make_hint_fn(self.train_examples, self.tokenizer),
+            seed=step_seed(cfg.seed, step, "sampler"),
+        )
+        sres = step_out.result
         gen = sres.generation
         t_rollout = time.perf_counter() - t0
         gi = sres.group_index
-        pidx = torch.tensor(idx, dtype=torch.long)[gi]
+        pidx = step_out.row_prompt_index
         examples = [self.train_examples[int(i)] for i in pidx]
         batch = RolloutBatch(
             prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
@@ -235,8 +239,9 @@ class Run:
         rewards, rm = self.reward_fn(gen.texts, examples, lengths)
         batch.rewards = rewards
         t_reward = time.perf_counter() - t0
-        per_prompt = [[float(x) for x in rewards[gi == g]] for g in range(len(idx))]
-        self.selector.update(idx, per_prompt)
+        n_groups = int(gi.max()) + 1 if len(gi) else 0
+        per_prompt = [[float(x) for x in rewards[gi == g]] for g in range(n_groups)]
+        step_out.update_selector(self.selector)
 
         # log-probs, values
         t0 = time.perf_counter()
@@ -294,8 +299,7 @@ class Run:
             "time/reward_s": t_reward,
             "time/update_s": t_update,
             "throughput/rollout_tokens_per_s": ntok / max(t_rollout, 1e-9),
-            **{f"sampler/{k}": v for k, v in sres.metrics.items()},
-            **{f"selector/{k}": v for k, v in self.selector.metrics().items()},
+            **step_out.metrics,
         })
         m["time/step_s"] = time.perf_counter() - t_step
         m["memory/peak_rss_mb"] = peak_rss_mb()
