@@ -238,3 +238,11 @@ def test_popo_replays_mixed_groups_instead_of_zero_variance_ones():
             assert out.result.generation.prompt_ids[r][-2].item() - 100 == int(out.row_prompt_index[r])
         out.update_selector(sel)
     assert replayed > 0
+
+
+def test_dynamic_filter_falls_back_when_every_round_is_filtered():
+    eng, enc, score = driver_env([0.0] * 10)
+    sel = SELECTORS.get("dynamic_filter")(10, 2, seed=0, max_rounds=3)
+    out = collect_rollouts(sel, SAMPLERS.get("group")(4), eng, PARAMS, step=0, encode=enc, score=score)
+    assert out.metrics["rollout/filter_exhausted"] == 1.0 and len(out.prompt_indices) == 2
+    assert out.metrics["rollout/rounds"] == 3 and out.metrics["rollout/spent"] == 3 * 3 * 4

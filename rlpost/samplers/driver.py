@@ -118,6 +118,7 @@ def collect_rollouts(
     n_kept = 0
     dropped = 0
     smetrics: Dict[str, float] = {}
+    fallback = None
     while idx:
         prompts = [list(encode(i)) for i in idx]
         fr = selector.hint_fractions(idx)
@@ -149,6 +150,10 @@ def collect_rollouts(
             n_kept += 1
             keep_rows.extend(rows)
         keep_rows.sort()
+        if selector.filters_groups and not keep_rows and not kept_parts:
+            # remember the first groups of this round in case every round is filtered out
+            fallback_rows = sorted(r for g, rows in list(_groups(res).items())[:target] for r in rows)
+            fallback = (res, fallback_rows, len(all_idx), len(cur))
         base = len(all_idx)
         all_idx.extend(cur)
         if keep_rows:
@@ -157,8 +162,13 @@ def collect_rollouts(
         if not selector.filters_groups or n_kept >= target or rounds >= max_rounds:
             break
         idx = list(selector.refill(target - n_kept))
+    exhausted = 0.0
     if not kept_parts:
-        raise RuntimeError("every group of the step was dropped; lower the filter or raise selector.params.max_rounds")
+        # Every candidate group was filtered out within max_rounds: train on the
+        # last round's groups rather than stop the run (reported as exhausted).
+        res, rows, base, n = fallback
+        kept_parts.append(_compact(res, rows, {p: base + p for p in range(n)}))
+        exhausted = 1.0
     # Renumber group ids across rounds and keep only the prompt positions in use.
     gi_off, pieces = 0, []
     for part in kept_parts:
@@ -175,6 +185,8 @@ def collect_rollouts(
     out = StepRollouts(merged, [all_idx[p] for p in used], merged.rewards, observed)
     out = selector.postprocess(out, step)
     out.metrics = {**smetrics, **rollout_metrics(out, spent, rounds, skipped_by_selector + dropped + int(smetrics.get("sampler/prompts_skipped", 0)))}
+    if selector.filters_groups:
+        out.metrics["rollout/filter_exhausted"] = exhausted
     try:
         out.metrics.update(selector.metrics())
     except Exception:  # pragma: no cover - metrics must never break a step

@@ -101,7 +101,7 @@ class ParamPerturbSampler(Sampler):
             saved = None
             if not (k == 0 and self.include_base) and self.sigma > 0:
                 g = torch.Generator(device="cpu")
-                g.manual_seed(int(ctx.seed) * 7919 + 104729 * (int(ctx.step) + 1) + k)
+                g.manual_seed((int(ctx.seed) * 7919 + 104729 * (int(ctx.step) + 1) + k) % (2**62))
                 saved = [t.detach().clone() for t in tensors]
                 with torch.no_grad():
                     for t in tensors:
