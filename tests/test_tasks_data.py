@@ -256,3 +256,23 @@ def test_format_regex_overrides_format_check():
     task = build_task(cfg)
     assert task.format_ok("<think>x</think><answer>1</answer>")
     assert not task.format_ok("<answer>1</answer>")
+
+
+def test_prompt_rendering_with_chat_template_system_prompt_and_instruction_shortcut():
+    class ChatTok:
+        chat_template = "fake"
+
+        def apply_chat_template(self, msgs, add_generation_prompt, tokenize, return_dict):
+            self.msgs = msgs
+            assert add_generation_prompt and tokenize and not return_dict
+            return [1, 2, 3]
+
+    cfg = OmegaConf.structured(TaskConfig(train_size=3, eval_size=1, instruction="boxed", system_prompt="Be brief."))
+    task = build_task(cfg)
+    tok = ChatTok()
+    assert task.render_prompt(task.eval_examples()[0], tok) == [1, 2, 3]
+    assert tok.msgs[0] == {"role": "system", "content": "Be brief."}
+    assert tok.msgs[1]["content"].endswith("put your final answer within \\boxed{}.")
+    assert tok.msgs[1]["content"].startswith(task.eval_examples()[0].question)
+    cfg.instruction = "Answer in French."
+    assert build_task(cfg).user_message(task.eval_examples()[0]).endswith("\nAnswer in French.")

@@ -94,8 +94,16 @@ class Task(ABC):
         return Example(index=example.index, question=example.question, answer=answer, meta=dict(example.meta))
 
     def user_message(self, example: Example) -> str:
-        """The user turn: question plus the answer-format instruction."""
+        """The user turn: question plus the answer-format instruction.
+
+        ``task.instruction`` is free text, or one of the shortcuts ``boxed``,
+        ``tags``, ``last_number``, ``hashes`` that expand to a ready sentence
+        (:data:`rlpost.tasks.answer_tags.INSTRUCTIONS`).
+        """
+        from rlpost.tasks.answer_tags import INSTRUCTIONS
+
         instr = self.cfg.instruction
+        instr = INSTRUCTIONS.get(instr, instr) if instr else instr
         return f"{example.question}\n{instr}".strip() if instr else example.question
 
     def render_prompt(self, example: Example, tokenizer: Any) -> List[int]:
