@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Run every named algorithm preset for N steps and print a comparison table.
+
+Usage::
+
+    python scripts/bench_algos.py                       # 20 steps, real model, default task
+    python scripts/bench_algos.py --steps 3 --presets grpo dapo gspo
+    python scripts/bench_algos.py --steps 2 -o model=tiny rollout.max_new_tokens=8
+
+Each preset runs in-process with ``algo=NAME`` plus the ``-o`` overrides (Hydra
+syntax), logging to a temporary directory. The table reports, per preset: the
+final step's mean reward, policy entropy (nats), clip fraction, the mean
+seconds per step, the largest |loss| seen, and a status (``ok``, ``nan`` if any
+logged loss or gradient norm was not finite, ``diverged``, or the error).
+``--json`` also writes the rows to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List
+
+NAMED = [
+    "ppo", "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+    "remax", "gpg", "opo", "sapo", "clip_cov", "kl_cov", "mc_grpo", "sft",
+    "sao", "mssr", "hapo", "aepo", "gapo", "dispo",
+]
+
+
+def _finite(x: Any) -> bool:
+    return not (isinstance(x, float) and (math.isnan(x) or math.isinf(x)))
+
+
+def run_preset(name: str, steps: int, overrides: List[str]) -> Dict[str, Any]:
+    """Train preset ``name`` for ``steps`` steps; returns one table row."""
+    from rlpost.config.compose import compose_config
+    from rlpost.errors import TrainingDiverged
+    from rlpost.runner import train
+
+    row: Dict[str, Any] = {"preset": name, "steps": 0, "status": "ok"}
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    t0 = time.perf_counter()
+    try:
+        cfg = compose_config([f"algo={name}", f"steps={steps}", "logger=jsonl", "eval.at_end=false",
+                              "checkpoint.every=0", *overrides])
+        train(cfg, run_dir)
+    except TrainingDiverged as e:
+        row["status"] = "diverged"
+        row["error"] = str(e)[:200]
+    except Exception as e:  # report, keep benchmarking the others
+        row["status"] = f"error: {type(e).__name__}"
+        row["error"] = str(e)[:300]
+        traceback.print_exc()
+    row["wall_s"] = time.perf_counter() - t0
+    mfile = run_dir / "metrics.jsonl"
+    rows = [json.loads(l) for l in mfile.read_text().splitlines() if l.strip()] if mfile.exists() else []
+    rows = [r for r in rows if "reward/mean" in r]
+    if rows:
+        last = rows[-1]
+        row["steps"] = len(rows)
+        row["reward"] = last.get("reward/mean")
+        row["entropy"] = last.get("actor/entropy")
+        row["clip_frac"] = last.get("actor/clip_frac")
+        row["s_per_step"] = sum(r.get("time/step_s", 0.0) for r in rows) / len(rows)
+        losses = [r.get("loss/policy") for r in rows if r.get("loss/policy") is not None]
+        row["max_abs_loss"] = max((abs(x) for x in losses), default=None)
+        bad = [k for r in rows for k in ("loss/policy", "actor/grad_norm") if k in r and not _finite(r[k])]
+        if bad and row["status"] == "ok":
+            row["status"] = "nan"
+    return row
+
+
+def fmt(x: Any, nd: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    head = ["preset", "steps", "reward", "entropy", "clip_frac", "s/step", "max|loss|", "status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["preset"], str(r["steps"]), fmt(r.get("reward")), fmt(r.get("entropy")), fmt(r.get("clip_frac")),
+            fmt(r.get("s_per_step"), 1), fmt(r.get("max_abs_loss")), r["status"],
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--presets", nargs="*", default=NAMED)
+    ap.add_argument("-o", "--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
+    ap.add_argument("--json", type=str, default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.presets:
+        row = run_preset(name, args.steps, args.overrides)
+        rows.append(row)
+        print(f"[bench] {name}: {row['status']} steps={row['steps']} reward={fmt(row.get('reward'))} "
+              f"s/step={fmt(row.get('s_per_step'), 1)}", file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
