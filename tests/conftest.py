@@ -1,0 +1,43 @@
+"""Shared test fixtures: tiny-model overrides and config composition."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# A run small enough for unit tests: 2-layer random model, 4 prompts x 4 samples, 12 tokens.
+TINY = [
+    "model=tiny",
+    "logger=jsonl",
+    "rollout.max_new_tokens=12",
+    "selector.prompts_per_step=4",
+    "algo.n_samples_per_prompt=4",
+    "eval.limit=8",
+    "eval.max_new_tokens=12",
+    "task.train_size=64",
+    "task.eval_size=16",
+    "trainer.micro_batch_size=8",
+]
+
+
+def tiny_overrides(*extra: str) -> List[str]:
+    """TINY plus ``extra`` overrides (later ones win)."""
+    return TINY + list(extra)
+
+
+@pytest.fixture
+def compose():
+    """``compose(overrides) -> DictConfig`` through the real Hydra config tree."""
+    from rlpost.config.compose import compose_config
+
+    return compose_config

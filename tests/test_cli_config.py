@@ -1,0 +1,76 @@
+"""Config validation through the real CLI: exit status 2, one clear message, nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from rlpost.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["config", "algo=grpoo"], "Valid choices for algo: "),
+        (["config", "algo.clip.eps_hgh=0.3"], "Unknown config key 'algo.clip.eps_hgh'"),
+        (["config", "steps=many"], "Wrong type for steps"),
+        (["config", "algo=ppo", "algo.critic.enabled=false"], "needs a critic"),
+        (["config", "algo.loss=nope"], "Unknown policy loss algo.loss='nope'"),
+        (["config", "trainer.lr=-1"], "trainer.lr must be > 0"),
+    ],
+)
+def test_config_errors_exit_2_with_message(args, needle):
+    res = _run(*args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert "Traceback" not in res.output
+
+
+def test_unknown_group_lists_valid_choices():
+    res = _run("config", "algo=grpoo")
+    assert "grpo" in res.output and "ppo" in res.output and "sao" in res.output
+    assert "Did you mean" in _run("config", "algo.loss=ppo_clipp").output
+
+
+def test_train_bad_config_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "train", "algo=nosuch", f"hydra.run.dir={out}"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert "Unknown choice algo='nosuch'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_sweep_without_m_is_refused():
+    res = _run("train", "seed=1,2")
+    assert res.exit_code == 2
+    assert "add -m" in res.output
+
+
+def test_config_prints_resolved_yaml_and_graph():
+    res = _run("config", "algo=sao")
+    assert res.exit_code == 0
+    assert "adv_estimator: sao" in res.output and "name: sao-arithmetic" in res.output
+    g = _run("config", "--graph", "algo=ppo")
+    assert g.exit_code == 0
+    assert "critic_update" in g.output and "(skipped)" in g.output
+
+
+def test_list_shows_groups_and_registries():
+    res = _run("list", "algo")
+    assert res.exit_code == 0 and "grpo" in res.output and "arXiv" in res.output
+    res = _run("list", "loss")
+    assert "ppo_clip" in res.output and "strict_double_clip" in res.output
+    assert _run("list", "nosuchgroup").exit_code == 2

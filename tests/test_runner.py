@@ -1,0 +1,178 @@
+"""End-to-end behaviour of the runner on the tiny model (and the real one, marked slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+
+VOLATILE = ("time/", "throughput/", "memory/")
+
+
+def _metrics(run_dir: Path):
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _stable(rec):
+    return {k: v for k, v in rec.items() if not k.startswith(VOLATILE)}
+
+
+def _train(compose, tmp_path, *extra, name="run"):
+    from rlpost.runner import train
+
+    cfg = compose(tiny_overrides(*extra))
+    run_dir = tmp_path / name
+    train(cfg, run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "sao"])
+def test_each_core_algo_runs_two_steps_on_tiny(compose, tmp_path, algo):
+    run_dir = _train(compose, tmp_path, f"algo={algo}", "steps=2", "algo.critic.warmup_steps=1")
+    recs = _metrics(run_dir)
+    assert [r["step"] for r in recs] == [1, 2]
+    for key in ("reward/mean", "response/length_mean", "time/step_s", "time/rollout_s", "time/update_s",
+                "throughput/rollout_tokens_per_s", "memory/peak_rss_mb"):
+        assert key in recs[-1]
+    assert "loss/policy" in recs[-1] and "actor/clip_frac" in recs[-1]
+    assert "eval/accuracy" in recs[-1]
+    assert (run_dir / "final" / "config.json").exists()
+    assert (run_dir / "checkpoints" / "step_000002" / "policy" / "config.json").exists()
+    assert (run_dir / "config.yaml").exists() and (run_dir / "eval.json").exists()
+    if algo != "grpo":
+        assert "critic/value_loss" in recs[-1]
+
+
+def test_rollout_logprobs_match_trainer_logprobs_fp32():
+    """Same weights, fp32: what the engine reports equals what the trainer computes."""
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.models.logprobs import response_logprobs
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.hf import HFRolloutEngine
+
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=3)
+    eng = HFRolloutEngine(model, tok, batch_size=8)
+    prompts = [tok("What is 2+2?")["input_ids"], tok("Hi")["input_ids"], tok("Name a color please")["input_ids"]]
+    for temp, top_k in [(1.0, 0), (0.7, 0)]:
+        gen = eng.generate(prompts * 2, SamplingParams(max_new_tokens=10, temperature=temp, top_k=top_k, seed=5))
+        with torch.no_grad():
+            lp, _ = response_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.response_ids,
+                                      (gen.response_mask > 0).long(), temperature=gen.temperatures, chunk_size=4)
+        m = gen.response_mask
+        assert m.sum() > 0
+        diff = ((lp - gen.rollout_logprobs).abs() * m).max().item()
+        assert diff < 1e-4, diff
+
+
+def test_greedy_generation_is_deterministic_and_masks_after_eos():
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.hf import HFRolloutEngine
+
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=1)
+    eng = HFRolloutEngine(model, tok)
+    p = [tok("abc")["input_ids"], tok("a much longer prompt here")["input_ids"]]
+    a = eng.generate(p, SamplingParams(max_new_tokens=8, greedy=True))
+    b = eng.generate(p, SamplingParams(max_new_tokens=8, greedy=True))
+    assert torch.equal(a.response_ids, b.response_ids)
+    # the mask is a prefix: once a row stops it never restarts
+    m = a.response_mask
+    assert torch.all(m[:, 1:] <= m[:, :-1])
+
+
+def test_crashing_verifier_does_not_stop_the_run(compose, tmp_path, monkeypatch):
+    from rlpost.tasks.reasoning_gym_task import ReasoningGymTask
+
+    calls = {"n": 0}
+
+    def bad_score(self, response, example):
+        raise RuntimeError("verifier bug")
+
+    monkeypatch.setattr(ReasoningGymTask, "score", bad_score)
+    run_dir = _train(compose, tmp_path, "steps=2", "eval.at_end=false", "task.reward.timeout_s=2")
+    recs = _metrics(run_dir)
+    assert len(recs) == 2
+    assert recs[0]["reward/verifier_errors"] == 16  # every sample failed ...
+    assert recs[0]["reward/mean"] == 0.0  # ... and scored 0
+    assert calls["n"] == 0
+
+
+def _launch(run_dir: Path, steps: int, *extra: str):
+    args = [sys.executable, "-m", "rlpost.cli", "train", *tiny_overrides(f"steps={steps}", "checkpoint.every=2",
+            "eval.at_end=false", "seed=7", *extra), f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
+    """SIGKILL after the first checkpoint, resume=auto, and compare with a straight run."""
+    straight = tmp_path / "straight"
+    p = _launch(straight, 6)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-2000:]
+
+    killed = tmp_path / "killed"
+    p = _launch(killed, 6)
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "step_000002" / "state.pt").exists():
+        assert p.poll() is None, p.stderr.read()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (killed / "DONE").exists()
+    p = _launch(killed, 6, "resume=auto")
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-2000:]
+    a = [_stable(r) for r in _metrics(straight)]
+    b = [_stable(r) for r in _metrics(killed)]
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), (ra["step"], k)
+
+
+def test_nan_loss_skips_steps_then_stops_with_checkpoint_intact(compose, tmp_path, monkeypatch):
+    import rlpost.trainer.torch_engine as te
+    from rlpost.errors import TrainingDiverged
+
+    real = te.compute_policy_loss
+
+    def nan_loss(name, inp, **kw):
+        loss, m = real(name, inp, **kw)
+        return loss * float("nan"), m
+
+    monkeypatch.setattr(te, "compute_policy_loss", nan_loss)
+    with pytest.raises(TrainingDiverged):
+        _train(compose, tmp_path, "steps=8", "checkpoint.every=1", "trainer.max_bad_steps=2", "eval.at_end=false")
+    recs = _metrics(tmp_path / "run")
+    assert [r["actor/skipped_steps"] for r in recs] == [1.0, 1.0]
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "state.pt").exists()
+
+
+@pytest.mark.slow
+def test_two_steps_end_to_end_on_real_model(compose, tmp_path):
+    from rlpost.runner import train
+
+    cfg = compose(["logger=wandb", "steps=2", "selector.prompts_per_step=2", "algo.n_samples_per_prompt=4",
+                   "rollout.max_new_tokens=24", "eval.limit=8", "eval.max_new_tokens=24", "task.train_size=64",
+                   "task.eval_size=16"])
+    run_dir = tmp_path / "real"
+    train(cfg, run_dir)
+    recs = _metrics(run_dir)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[-1]["rollout/logprob_gap"] < 1e-3  # fp32 rollout = trainer weights
+    assert recs[-1]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
