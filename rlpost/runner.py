@@ -137,6 +137,9 @@ class Run:
             overlong_penalty=r.overlong_penalty, max_len=cfg.rollout.max_new_tokens, length_penalty=r.length_penalty,
         )
         self._prompt_cache: Dict[int, List[int]] = {}
+        from rlpost.algos.stages import AlgoState, algo_requirements
+
+        self.algo_state = AlgoState(algo_requirements(cfg.algo))
         self.step = 0
         self.update_rng = torch.Generator().manual_seed(cfg.seed)
 
@@ -192,6 +195,7 @@ class Run:
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             stop=list(r.stop), seed=step_seed(self.cfg.seed, step),
+            temperature_hook=self.algo_state.temperature_hook(r.temperature),
         )
 
     def train_step(self) -> Dict[str, Any]:
@@ -243,6 +247,24 @@ class Run:
         per_prompt = [[float(x) for x in rewards[gi == g]] for g in range(n_groups)]
         step_out.update_selector(self.selector)
 
+        # algorithm-specific inputs (entropy, greedy baseline, Beta baseline, SFT references)
+        from rlpost.algos.stages import prepare_algo_inputs
+
+        def greedy_rewards() -> torch.Tensor:
+            uniq = sorted({int(i) for i in batch.prompt_index})
+            sp = self.sampling_params(step)
+            sp.greedy, sp.temperature_hook = True, None
+            g = self.engine.generate([self.prompt_ids(i) for i in uniq], sp)
+            ex = [self.train_examples[i] for i in uniq]
+            r_g = self.reward_fn(g.texts, ex, g.response_mask.sum(-1))[0]
+            pos = {p: k for k, p in enumerate(uniq)}
+            return torch.stack([r_g[pos[int(i)]] for i in batch.prompt_index]).float()
+
+        m.update(prepare_algo_inputs(
+            self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, tokenizer=self.tokenizer,
+            answer_format=cfg.task.answer_format, max_len=cfg.rollout.max_new_tokens,
+        ))
+
         # log-probs, values
         t0 = time.perf_counter()
         need_old = a.ppo_epochs * a.mini_batches > 1 or (a.kl.coef > 0 and a.kl.in_reward)
@@ -263,10 +285,12 @@ class Run:
             a.adv_estimator,
             AdvantageInput(rewards=rewards, response_mask=batch.response_mask, group_index=gi,
                            values=batch.extras.get("values"), token_rewards=token_rewards,
-                           baseline_rewards=batch.extras.get("baseline_rewards")),
+                           baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy")),
             **dict(a.adv_params or {}),
         )
         batch.extras["advantages"] = out.advantages
+        if out.loss_mask is not None:  # e.g. MC-GRPO's median pivot leaves the update
+            batch.response_mask = batch.response_mask * out.loss_mask
         if out.returns is not None:
             batch.extras["returns"] = out.returns
 
