@@ -172,3 +172,34 @@ def test_every_estimator_zero_variance_group_is_finite(name):
     assert torch.isfinite(out.advantages).all()
     if ADV_ESTIMATORS.tag(name, "needs_group"):
         assert torch.equal(out.advantages, torch.zeros_like(out.advantages))
+
+
+def test_reinforce_no_baseline():
+    x = inp([2.0, -1.0], [2, 1], [0, 0])
+    assert torch.allclose(seq_adv(compute_advantages("reinforce", x), x), torch.tensor([2.0, -1.0]))
+
+
+def test_stage_requirements_and_reference_answers():
+    from omegaconf import OmegaConf
+
+    from rlpost.algos.stages import AlgoState, algo_requirements, reference_response
+    from rlpost.config.schema import AlgoConfig
+
+    def req(**kw):
+        c = OmegaConf.structured(AlgoConfig)
+        for k, v in kw.items():
+            OmegaConf.update(c, k, v, merge=True)
+        return algo_requirements(c)
+
+    assert req(adv_estimator="mssr").entropy and req(adv_estimator="mssr").beta_baseline
+    assert req(adv_estimator="remax").baseline_rollout
+    assert req(loss="sft").reference_responses
+    r = req(loss="hapo", loss_params={"temperature_tau": 0.05})
+    assert r.temperature_tau == 0.05 and r.entropy
+    assert not any([req().entropy, req().baseline_rollout, req().reference_responses])
+    st = AlgoState(r)
+    hook = st.temperature_hook(0.7)
+    assert torch.allclose(hook(torch.randn(2, 5), 0), torch.full((2,), 0.7))  # no statistics yet
+    assert AlgoState(req()).temperature_hook(1.0) is None
+    assert reference_response(42, "tags") == "<answer>42</answer>"
+    assert reference_response("x", "boxed") == "\\boxed{x}"
