@@ -229,6 +229,10 @@ def test_compare_matches_common_problems_and_seeds(tmp_path):
     assert res["seeds"] == [0] and res["dropped_seeds"] == [1]
     st = res["tasks"]["gsm8k"]
     assert st["n_problems"] == 3 and st["mean_a"] == pytest.approx(1 / 3) and st["diff"] == pytest.approx(2 / 3)
+    assert (st["n_problems_a"], st["n_problems_b"]) == (4, 3)
+    from rlpost.eval.compare import format_report
+
+    assert "only the 3 problems evaluated by both are compared (A: 4, B: 3)" in format_report(res)
 
 
 def test_compare_cli_command(tmp_path):

@@ -177,6 +177,7 @@ def compare_methods(
             "mean_a": float(A.mean()), "mean_b": float(B.mean()), "diff": st["mean"],
             "ci_low": st["ci_low"], "ci_high": st["ci_high"], "p_value": st["p_value"],
             "significant": bool(st["significant"]), "n_seeds": len(seeds), "n_problems": len(common),
+            "n_problems_a": max(len(sa[s].scores[t]) for s in seeds), "n_problems_b": max(len(sb[s].scores[t]) for s in seeds),
         }
         strata.append(B - A)
         means_a.append(A.mean())
@@ -211,6 +212,12 @@ def format_report(cmp: Dict[str, Any], metric: str = "correct") -> str:
     rows = list(cmp["tasks"].items())
     if len(rows) > 1:
         rows.append(("overall (benchmark-balanced)", cmp["overall"]))
+    for t, st in cmp["tasks"].items():
+        if st["n_problems_a"] != st["n_problems"] or st["n_problems_b"] != st["n_problems"]:
+            lines.append(
+                f"  {t}: only the {st['n_problems']} problems evaluated by both are compared "
+                f"({a}: {st['n_problems_a']}, {b}: {st['n_problems_b']})"
+            )
     for t, st in rows:
         lines.append(
             f"  {t}: {a} {st['mean_a']:.3f}, {b} {st['mean_b']:.3f}, diff {st['diff']:+.3f} "
