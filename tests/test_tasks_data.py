@@ -276,3 +276,23 @@ def test_prompt_rendering_with_chat_template_system_prompt_and_instruction_short
     assert tok.msgs[1]["content"].startswith(task.eval_examples()[0].question)
     cfg.instruction = "Answer in French."
     assert build_task(cfg).user_message(task.eval_examples()[0]).endswith("\nAnswer in French.")
+
+
+def test_math_style_boxed_solutions(tmp_path):
+    rows = [
+        {"problem": "Compute 1/2 of 1.", "solution": "Half of one is $\\boxed{\\frac{1}{2}}$.", "level": "Level 1"},
+        {"problem": "Solve x+1=3.", "solution": "So $x = \\boxed{2}$. (Not \\boxed{3}.) Final: $\\boxed{2}$", "level": "Level 2"},
+        {"problem": "Interval?", "solution": "The answer is $\\boxed{[0, \\infty)}$."},
+    ]
+    f = tmp_path / "math.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    task = build_task(math_cfg(path=str(f), prompt_field="problem", answer_field="solution"))
+    ex = task.eval_examples()
+    assert [e.answer for e in ex] == ["\\frac{1}{2}", "2", "[0, \\infty)"]
+    assert ex[0].meta["level"] == "Level 1"
+    assert task.score("Thus the result is \\boxed{0.5}.", ex[0]) == 1.0
+    assert task.score("\\boxed{\\dfrac{1}{2}}", ex[0]) == 1.0
+    assert task.score("\\boxed{\\frac{1}{3}}", ex[0]) == 0.0
+    assert task.score("\\boxed{x=2}", ex[1]) == 1.0
+    assert task.score("\\boxed{[0,\\infty)}", ex[2]) == 1.0
+    assert task.score("\\boxed{(0,\\infty)}", ex[2]) == 0.0
