@@ -131,12 +131,9 @@ class Run:
         self.selector = build_selector(cfg.selector, len(self.train_examples), cfg.seed, cfg.algo.n_samples_per_prompt)
         self.selector.attach(examples=self.train_examples)
         self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
-        r = cfg.task.reward
-        self.reward_fn = RewardFunction(
-            self.task, timeout_s=r.timeout_s, format_weight=r.format_weight, overlong_buffer=r.overlong_buffer,
-            overlong_penalty=r.overlong_penalty, max_len=cfg.rollout.max_new_tokens, length_penalty=r.length_penalty,
-        )
+        self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens)
         self._prompt_cache: Dict[int, List[int]] = {}
+        self._eval_tasks: Optional[Dict[str, Any]] = None
         from rlpost.algos.stages import AlgoState, algo_requirements
 
         self.algo_state = AlgoState(algo_requirements(cfg.algo))
@@ -325,21 +322,27 @@ class Run:
             "throughput/rollout_tokens_per_s": ntok / max(t_rollout, 1e-9),
             **step_out.metrics,
         })
+        m["bench/update_tokens"] = float(batch.prompt_mask.sum() + batch.response_mask.sum())
         m["time/step_s"] = time.perf_counter() - t_step
         m["memory/peak_rss_mb"] = peak_rss_mb()
         return m
 
-    def evaluate(self) -> Dict[str, Any]:
-        """Greedy evaluation on the held-out split; returns ``eval/...`` metrics and the full result."""
-        from rlpost.eval.evaluate import evaluate
+    def evaluate(self):
+        """Greedy evaluation on the task's held-out split and on every ``eval.tasks`` entry.
+
+        Returns:
+            ``(metrics, result)``: flat ``eval/...`` scalars (``eval/accuracy`` is the
+            training task's) and the training task's full result dict.
+        """
+        from rlpost.eval.evaluate import build_eval_tasks, evaluate, evaluate_tasks, scalar_metrics
 
         res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed)
         name = self.cfg.task.name
-        out = {"eval/accuracy": res["accuracy"], f"eval/{name}/accuracy": res["accuracy"],
-               f"eval/{name}/response_length_mean": res.get("response_length_mean", 0.0)}
-        for k in ("ci_low", "ci_high"):
-            if k in res:
-                out[f"eval/{name}/accuracy_{k}"] = res[k]
+        out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
+        if self.cfg.eval.get("tasks"):
+            if self._eval_tasks is None:
+                self._eval_tasks = build_eval_tasks(list(self.cfg.eval.tasks))
+            out.update(evaluate_tasks(self.engine, self.tokenizer, self._eval_tasks, self.cfg.eval, seed=self.cfg.seed)["metrics"])
         return out, res
 
     def close(self) -> None:

@@ -81,8 +81,10 @@ def response_logprobs(
             treated as 1); logits are divided by it, matching the rollout engine.
         chunk_size: response positions per LM-head/log-softmax chunk.
         with_entropy: also return the entropy of each position's distribution.
-        checkpoint_chunks: recompute chunk logits in backward (default: when
-            grad is enabled).
+        checkpoint_chunks: recompute chunk logits in backward. Default: when grad
+            is enabled and the response spans more than one chunk (with a single
+            chunk the full block exists during recomputation anyway, so
+            checkpointing would only add work).
     Returns:
         ``(logprobs [B, R], entropy [B, R] or None)``, float32. Values on padding
         positions are meaningless; mask them.
@@ -98,7 +100,10 @@ def response_logprobs(
         inv_temp = 1.0 / T
     else:
         inv_temp = torch.full(response_ids.shape, 1.0 / float(temperature), device=h.device)
-    use_ckpt = torch.is_grad_enabled() if checkpoint_chunks is None else checkpoint_chunks
+    if checkpoint_chunks is None:
+        use_ckpt = torch.is_grad_enabled() and R > chunk_size
+    else:
+        use_ckpt = checkpoint_chunks
     lps, ents = [], []
     for s in range(0, R, chunk_size):
         e = min(R, s + chunk_size)

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Benchmark one RL step of the default config, stage by stage.
+
+Prints seconds per stage, rollout tokens/s and the update's achieved FLOP/s
+(6 x parameters x tokens / update seconds, tokens = prompt + response tokens
+the update processed), for each precision given.
+
+    python scripts/bench_step.py                       # fp32 and bf16, default config
+    python scripts/bench_step.py --precisions fp32 --steps 2 model=tiny
+
+Extra arguments are Hydra overrides applied to every run. The first step
+includes warm-up effects; with --steps N the figures of the last step are shown
+together with the mean over steps 2..N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def bench(precision: str, steps: int, overrides: list[str]) -> dict:
+    from rlpost.config.compose import compose_config
+    from rlpost.runner import Run
+
+    cfg = compose_config([f"precision={precision}", "logger=none", f"steps={steps}", *overrides])
+    with tempfile.TemporaryDirectory() as d:
+        run = Run(cfg, Path(d))
+        n_params = sum(p.numel() for p in run.trainer.policy.parameters())
+        rows = []
+        try:
+            for _ in range(steps):
+                m = run.train_step()
+                # tokens the update's forward passes processed (prompt + response, unpadded)
+                rows.append(m)
+        finally:
+            run.close()
+    last = rows[-1]
+    tail = rows[1:] if len(rows) > 1 else rows
+    upd = statistics.mean(r["time/update_s"] for r in tail)
+    toks = last["bench/update_tokens"]
+    return {
+        "precision": precision,
+        "params_M": n_params / 1e6,
+        "rollout_s": statistics.mean(r["time/rollout_s"] for r in tail),
+        "reward_s": statistics.mean(r["time/reward_s"] for r in tail),
+        "update_s": upd,
+        "step_s": statistics.mean(r["time/step_s"] for r in tail),
+        "rollout_tok_s": statistics.mean(r["throughput/rollout_tokens_per_s"] for r in tail),
+        "update_tokens": toks,
+        "update_gflops": 6 * n_params * toks / upd / 1e9,
+        "peak_rss_mb": last["memory/peak_rss_mb"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--steps", type=int, default=2)
+    args, overrides = ap.parse_known_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    results = [bench(p, args.steps, overrides) for p in args.precisions.split(",")]
+    cols = ["precision", "rollout_s", "reward_s", "update_s", "step_s", "rollout_tok_s", "update_tokens", "update_gflops", "peak_rss_mb"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in results:
+        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
