@@ -218,6 +218,8 @@ REGISTRY_GROUPS = {
 def _preset_description(path: Path) -> str:
     for line in path.read_text().splitlines():
         s = line.strip()
+        if s.startswith("# @package"):
+            continue
         if s.startswith("#"):
             return s.lstrip("# ").strip()
         if s:
@@ -244,9 +246,10 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
     from rlpost.config.compose import conf_dir, group_choices
     from rlpost.config.schema import GROUP_SCHEMAS
 
-    groups = [group] if group else list(GROUP_SCHEMAS) + list(REGISTRY_GROUPS)
+    conf_groups = list(GROUP_SCHEMAS) + ["recipe"]
+    groups = [group] if group else conf_groups + list(REGISTRY_GROUPS)
     for g in groups:
-        if g in GROUP_SCHEMAS:
+        if g in conf_groups:
             typer.echo(f"{g}:")
             for name in group_choices(g):
                 typer.echo(f"  {name:<24} {_preset_description(conf_dir() / g / (name + '.yaml'))}")
@@ -258,7 +261,7 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
                 extra = f"  [{e.paper}]" if e.paper else ""
                 typer.echo(f"  {e.name:<24} {e.description}{extra}")
         else:
-            valid = ", ".join(list(GROUP_SCHEMAS) + list(REGISTRY_GROUPS))
+            valid = ", ".join(conf_groups + list(REGISTRY_GROUPS))
             _fail(ConfigError(f"Unknown group {g!r}. Valid groups: {valid}."))
 
 
