@@ -90,6 +90,9 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.policy = policy.to(self.device)
         self.policy.train()
+        # The module the policy loss differentiates; DeepSpeed ZeRO-3 trains a partitioned one while
+        # ``policy`` stays a full-weight copy for rollouts and checkpoints.
+        self.train_module: torch.nn.Module = self.policy
         self.dtype = DTYPES[cfg.precision.trainer_dtype]
         self.opt = self._make_optimizer(self.policy.parameters(), self.tcfg.lr)
         total = max(1, cfg.steps * self.algo.ppo_epochs * self.algo.mini_batches)
@@ -211,28 +214,82 @@ class TorchTrainer:
         opt.zero_grad(set_to_none=True)
         return gn
 
+    # ------------------------------------------------ engine hooks (DeepSpeed overrides)
+    def _micro_batches(self, mini: RolloutBatch) -> List[RolloutBatch]:
+        """The micro-batches of ``mini`` this process computes (all of them here)."""
+        return [mini.select(list(range(len(mini)))[sl]) for sl in self._micro_slices(len(mini))]
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of ``loss`` (already divided by the mini-batch denominator)."""
+        loss.backward()
+
+    def _policy_step(self, params) -> float:
+        """Clip, apply and zero the accumulated policy gradient; returns its norm (non-finite: skipped)."""
+        return self._finite_step(self.opt, params, self.tcfg.grad_clip)
+
+    def _skip_policy_step(self) -> None:
+        """Drop the accumulated policy gradient without stepping."""
+        self.opt.zero_grad(set_to_none=True)
+
+    def _any(self, flag: bool) -> bool:
+        """True if ``flag`` is true on any process (one process here)."""
+        return flag
+
+    def _gather(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Every process's tensors (one process here)."""
+        return tensors
+
+    def _reduce_metrics(self, acc: "_MetricAcc") -> "_MetricAcc":
+        """Combine metric accumulators across processes (one process here)."""
+        return acc
+
+    # Processes must run the same forward/backward passes (DeepSpeed ZeRO's collectives).
+    lockstep = False
+
+    # ---------------------------------------------------------------- updates
+    def _offpolicy_params(self) -> Dict[str, Any]:
+        lp = dict(self.algo.loss_params or {})
+        return {"proximal": lp.get("proximal", "recompute"), "vcpo": bool(lp.get("vcpo_lr", False)),
+                "vcpo_power": float(lp.get("vcpo_power", 1.0)), "vcpo_min_scale": float(lp.get("vcpo_min_scale", 0.1))}
+
     def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
         """PPO-style update over ``algo.ppo_epochs`` x ``algo.mini_batches`` optimizer steps.
 
         Reads ``batch.extras['advantages']`` ``[B, R]`` and, when present,
         ``old_logprobs`` and ``ref_logprobs``. When absent (single on-policy
         pass) the old log-probs are the current ones detached, so the importance
-        ratio is exactly 1 on the first micro-batch.
+        ratio is exactly 1 on the first micro-batch. With
+        ``algo.loss_params.proximal=a3po`` and no ``old_logprobs``, the proximal
+        log-probs are A-3PO's interpolation between the rollout log-probs and the
+        current ones (:func:`rlpost.algos.offpolicy.a3po_proximal_logprobs`), so
+        multi-mini-batch updates need no extra forward pass. With
+        ``algo.loss_params.vcpo_lr=true`` each optimizer step's learning rate is
+        scaled by :func:`rlpost.algos.offpolicy.vcpo_lr_scale` of the mini-batch's
+        importance-weight ESS (``pi_old / pi_rollout``).
 
         Returns:
             metrics averaged over micro-batches: ``loss/policy``, ``actor/entropy``,
             ``actor/clip_frac``, ``actor/ratio_mean``, ``actor/grad_norm``,
-            ``actor/kl_ref``, ``rollout/logprob_gap``, ``actor/lr`` ...
+            ``actor/kl_ref``, ``rollout/logprob_gap``, ``actor/lr``, and the
+            rollout/trainer mismatch ``mismatch/*`` of
+            :func:`rlpost.rollout.precision.mismatch_metrics` (trainer side: the
+            old log-probs) ...
         Raises:
             TrainingDiverged: too many consecutive non-finite steps.
         """
+        from rlpost.algos.offpolicy import a3po_proximal_logprobs, vcpo_lr_scale
+        from rlpost.rollout.precision import mismatch_metrics
+
         a = self.algo
         acc = _MetricAcc()
         B = len(batch)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
+        params = [p for p in self.train_module.parameters() if p.requires_grad]
         loss_params = {**dict(a.clip), **dict(a.loss_params or {})}
         norm_const = a.loss_agg_norm or self.cfg.rollout.max_new_tokens
+        offp = self._offpolicy_params()
+        v_start = self.version
         need_entropy = True
+        mm_rows: List[List[torch.Tensor]] = [[], [], []]  # rollout lp, old lp, mask (first epoch)
         for epoch in range(a.ppo_epochs):
             order = torch.randperm(B, generator=rng) if (rng is not None and a.mini_batches > 1) else torch.arange(B)
             minis = [order[i :: a.mini_batches] if a.mini_batches > 1 else order for i in range(a.mini_batches)]
@@ -240,19 +297,29 @@ class TorchTrainer:
                 mini = batch.select(mini_idx)
                 denom = float(mini.response_mask.sum()) if a.loss_agg == "token-mean" else float(len(mini))
                 bad = False
-                for sl in self._micro_slices(len(mini)):
-                    mb = mini.select(list(range(len(mini)))[sl])
+                ess_sums = [0.0, 0.0, 0.0]
+                for mb in self._micro_batches(mini):
                     m = mb.response_mask.to(self.device)
-                    lp, ent = self._logprobs(self.policy, mb, with_entropy=need_entropy)
+                    lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy)
                     old = mb.extras.get("old_logprobs")
-                    old = lp.detach() if old is None else old.to(self.device)
+                    rollout_lp = mb.rollout_logprobs.to(self.device)
+                    if old is not None:
+                        old = old.to(self.device)
+                    elif offp["proximal"] == "a3po" and mb.policy_version is not None:
+                        old = a3po_proximal_logprobs(rollout_lp, lp, mb.policy_version, v_start, self.version)
+                    else:
+                        old = lp.detach()
+                    if epoch == 0:
+                        mm_rows[0].append(mb.rollout_logprobs.cpu())
+                        mm_rows[1].append(old.detach().cpu())
+                        mm_rows[2].append(mb.response_mask.cpu())
                     adv = mb.extras["advantages"].to(self.device)
                     inp = PolicyLossInput(
                         logprobs=lp,
                         old_logprobs=old,
                         advantages=adv,
                         response_mask=m,
-                        rollout_logprobs=mb.rollout_logprobs.to(self.device),
+                        rollout_logprobs=rollout_lp,
                         entropy=None if ent is None else ent.detach(),
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
@@ -260,6 +327,11 @@ class TorchTrainer:
                     if w is not None:
                         loss_mat = loss_mat * w.to(loss_mat.device)
                         lm.update({f"correction/{k}": v for k, v in wm.items()})
+                    if offp["vcpo"]:
+                        with torch.no_grad():
+                            iw = torch.exp((old.float() - rollout_lp.float()).clamp(-20, 20)) * m
+                            ess_sums = [ess_sums[0] + float(iw.sum()), ess_sums[1] + float((iw * iw).sum()),
+                                        ess_sums[2] + float(m.sum())]
                     loss = aggregate(a.loss_agg, loss_mat, m, denom=denom, norm_const=norm_const)
                     metrics: Dict[str, Any] = {"loss/policy": loss.detach() * (denom / max(1.0, _count(a.loss_agg, m)))}
                     if self.ref is not None and "ref_logprobs" in mb.extras and not a.kl.in_reward:
@@ -272,18 +344,33 @@ class TorchTrainer:
                         metrics["actor/entropy"] = masked_mean(ent.detach(), m)
                     if not torch.isfinite(loss):
                         bad = True
-                        break
-                    loss.backward()
+                        if not self.lockstep:
+                            break
+                        loss = lp.sum() * 0.0  # keep collective backward passes in step; the step is skipped
+                    self._backward(loss)
                     with torch.no_grad():
                         metrics["rollout/logprob_gap"] = masked_mean((lp.detach() - inp.rollout_logprobs).abs(), m)
                     for k, v in lm.items():
                         metrics[k if "/" in k else f"actor/{k}"] = v
                     acc.add(metrics, float(m.sum()))
-                if bad:
-                    self.opt.zero_grad(set_to_none=True)
+                scale = 1.0
+                if offp["vcpo"]:
+                    s1, s2, n = ess_sums
+                    ef = (s1 * s1 / (s2 * n)) if (s2 > 0 and n > 0) else 1.0
+                    scale = vcpo_lr_scale(ef, offp["vcpo_power"], offp["vcpo_min_scale"])
+                    acc.add({"offpolicy/vcpo_lr_scale": scale, "offpolicy/ess_frac": ef}, 1.0)
+                if self._any(bad):
+                    self._skip_policy_step()
                     gn = float("nan")
                 else:
-                    gn = self._finite_step(self.opt, params, self.tcfg.grad_clip)
+                    base_lrs = [g["lr"] for g in self.opt.param_groups]
+                    for g in self.opt.param_groups:
+                        g["lr"] = g["lr"] * scale
+                    try:
+                        gn = self._policy_step(params)
+                    finally:
+                        for g, lr0 in zip(self.opt.param_groups, base_lrs):
+                            g["lr"] = lr0
                 if not math.isfinite(gn):
                     self.bad_steps += 1
                     acc.add({"actor/skipped_steps": 1.0}, 1.0)
@@ -298,7 +385,10 @@ class TorchTrainer:
                     self.version += 1
                     acc.add({"actor/grad_norm": gn, "actor/skipped_steps": 0.0}, 1.0)
                 self.sched.step()
-        out = acc.means()
+        out = self._reduce_metrics(acc).means()
+        if mm_rows[0]:
+            rl, ol, mk = (_cat_padded(self._gather(t)) for t in mm_rows)
+            out.update(mismatch_metrics(rl, ol, mk))
         out["actor/lr"] = float(self.sched.get_last_lr()[0])
         return out
 
