@@ -1,0 +1,201 @@
+"""Rollout precision: weight conversions of the rollout copy, and mismatch metrics.
+
+The rollout engine may run at a different precision from the trainer
+(``precision.rollout_dtype``). On GPUs that is bf16 or real fp8 through vLLM;
+on this CPU the same *kind* of mismatch is produced by converting the rollout
+engine's private copy of the policy:
+
+* ``int8``: PyTorch dynamic quantization (``torch.ao.quantization.quantize_dynamic``)
+  of every ``nn.Linear`` of the decoder: int8 weights with per-tensor scales,
+  activations quantized on the fly. Real int8 kernels on CPU.
+* ``fp8_sim``: weights rounded to the fp8 **e4m3** grid (``torch.float8_e4m3fn``,
+  max 448) with one scale per output row (``amax / 448``), then stored back in
+  fp32. This is the per-channel weight quantization of fp8 inference stacks,
+  simulated ("fake quantization"): the numbers the GPU would multiply, the
+  arithmetic of the CPU.
+* ``fp4_sim``: weights rounded to the fp4 **e2m1** grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+  with one scale per block of 32 consecutive weights of a row (``amax / 6``),
+  as in the OCP microscaling MXFP4 format (block 32); we keep the block scale
+  in fp32 rather than MX's power-of-two e8m0, a documented simplification.
+
+Only the decoder's linear layers are converted; embeddings, norms and the LM
+head stay in fp32, as fp8 inference engines (vLLM) keep ``lm_head`` unquantized.
+
+Mismatch metrics (:func:`mismatch_metrics`) compare the rollout engine's
+log-probs with the trainer's for the same tokens: the quantity behind
+"Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
+(Yao et al., 2025) and the FP8-rollout studies of the seed catalog (entries 15,
+17, 195).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+
+from rlpost.errors import ConfigError
+
+Converter = Callable[[torch.nn.Module], torch.nn.Module]
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+FP4_BLOCK = 32
+
+
+def fake_quant_fp8_e4m3(w: torch.Tensor) -> torch.Tensor:
+    """Round ``w`` (``[out, in]`` or any ``[out, ...]``) to fp8 e4m3 with one scale per output row.
+
+    ``scale_r = amax_r / 448``; ``q = cast_e4m3(w / scale) * scale``. Rows of
+    zeros stay zero. Returns a tensor of ``w``'s shape and dtype. The relative
+    rounding error of a normal e4m3 number is at most 2^-4 (3 mantissa bits).
+    """
+    wf = w.detach().float()
+    flat = wf.reshape(wf.shape[0], -1)
+    amax = flat.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (flat / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(w.shape).to(w.dtype)
+
+
+def fake_quant_fp4_e2m1(w: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
+    """Round ``w`` ``[out, in]`` to fp4 e2m1 with one fp32 scale per block of ``block`` weights of a row.
+
+    Each block is scaled so that its largest magnitude maps to 6 (the largest
+    e2m1 value), every weight is rounded to the nearest of
+    ±{0, 0.5, 1, 1.5, 2, 3, 4, 6} (ties to the lower magnitude), and scaled
+    back. Returns a tensor of ``w``'s shape and dtype.
+
+    Raises:
+        ValueError: ``block < 1``.
+    """
+    if block < 1:
+        raise ValueError(f"fp4 block size must be >= 1, got {block}")
+    wf = w.detach().float()
+    flat = wf.reshape(wf.shape[0], -1)
+    n = flat.shape[1]
+    pad = (-n) % block
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    blocks = flat.reshape(flat.shape[0], -1, block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 6.0, torch.ones_like(amax))
+    x = (blocks / scale).abs()
+    grid = FP4_E2M1_GRID.to(x.device)
+    idx = (x[..., None] - grid).abs().argmin(dim=-1)
+    q = grid[idx] * blocks.sign() * scale
+    q = q.reshape(flat.shape[0], -1)[:, :n]
+    return q.reshape(w.shape).to(w.dtype)
+
+
+def _decoder_linears(model: torch.nn.Module):
+    """``nn.Linear`` modules of the decoder stack (not the LM head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and mod is not head:
+            yield name, mod
+
+
+def _fake_quant_converter(fn: Callable[[torch.Tensor], torch.Tensor]) -> Converter:
+    def convert(model: torch.nn.Module) -> torch.nn.Module:
+        with torch.no_grad():
+            for _, lin in _decoder_linears(model):
+                lin.weight.copy_(fn(lin.weight))
+        return model
+
+    return convert
+
+
+def _int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.ao.quantization import quantize_dynamic
+
+    model = model.float().eval()
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
+        raise ConfigError("precision.rollout_dtype=int8 needs a causal LM with a separate decoder (base_model).")
+    # Quantize the decoder only; the LM head keeps fp32 (tied to the embeddings in SmolLM2).
+    quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return model
+
+
+ROLLOUT_CONVERTERS: Dict[str, Converter] = {
+    "int8": _int8_dynamic,
+    "fp8_sim": _fake_quant_converter(fake_quant_fp8_e4m3),
+    "fp4_sim": _fake_quant_converter(fake_quant_fp4_e2m1),
+}
+
+
+def rollout_converter(name: str) -> Converter:
+    """``fn(module) -> module`` that turns the rollout engine's private copy into precision ``name``.
+
+    Args:
+        name: ``int8`` (CPU dynamic quantization), ``fp8_sim`` (e4m3 weight
+            fake-quantization), ``fp4_sim`` (e2m1 block fake-quantization).
+            ``fp32``/``bf16``/``fp16`` are plain casts handled by
+            :func:`rlpost.rollout.build_engine`; ``fp8`` is real fp8 in vLLM
+            (``rollout=vllm``).
+    Returns:
+        A converter that modifies the module in place and returns it; it is
+        applied to a deep copy, never to the trainer's weights.
+    Raises:
+        ConfigError: unknown name, or ``fp8`` with the hf engine.
+    """
+    if name == "fp8":
+        raise ConfigError(
+            "precision.rollout_dtype=fp8 is real fp8 and needs rollout=vllm on a GPU. "
+            "Fix: add rollout=vllm, or use precision=rollout_fp8_sim to simulate it on CPU."
+        )
+    if name not in ROLLOUT_CONVERTERS:
+        raise ConfigError(
+            f"Unknown precision.rollout_dtype={name!r}. Valid choices: fp32, bf16, fp16, "
+            f"{', '.join(ROLLOUT_CONVERTERS)}, fp8 (rollout=vllm)."
+        )
+    return ROLLOUT_CONVERTERS[name]
+
+
+@torch.no_grad()
+def mismatch_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> Dict[str, float]:
+    """How far the rollout engine's token log-probs are from the trainer's.
+
+    Args:
+        rollout_logprobs: ``[B, R]`` log-probs (nats) the rollout engine reported
+            for the tokens it sampled.
+        trainer_logprobs: ``[B, R]`` the trainer's log-probs of the same tokens
+            under its weights at rollout time (``pi_old``).
+        mask: ``[B, R]`` 1 on response tokens.
+    Returns:
+        ``mismatch/logprob_abs_mean`` and ``mismatch/logprob_abs_max`` (nats):
+        mean and max ``|rollout - trainer|`` over masked tokens;
+        ``mismatch/prob_corr``: Pearson correlation of the token probabilities
+        ``exp(lp)`` of the two engines (1 when identical; 1 as well for fewer
+        than two tokens or zero variance, where it is undefined);
+        ``mismatch/is_ess_frac``: Kish effective sample size of the importance
+        weights ``w = pi_trainer / pi_rollout`` divided by the token count, in
+        (0, 1] (1 = no mismatch); ``mismatch/is_weight_max``: the largest weight.
+        All zeros except ``prob_corr``/``ess`` (1) for an empty mask.
+    """
+    m = mask.float() > 0
+    n = int(m.sum())
+    if n == 0:
+        return {"mismatch/logprob_abs_mean": 0.0, "mismatch/logprob_abs_max": 0.0, "mismatch/prob_corr": 1.0,
+                "mismatch/is_ess_frac": 1.0, "mismatch/is_weight_max": 1.0}
+    r = rollout_logprobs.float()[m]
+    t = trainer_logprobs.float()[m]
+    d = (r - t).abs()
+    pr, pt = r.exp(), t.exp()
+    corr = 1.0
+    if n > 1:
+        vr, vt = pr - pr.mean(), pt - pt.mean()
+        den = (vr.pow(2).sum() * vt.pow(2).sum()).sqrt()
+        if float(den) > 0:
+            corr = float((vr * vt).sum() / den)
+    w = torch.exp((t - r).clamp(-20, 20))
+    ess_frac = float(w.sum() ** 2 / (w.pow(2).sum() * n))
+    return {
+        "mismatch/logprob_abs_mean": float(d.mean()),
+        "mismatch/logprob_abs_max": float(d.max()),
+        "mismatch/prob_corr": corr,
+        "mismatch/is_ess_frac": ess_frac,
+        "mismatch/is_weight_max": float(w.max()),
+    }
