@@ -4,7 +4,7 @@ Importing this package registers every estimator, loss, aggregation mode and
 regularizer. See :mod:`rlpost.algos.registries` for the calling conventions.
 """
 
-from rlpost.algos import advantages, aggregation, corrections, hapo, losses, regularizers, shaping  # noqa: F401
+from rlpost.algos import advantages, aggregation, corrections, hapo, losses, offpolicy, regularizers, shaping  # noqa: F401
 from rlpost.algos.corrections import CORRECTIONS  # noqa: F401
 from rlpost.algos.validate import validate_algo, validate_correction  # noqa: F401
 from rlpost.algos.registries import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES  # noqa: F401
