@@ -1,0 +1,319 @@
+"""``trainer=deepspeed``: the torch trainer's model, loss and batch code in a DeepSpeed ZeRO engine.
+
+:class:`DeepSpeedTrainer` subclasses :class:`rlpost.trainer.torch_engine.TorchTrainer`
+and overrides only its engine hooks: which rows this process computes, how a
+loss is back-propagated, how the optimizer steps, how metrics are combined.
+The loss code is the torch trainer's, line for line.
+
+Data parallelism: every process runs the same run graph with the same seeds,
+so each holds the same rollout batch; in the update each process takes the rows
+``rank::world`` of every mini-batch and DeepSpeed averages gradients. The loss
+of a process is normalised by the *global* mini-batch denominator and scaled by
+the world size, so the averaged gradient equals the single-process one and one
+step reproduces ``trainer=torch`` (tested for ZeRO-2 and ZeRO-3 on two CPU
+processes with gloo). Rollouts, reference and critic passes are repeated on
+every process (simple and exact; on GPUs the rollout engine is vLLM).
+
+ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", arXiv:1910.02054) stage 0/1/2/3 from ``trainer.zero_stage``;
+``trainer.offload_optimizer`` keeps optimizer state on the CPU (ZeRO-Offload,
+arXiv:2101.06840) with the same torch AdamW. Precision: fp32; bf16 as torch
+autocast over fp32 weights (as ``trainer=torch``); fp16 with DeepSpeed's
+dynamic loss scaling (GPU only).
+
+Launch: ``trainer.num_procs > 1`` re-executes the command under ``torchrun``
+(:mod:`rlpost.trainer.launch`); multi-node runs use DeepSpeed's launcher with a
+hostfile (see ``docs/ENGINES.md``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from rlpost.batch import RolloutBatch
+from rlpost.errors import ConfigError, RlpostError
+from rlpost.trainer.torch_engine import TorchTrainer, _MetricAcc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Initialise ``torch.distributed`` through DeepSpeed (gloo on CPU, nccl on GPU).
+
+    Under a launcher (``torchrun``/``deepspeed``) the environment already names
+    rank and world; a plain single process becomes rank 0 of a world of 1.
+
+    Raises:
+        RlpostError: DeepSpeed is not installed.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as e:  # pragma: no cover - deepspeed is a dependency
+        raise RlpostError(f"trainer=deepspeed needs the deepspeed package ({e}). Fix: pip install deepspeed.") from e
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(_free_port())})
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               auto_mpi_discovery=False, verbose=False)
+
+
+def rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of processes (1 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (and in single-process runs): the process that writes logs and checkpoints."""
+    return rank() == 0
+
+
+def build_ds_config(cfg: Any) -> Dict[str, Any]:
+    """The DeepSpeed JSON config for ``cfg.trainer`` / ``cfg.precision``.
+
+    Gradient accumulation is caller-owned (``managed_gradient_accumulation``
+    false): every ``backward`` accumulates and ``step`` is the boundary, since
+    the number of micro-batches per mini-batch depends on the batch.
+
+    Raises:
+        ConfigError: ``trainer.zero_stage`` not in 0..3.
+    """
+    t = cfg.trainer
+    if int(t.zero_stage) not in (0, 1, 2, 3):
+        raise ConfigError(f"trainer.zero_stage={t.zero_stage} is invalid. Valid choices: 0, 1, 2, 3.")
+    zero: Dict[str, Any] = {"stage": int(t.zero_stage)}
+    if t.offload_optimizer:
+        if int(t.zero_stage) == 0:
+            raise ConfigError("trainer.offload_optimizer=true needs trainer.zero_stage >= 1.")
+        zero["offload_optimizer"] = {"device": "cpu"}
+    ds: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": int(t.micro_batch_size),
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": float(t.grad_clip or 0.0),
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.precision.trainer_dtype == "fp16":
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return ds
+
+
+class DeepSpeedTrainer(TorchTrainer):
+    """:class:`TorchTrainer` whose policy update runs in a DeepSpeed engine.
+
+    Args:
+        policy: the causal LM (fp32 master weights).
+        cfg: the full run config (``trainer.zero_stage``, ``trainer.offload_optimizer``,
+            ``trainer.grad_clip``, ``trainer.micro_batch_size``, ``precision``...).
+        device: ``cpu`` or a CUDA device (the local rank's).
+        run_dir: where DeepSpeed checkpoints live (``<run_dir>/deepspeed/<tag>``);
+            None: a temporary directory of rank 0 (checkpoints then do not resume
+            across runs).
+    Attributes:
+        engine: the ``deepspeed.DeepSpeedEngine``.
+        policy: full-weight module used for rollouts, log-prob passes and
+            Hugging Face checkpoints (the engine's own module for ZeRO 0-2, a
+            gathered copy refreshed after every update for ZeRO-3).
+    Raises:
+        ConfigError: invalid ZeRO settings; fp16 on CPU.
+        RlpostError: DeepSpeed is not installed.
+    """
+
+    lockstep = True
+
+    def __init__(self, policy: torch.nn.Module, cfg: Any, device: torch.device | str = "cpu",
+                 run_dir: Optional[Path] = None) -> None:
+        import deepspeed
+
+        init_distributed()
+        if cfg.precision.trainer_dtype == "fp16" and torch.device(device).type == "cpu":
+            raise ConfigError("trainer=deepspeed with precision.trainer_dtype=fp16 needs a GPU (loss-scaled fp16). "
+                              "Fix: use precision=fp32 or precision=bf16 on CPU.")
+        super().__init__(policy, cfg, device)
+        self.rank, self.world = rank(), world_size()
+        self.zero_stage = int(cfg.trainer.zero_stage)
+        module = self.policy
+        if self.zero_stage == 3:
+            # ZeRO-3 partitions ``module`` in place; keep a full copy for rollouts and checkpoints.
+            self.policy = copy.deepcopy(module)
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.opt, config=build_ds_config(cfg))
+        self.train_module = self.engine.module
+        self.train_module.train()
+        self._ds_dir = self._resolve_dir(run_dir)
+        self._keep = int(getattr(getattr(cfg, "checkpoint", None), "keep_last", 2) or 2)
+
+    def _resolve_dir(self, run_dir: Optional[Path]) -> Path:
+        import tempfile
+
+        import torch.distributed as dist
+
+        if run_dir is not None:
+            return Path(run_dir) / "deepspeed"
+        obj = [tempfile.mkdtemp(prefix="rlpost_ds_") if self.rank == 0 else None]
+        dist.broadcast_object_list(obj, src=0)
+        return Path(obj[0])
+
+    # ------------------------------------------------------------ engine hooks
+    def _micro_batches(self, mini: RolloutBatch) -> List[RolloutBatch]:
+        """Rows ``rank::world`` of ``mini`` in micro-batches; every process gets the same count.
+
+        A process with fewer rows gets all-masked copies of row 0, so ZeRO's
+        collectives (one per forward/backward) stay in step; they add nothing to
+        the loss.
+        """
+        n = len(mini)
+        local = list(range(self.rank, n, self.world))
+        mbs = max(1, int(self.tcfg.micro_batch_size))
+        per_rank = -(-n // self.world)
+        count = max(1, -(-per_rank // mbs))
+        out = []
+        for i in range(count):
+            rows = local[i * mbs:(i + 1) * mbs]
+            if rows:
+                out.append(mini.select(rows))
+            else:
+                dummy = mini.select([0])
+                dummy.response_mask = torch.zeros_like(dummy.response_mask)
+                out.append(dummy)
+        return out
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed averages gradients over processes; each loss is a partial sum of the global one.
+        self.engine.backward(loss * self.world, scale_wrt_gas=False)
+
+    def _policy_step(self, params) -> float:
+        self.engine.step()
+        gn = self.engine.get_global_grad_norm()
+        gn = 0.0 if gn is None else float(gn)
+        if self.zero_stage == 3:
+            self._refresh_full_policy()
+        return gn
+
+    def _skip_policy_step(self) -> None:
+        self.engine.zero_grad()
+
+    def _any(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def _gather(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * self.world
+        dist.all_gather_object(out, [t.cpu() for t in tensors])
+        return [t for part in out for t in part]
+
+    def _reduce_metrics(self, acc: _MetricAcc) -> _MetricAcc:
+        import torch.distributed as dist
+
+        parts: List[Any] = [None] * self.world
+        dist.all_gather_object(parts, (acc.sums, acc.weights))
+        merged = _MetricAcc()
+        for sums, weights in parts:
+            for k, v in sums.items():
+                if k.endswith("_max"):
+                    merged.sums[k] = max(merged.sums.get(k, -float("inf")), v)
+                    merged.weights[k] = 1.0
+                elif k in ("actor/grad_norm", "actor/skipped_steps") or k.startswith("offpolicy/"):
+                    # per-step values, identical on every process: keep one copy
+                    if k not in merged.sums:
+                        merged.sums[k], merged.weights[k] = v, weights[k]
+                else:
+                    merged.sums[k] = merged.sums.get(k, 0.0) + v
+                    merged.weights[k] = merged.weights.get(k, 0.0) + weights[k]
+        return merged
+
+    def _refresh_full_policy(self) -> None:
+        """Copy the ZeRO-3 partitioned weights into the full-weight ``policy`` (collective)."""
+        import deepspeed
+
+        src = dict(self.train_module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(src.values()), modifier_rank=None):
+            with torch.no_grad():
+                for name, p in self.policy.named_parameters():
+                    p.copy_(src[name].data.to(p.dtype))
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Write a DeepSpeed checkpoint (collective: every process calls this) and return what resumes it.
+
+        The engine's module and (partitioned) optimizer state go to
+        ``<run_dir>/deepspeed/v<version>``; the returned dict holds that
+        location, the scheduler, counters, critic and reference. Older tags
+        beyond ``checkpoint.keep_last`` are pruned.
+        """
+        import torch.distributed as dist
+
+        tag = f"v{self.version:08d}"
+        self._ds_dir.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(self._ds_dir), tag=tag)
+        dist.barrier()
+        if self.rank == 0:
+            tags = sorted(p for p in self._ds_dir.glob("v*") if p.is_dir())
+            for old in tags[: max(0, len(tags) - self._keep)]:
+                shutil.rmtree(old, ignore_errors=True)
+        sd = super().state_dict()
+        sd.pop("opt", None)
+        sd["deepspeed"] = {"dir": str(self._ds_dir.resolve()), "tag": tag, "zero_stage": self.zero_stage,
+                           "world_size": self.world}
+        return sd
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (collective).
+
+        Raises:
+            RlpostError: the checkpoint was not written by ``trainer=deepspeed``,
+                or its DeepSpeed directory is gone.
+        """
+        info = sd.get("deepspeed")
+        if info is None:
+            raise RlpostError("This checkpoint was written by trainer=torch; it cannot resume trainer=deepspeed. "
+                              "Fix: resume with trainer=torch, or start a fresh run.")
+        path = Path(info["dir"]) / info["tag"]
+        if not path.exists():
+            raise RlpostError(f"DeepSpeed checkpoint {path} is missing. Fix: resume from a run directory whose "
+                              f"deepspeed/ folder is intact, or start a fresh run.")
+        self.engine.load_checkpoint(info["dir"], tag=info["tag"], load_optimizer_states=True,
+                                    load_lr_scheduler_states=False)
+        rest = {k: v for k, v in sd.items() if k != "deepspeed"}
+        self.sched.load_state_dict(rest["sched"])
+        self.bad_steps = int(rest.get("bad_steps", 0))
+        self.version = int(rest.get("version", 0))
+        if self.critic is not None and "critic" in rest:
+            self.critic.load_state_dict(rest["critic"])
+            self.critic_opt.load_state_dict(rest["critic_opt"])
+        if self.ref is not None and "ref" in rest:
+            self.ref.load_state_dict(rest["ref"])
+        if self.zero_stage == 3:
+            self._refresh_full_policy()
