@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import resource
 import time
@@ -43,7 +44,7 @@ class Stage:
 def build_graph(cfg: DictConfig) -> List[Stage]:
     """The stages a config runs each step, in order (disabled ones are listed too)."""
     a = cfg.algo
-    need_old = a.ppo_epochs * a.mini_batches > 1 or (a.kl.coef > 0 and a.kl.in_reward)
+    need_old = needs_old_logprobs(a)
     return [
         Stage("select", f"selector={cfg.selector.name}: choose {cfg.selector.prompts_per_step} prompts of task={cfg.task.name}"),
         Stage("rollout", f"sampler={cfg.sampler.name} x{a.n_samples_per_prompt} via rollout={cfg.rollout.engine} "
@@ -63,6 +64,32 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
         Stage("checkpoint", f"every {cfg.checkpoint.every} steps, keep {cfg.checkpoint.keep_last}"),
         Stage("log", f"metrics.jsonl + logger={cfg.logger.backend}"),
     ]
+
+
+def needs_old_logprobs(a: Any) -> bool:
+    """Whether the update needs a forward pass for the pre-update log-probs.
+
+    Several optimizer steps per batch anchor their ratios to them, unless
+    A-3PO's interpolation replaces them (``algo.loss_params.proximal=a3po``,
+    arXiv:2512.06547); KL-in-reward reads them too.
+    """
+    a3po = (a.loss_params or {}).get("proximal", "recompute") == "a3po"
+    return (a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward)
+
+
+@dataclass
+class Collected:
+    """What the producer half of a step hands to the learner half (see :meth:`Run.collect`)."""
+
+    step: int
+    batch: RolloutBatch
+    examples: List[Any]
+    per_prompt: List[List[float]]
+    reward_metrics: Dict[str, Any]
+    step_out: Any
+    t_start: float
+    t_rollout: float
+    t_reward: float
 
 
 def format_graph(cfg: DictConfig) -> str:
@@ -92,6 +119,11 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def is_main_process() -> bool:
+    """True for the only process, or rank 0 of a ``trainer.num_procs > 1`` launch: it writes logs and files."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def peak_rss_mb() -> float:
@@ -144,7 +176,7 @@ class Run:
         if self.cfg.trainer.engine == "deepspeed":
             from rlpost.trainer.deepspeed_engine import DeepSpeedTrainer
 
-            return DeepSpeedTrainer(self.policy, self.cfg, self.device)
+            return DeepSpeedTrainer(self.policy, self.cfg, self.device, run_dir=self.run_dir)
         from rlpost.trainer.torch_engine import TorchTrainer
 
         return TorchTrainer(self.policy, self.cfg, self.device)
@@ -170,10 +202,13 @@ class Run:
         self.step = int(state["step"])
         self.engine.sync_weights(self.trainer.policy)
 
-    def checkpoint(self) -> Path:
-        """Write an atomic checkpoint of the current step."""
+    def checkpoint(self) -> Optional[Path]:
+        """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks)."""
+        trainer_state = self.trainer.state_dict()  # collective for trainer=deepspeed: every rank calls it
+        if not is_main_process():
+            return None
         return save_checkpoint(
-            self.run_dir, self.step, self.trainer.policy, self.tokenizer, self.trainer.state_dict(),
+            self.run_dir, self.step, self.trainer.policy, self.tokenizer, trainer_state,
             {"selector": self.selector.state_dict(), "sampler": self.sampler.state_dict(),
              "update_rng": self.update_rng.get_state()},
             keep_last=self.cfg.checkpoint.keep_last,
@@ -196,13 +231,19 @@ class Run:
         )
 
     def train_step(self) -> Dict[str, Any]:
-        """Run every stage once; returns the step's metrics."""
-        from rlpost.samplers import SamplerContext
+        """Run every stage once (synchronously); returns the step's metrics."""
+        return self.learn(self.collect(self.step + 1, self.trainer.version, self.step))
 
-        cfg, a = self.cfg, self.cfg.algo
-        step = self.step + 1
+    def collect(self, step: int, version: int, weights_step: int) -> "Collected":
+        """Producer half of step ``step``: select -> rollout -> reward (and the selector's update).
+
+        Args:
+            step: the RL step these rollouts are for (seeds derive from it).
+            version: trainer version (optimizer steps) of the engine's weights.
+            weights_step: RL steps completed by those weights (staleness unit).
+        """
+        cfg = self.cfg
         t_step = time.perf_counter()
-        m: Dict[str, Any] = {"step": step}
 
         # select + rollout (selector hints / budgets / refills / replay live in the driver)
         from rlpost.samplers.driver import collect_rollouts
@@ -229,9 +270,9 @@ class Run:
         batch = RolloutBatch(
             prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
             response_mask=gen.response_mask, rollout_logprobs=gen.rollout_logprobs, group_index=gi,
-            prompt_index=pidx, policy_version=torch.full((len(gi),), self.trainer.version, dtype=torch.long),
+            prompt_index=pidx, policy_version=torch.full((len(gi),), version, dtype=torch.long),
             response_texts=gen.texts, answers=[e.answer for e in examples], meta=[{} for _ in examples],
-            extras={"temperatures": gen.temperatures, **sres.extras},
+            extras={"temperatures": gen.temperatures, "policy_step": torch.full((len(gi),), weights_step), **sres.extras},
         )
 
         # reward
@@ -243,6 +284,16 @@ class Run:
         n_groups = int(gi.max()) + 1 if len(gi) else 0
         per_prompt = [[float(x) for x in rewards[gi == g]] for g in range(n_groups)]
         step_out.update_selector(self.selector)
+        return Collected(step, batch, examples, per_prompt, rm, step_out, t_step, t_rollout, t_reward)
+
+    def learn(self, c: "Collected", sync_engine: bool = True) -> Dict[str, Any]:
+        """Learner half of a step: log-probs -> advantages -> update (-> sync the engine); returns metrics."""
+        cfg, a = self.cfg, self.cfg.algo
+        step, batch, examples, per_prompt, rm = c.step, c.batch, c.examples, c.per_prompt, c.reward_metrics
+        step_out, sres, gen = c.step_out, c.step_out.result, c.step_out.result.generation
+        gi, rewards, lengths = batch.group_index, batch.rewards, batch.response_mask.sum(-1)
+        t_rollout, t_reward, t_step = c.t_rollout, c.t_reward, c.t_start
+        m: Dict[str, Any] = {"step": step}
 
         # algorithm-specific inputs (entropy, greedy baseline, Beta baseline, SFT references)
         from rlpost.algos.stages import prepare_algo_inputs
@@ -264,8 +315,7 @@ class Run:
 
         # log-probs, values
         t0 = time.perf_counter()
-        need_old = a.ppo_epochs * a.mini_batches > 1 or (a.kl.coef > 0 and a.kl.in_reward)
-        if need_old:
+        if needs_old_logprobs(a):
             batch.extras["old_logprobs"], _ = self.trainer.compute_logprobs(batch)
         if a.kl.coef > 0:
             batch.extras["ref_logprobs"], _ = self.trainer.compute_logprobs(batch, "ref")
@@ -300,8 +350,9 @@ class Run:
             m["actor/frozen_for_critic_warmup"] = 1.0
         t_update = time.perf_counter() - t0
 
-        # sync
-        self.engine.sync_weights(self.trainer.policy)
+        # sync (the asynchronous executor loads its engine itself)
+        if sync_engine:
+            self.engine.sync_weights(self.trainer.policy)
         self.step = step
 
         ntok = gen.num_tokens
@@ -359,14 +410,17 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     there. Writes ``config.yaml``, ``metrics.jsonl``, checkpoints, ``final/``
     (the trained policy in Hugging Face format) and ``eval.json``.
     """
+    from rlpost.executor import build_executor
     from rlpost.tracking import RunLogger
 
+    main = is_main_process()  # under trainer.num_procs > 1 only rank 0 logs, evaluates and writes files
     run_dir = Path(run_dir)
     ckpt = find_resume_checkpoint(cfg.resume, run_dir)
     if ckpt is not None:
         run_dir = ckpt.parent.parent
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     run = Run(cfg, run_dir)
     if ckpt is not None:
         run.restore(ckpt)
@@ -374,32 +428,39 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         run_dir, cfg.logger.backend, OmegaConf.to_container(cfg, resolve=True), name=f"{cfg.name}",
         project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode, tags=list(cfg.logger.tags),
         resume_step=run.step if ckpt is not None else None,
-    )
+    ) if main else _NullLogger()
+    executor = build_executor(cfg, run)
     last: Dict[str, Any] = {}
-    progress = _progress(cfg.steps, run.step)
+    progress = _progress(cfg.steps, run.step, enabled=main)
     try:
-        if cfg.eval.at_start and run.step == 0:
-            em, _ = run.evaluate()
+        if cfg.eval.at_start and run.step == 0 and main:
+            with executor.paused():
+                em, _ = run.evaluate()
             logger.log({"step": 0, **em})
         while run.step < cfg.steps:
-            m = run.train_step()
-            if cfg.eval.every > 0 and run.step % cfg.eval.every == 0 and run.step < cfg.steps:
-                em, _ = run.evaluate()
+            m = executor.step()
+            if main and cfg.eval.every > 0 and run.step % cfg.eval.every == 0 and run.step < cfg.steps:
+                with executor.paused():
+                    em, _ = run.evaluate()
                 m.update(em)
-            if run.step == cfg.steps and cfg.eval.at_end:
-                em, res = run.evaluate()
+            if main and run.step == cfg.steps and cfg.eval.at_end:
+                with executor.paused():
+                    em, res = run.evaluate()
                 m.update(em)
                 (run_dir / "eval.json").write_text(json.dumps(_eval_summary(res), indent=1))
             logger.log(m)
             if (cfg.checkpoint.every > 0 and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps:
-                run.checkpoint()
+                with executor.paused():
+                    run.checkpoint()
             last = m
             progress.update(m)
-        final = run_dir / "final"
-        run.trainer.policy.save_pretrained(final)
-        run.tokenizer.save_pretrained(final)
-        (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
+        if main:
+            final = run_dir / "final"
+            run.trainer.policy.save_pretrained(final)
+            run.tokenizer.save_pretrained(final)
+            (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
     finally:
+        executor.close()
         progress.close()
         logger.close()
         run.close()
@@ -410,13 +471,24 @@ def _eval_summary(res: Dict[str, Any]) -> Dict[str, Any]:
     return res
 
 
+class _NullLogger:
+    """Logger of ranks > 0: they compute the same metrics as rank 0, which logs them."""
+
+    def log(self, m: Dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _progress:
     """Console progress bar (rich) with live reward and throughput."""
 
-    def __init__(self, total: int, start: int) -> None:
+    def __init__(self, total: int, start: int, enabled: bool = True) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, initial=start, desc="rlpost train", unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=total, initial=start, desc="rlpost train", unit="step", dynamic_ncols=True,
+                        disable=not enabled)
 
     def update(self, m: Dict[str, Any]) -> None:
         post = {"reward": f"{m.get('reward/mean', 0):.3f}", "tok/s": f"{m.get('throughput/rollout_tokens_per_s', 0):.0f}",

@@ -32,7 +32,10 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
     from rlpost.rollout.hf import HFRolloutEngine
 
     if rd == "fp32":
-        return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=True, device=device)
+        # The asynchronous executor generates while the trainer updates: it needs a private copy
+        # (at max_staleness 0 the two strictly alternate, so sharing stays safe and exact).
+        share = cfg.executor.name != "async" or int(cfg.executor.max_staleness) == 0
+        return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=share, device=device)
     if rd in ("bf16", "fp16"):
         dt = torch.bfloat16 if rd == "bf16" else torch.float16
         return HFRolloutEngine(
