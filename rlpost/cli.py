@@ -106,6 +106,13 @@ def train(
     overrides = list(ctx.args)
     try:
         _validate(overrides, multirun)
+        if not multirun:  # trainer.num_procs > 1: re-run this command under torchrun
+            from rlpost.config.compose import compose_config
+            from rlpost.trainer.launch import needs_launch, relaunch
+
+            cfg0 = compose_config([o for o in overrides if not o.startswith("hydra.")])
+            if needs_launch(cfg0):
+                raise typer.Exit(code=relaunch(cfg0, overrides))
     except RlpostError as e:
         _fail(e)
 
