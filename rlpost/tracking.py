@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -74,7 +75,7 @@ class RunLogger:
             ).read_text()
             mode = "online" if has_key and os.environ.get("WANDB_MODE") != "offline" else "offline"
         id_file = self.run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         self.wandb = wandb.init(
             project=project,
