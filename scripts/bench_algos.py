@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -38,8 +39,12 @@ def _finite(x: Any) -> bool:
     return not (isinstance(x, float) and (math.isnan(x) or math.isinf(x)))
 
 
-def run_preset(name: str, steps: int, overrides: List[str]) -> Dict[str, Any]:
-    """Train preset ``name`` for ``steps`` steps; returns one table row."""
+def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False) -> Dict[str, Any]:
+    """Train preset ``name`` for ``steps`` steps; returns one table row.
+
+    The temporary run directory (checkpoint and final model, about 1-2 GB for
+    the real model) is deleted afterwards unless ``keep``.
+    """
     from rlpost.config.compose import compose_config
     from rlpost.errors import TrainingDiverged
     from rlpost.runner import train
@@ -74,6 +79,10 @@ def run_preset(name: str, steps: int, overrides: List[str]) -> Dict[str, Any]:
         bad = [k for r in rows for k in ("loss/policy", "actor/grad_norm") if k in r and not _finite(r[k])]
         if bad and row["status"] == "ok":
             row["status"] = "nan"
+    if keep:
+        row["run_dir"] = str(run_dir)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
     return row
 
 
@@ -102,10 +111,11 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--presets", nargs="*", default=NAMED)
     ap.add_argument("-o", "--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
     ap.add_argument("--json", type=str, default=None, help="also write the rows here")
+    ap.add_argument("--keep", action="store_true", help="keep each preset's run directory")
     args = ap.parse_args(argv)
     rows = []
     for name in args.presets:
-        row = run_preset(name, args.steps, args.overrides)
+        row = run_preset(name, args.steps, args.overrides, keep=args.keep)
         rows.append(row)
         print(f"[bench] {name}: {row['status']} steps={row['steps']} reward={fmt(row.get('reward'))} "
               f"s/step={fmt(row.get('s_per_step'), 1)}", file=sys.stderr, flush=True)
