@@ -55,6 +55,7 @@ def build_executor(cfg: Any, run: Any) -> "SyncExecutor":
     k = int(cfg.executor.max_staleness)
     if k < 0:
         raise ConfigError(f"executor.max_staleness={k} must be >= 0.")
+    _check_partial(cfg)
     if name == "sync":
         return SyncExecutor(run)
     if int(getattr(cfg.trainer, "num_procs", 1)) > 1 and k > 0:
@@ -62,6 +63,34 @@ def build_executor(cfg: Any, run: Any) -> "SyncExecutor":
                           "(each process would train on different batches). Fix: trainer.num_procs=1, "
                           "or executor.max_staleness=0.")
     return AsyncExecutor(run, k)
+
+
+def _check_partial(cfg: Any) -> None:
+    """Validate the partial-rollout knobs (APRIL arXiv:2509.18521; CoPRIS cross-stage IS).
+
+    The carry-over buffer and stitching live in :mod:`rlpost.partial` (tested on
+    their own); they keep a prompt's group together, releasing it only when all
+    its members are done. They are not wired into the executors yet.
+
+    Raises:
+        ConfigError: ``over_provision < 1``, ``partial_chunk_tokens < 1``, partial
+            rollouts with ``executor=sync``, or ``partial_rollout=true`` at all
+            (not wired yet).
+    """
+    ex = cfg.executor
+    if not bool(getattr(ex, "partial_rollout", False)):
+        return
+    op = float(getattr(ex, "over_provision", 1.0))
+    if op < 1:
+        raise ConfigError(f"executor.over_provision={op} must be >= 1.")
+    chunk = int(getattr(ex, "partial_chunk_tokens", 16))
+    if chunk < 1:
+        raise ConfigError(f"executor.partial_chunk_tokens={chunk} must be >= 1.")
+    if ex.name != "async":
+        raise ConfigError("executor.partial_rollout=true needs executor=async.")
+    raise ConfigError("executor.partial_rollout=true is not wired into the executor yet: the carry-over "
+                      "buffer and cross-stage stitching exist in rlpost.partial (whole groups are kept "
+                      "together) but no executor drives them. Fix: executor.partial_rollout=false.")
 
 
 class SyncExecutor:

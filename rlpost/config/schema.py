@@ -378,10 +378,25 @@ class CheckpointConfig:
 
 @dataclass
 class ExecutorConfig:
-    """sync | async; ``max_staleness``: policy versions a rollout may lag the trainer."""
+    """sync | async; ``max_staleness``: policy versions a rollout may lag the trainer.
+
+    Partial rollouts (APRIL, arXiv:2509.18521; CoPRIS cross-stage IS), an opt-in
+    of ``executor=async`` (:mod:`rlpost.partial`):
+
+    Attributes:
+        partial_rollout: carry unfinished responses into the next round instead
+            of generating each to the end. Validated, but not yet wired into the
+            executor: ``true`` raises a ConfigError.
+        over_provision: float >= 1; ``ceil(over_provision * needed)`` groups in
+            flight each round.
+        partial_chunk_tokens: per-round token budget of one response (>= 1).
+    """
 
     name: str = "sync"
     max_staleness: int = 0
+    partial_rollout: bool = False
+    over_provision: float = 1.0
+    partial_chunk_tokens: int = 16
 
 
 @dataclass
