@@ -162,6 +162,10 @@ class RewardConfig:
         majority_vote: TTRL pseudo-labels (Test-Time Reinforcement Learning,
             arXiv:2504.16084): the reward of each response is its agreement with
             the majority answer of its prompt's group instead of the gold answer.
+        binarize: count only full-credit answers (verifier score >= 1) as
+            correct. reasoning-gym's generic scorer gives partial credit when the
+            gold string is a substring of the answer (gold "-1" in "-10" scores
+            2/3), which a policy learns to exploit; binarizing removes that hack.
     """
 
     verifier: Optional[str] = None
@@ -173,6 +177,7 @@ class RewardConfig:
     verifier_params: Dict[str, Any] = field(default_factory=dict)
     format_regex: Optional[str] = None
     majority_vote: bool = False
+    binarize: bool = False
 
 
 @dataclass

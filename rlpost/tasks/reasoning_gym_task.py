@@ -80,8 +80,16 @@ class ReasoningGymTask(Task):
         return Example(index=example.index, question=example.question, answer=answer, meta={**example.meta, "entry": entry})
 
     def score(self, response: str, example: Example) -> float:
-        """The dataset's own ``score_answer`` on the tagged answer (0 when untagged)."""
+        """The dataset's own ``score_answer`` on the extracted answer (0 when none).
+
+        With ``task.reward.binarize`` only a full-credit answer scores 1 (partial
+        substring credit becomes 0).
+        """
         ans = self.extract_answer(response)
         if ans is None:
             return 0.0
-        return float(self._pool.score_answer(ans, example.meta["entry"]))
+        s = float(self._pool.score_answer(ans, example.meta["entry"]))
+        reward_cfg = getattr(self.cfg, "reward", None)
+        if reward_cfg is not None and getattr(reward_cfg, "binarize", False):
+            return 1.0 if s >= 1.0 else 0.0
+        return s
