@@ -40,7 +40,10 @@ def _validate(overrides: List[str], multirun: bool) -> None:
     if not multirun:
         for o in overrides:
             if "," in o.split("=", 1)[-1] and not any(c in o for c in "[{'\""):
-                raise ConfigError(f"{o!r} looks like a sweep; add -m (rlpost train -m {' '.join(overrides)}) to run it.")
+                raise ConfigError(
+                    f"{o!r} looks like a sweep; add -m (rlpost train -m {' '.join(overrides)}) to run it, "
+                    f"or quote the value to pass a literal comma: key='a, b'."
+                )
     for combo in combos:
         cfg = compose_config([o for o in combo if not o.startswith("hydra.")])
         validate_config(cfg)
