@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -92,3 +92,33 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         """Free engine resources (processes, GPU memory)."""
+
+
+def concat_generations(parts: Sequence[GenerationResult], pad_id: int = 0) -> GenerationResult:
+    """Stack generation results row-wise, left-padding prompts and right-padding responses.
+
+    Args:
+        parts: results with any prompt / response widths.
+        pad_id: id written in padding positions (masks are 0 there).
+
+    Raises:
+        ValueError: ``parts`` is empty.
+    """
+    if not parts:
+        raise ValueError("nothing to concatenate")
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p.prompt_ids.shape[1] for p in parts)
+    R = max(p.response_ids.shape[1] for p in parts)
+    lp = lambda t, v: torch.nn.functional.pad(t, (P - t.shape[1], 0), value=v)  # noqa: E731
+    rp = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
+    return GenerationResult(
+        prompt_ids=torch.cat([lp(p.prompt_ids, pad_id) for p in parts]),
+        prompt_mask=torch.cat([lp(p.prompt_mask, 0) for p in parts]),
+        response_ids=torch.cat([rp(p.response_ids, pad_id) for p in parts]),
+        response_mask=torch.cat([rp(p.response_mask, 0) for p in parts]),
+        rollout_logprobs=torch.cat([rp(p.rollout_logprobs, 0) for p in parts]),
+        temperatures=torch.cat([rp(p.temperatures, 0) for p in parts]),
+        finished=torch.cat([p.finished for p in parts]),
+        texts=[t for p in parts for t in p.texts],
+    )

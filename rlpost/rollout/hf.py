@@ -15,7 +15,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams
+from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations
 from rlpost.rollout.sampling import apply_top_k_top_p
 
 
@@ -141,7 +141,7 @@ class HFRolloutEngine(RolloutEngine):
             self._generate_batch(prompts[i : i + self.batch_size], params, gen)
             for i in range(0, len(prompts), self.batch_size)
         ]
-        return _concat_results(parts, self.pad_id)
+        return concat_generations(parts, self.pad_id)
 
     def _stop_hit(self, tokens: List[int], stop: List[str]) -> bool:
         tail = self.tokenizer.decode(tokens[-16:], skip_special_tokens=True)
@@ -235,22 +235,3 @@ class HFRolloutEngine(RolloutEngine):
         finally:
             if was_training:
                 model.train()
-
-
-def _concat_results(parts: List[GenerationResult], pad_id: int) -> GenerationResult:
-    if len(parts) == 1:
-        return parts[0]
-    P = max(p.prompt_ids.shape[1] for p in parts)
-    R = max(p.response_ids.shape[1] for p in parts)
-    lp = lambda t, v: torch.nn.functional.pad(t, (P - t.shape[1], 0), value=v)  # noqa: E731
-    rp = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
-    return GenerationResult(
-        prompt_ids=torch.cat([lp(p.prompt_ids, pad_id) for p in parts]),
-        prompt_mask=torch.cat([lp(p.prompt_mask, 0) for p in parts]),
-        response_ids=torch.cat([rp(p.response_ids, pad_id) for p in parts]),
-        response_mask=torch.cat([rp(p.response_mask, 0) for p in parts]),
-        rollout_logprobs=torch.cat([rp(p.rollout_logprobs, 0) for p in parts]),
-        temperatures=torch.cat([rp(p.temperatures, 0) for p in parts]),
-        finished=torch.cat([p.finished for p in parts]),
-        texts=sum((p.texts for p in parts), []),
-    )
