@@ -56,6 +56,14 @@ def _schema_keys(path: str) -> List[str]:
     return []
 
 
+def _unknown_key(key: str, suffix: str = "") -> ConfigError:
+    """``ConfigError`` for an unknown dotted ``key``, listing the valid keys of its parent."""
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    valid = _schema_keys(parent)
+    hint = f" Valid keys{' of ' + parent if parent else ''}: {', '.join(valid)}." if valid else ""
+    return ConfigError(f"Unknown config key {key!r}.{hint}{suffix}")
+
+
 def friendly_error(err: Exception) -> ConfigError:
     """Turn a Hydra / OmegaConf composition error into a one-sentence :class:`ConfigError`."""
     msg = str(err).strip()
@@ -69,25 +77,14 @@ def friendly_error(err: Exception) -> ConfigError:
     full = re.search(r"full_key: (\S+)", msg)
     if m:
         key = full.group(1) if full else m.group(1)
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        valid = _schema_keys(parent)
-        hint = f" Valid keys{' of ' + parent if parent else ''}: {', '.join(valid)}." if valid else ""
-        return ConfigError(f"Unknown config key {key!r}.{hint} (Use +{key}=... only to add a new key on purpose.)")
+        return _unknown_key(key, f" (Use +{key}=... only to add a new key on purpose.)")
     m = re.search(r"Value '([^']*)' (?:of type '[^']*' )?could not be converted to (\w+)", msg)
     if m:
         key = full.group(1) if full else "?"
         return ConfigError(f"Wrong type for {key}: {m.group(1)!r} is not a valid {m.group(2)}.")
     m = re.search(r"Could not override '([^']+)'", msg)
     if m:
-        key = m.group(1)
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        valid = _schema_keys(parent)
-        hint = f" Valid keys{' of ' + parent if parent else ''}: {', '.join(valid)}." if valid else ""
-        return ConfigError(f"Unknown config key {key!r}.{hint}")
-    m = re.search(r"Value '([^']*)' (?:of type '[^']*' )?could not be converted to (\w+)", msg)
-    if m:
-        key = full.group(1) if full else "?"
-        return ConfigError(f"Wrong type for {key}: {m.group(1)!r} is not a valid {m.group(2)}.")
+        return _unknown_key(m.group(1))
     first = msg.splitlines()[0] if msg else type(err).__name__
     return ConfigError(f"Invalid config: {first}")
 
