@@ -57,12 +57,32 @@ def bench(precision: str, steps: int, overrides: list[str]) -> dict:
     }
 
 
+def matmul_gflops(n: int = 2048, reps: int = 10) -> dict:
+    """Achieved GFLOP/s of an ``n x n`` matmul in fp32 and bf16 (2 n^3 FLOPs each)."""
+    import time
+
+    out = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+        for _ in range(2):
+            a @ b
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        out[name] = 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--matmul", action="store_true", help="only the 2048^2 matmul GFLOP/s in fp32 and bf16")
     args, overrides = ap.parse_known_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if args.matmul:
+        print(" ".join(f"{k}: {v:.0f} GFLOP/s" for k, v in matmul_gflops().items()))
+        return
     results = [bench(p, args.steps, overrides) for p in args.precisions.split(",")]
     cols = ["precision", "rollout_s", "reward_s", "update_s", "step_s", "rollout_tok_s", "update_tokens", "update_gflops", "peak_rss_mb"]
     print("| " + " | ".join(cols) + " |")
