@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlpost.selectors.base import SELECTORS, UniformSelector, Selector, is_zero_variance
+from rlpost.selectors.base import SELECTORS, Selector, UniformSelector, append_history, is_zero_variance, success_rate
 
 
 @SELECTORS.register(
@@ -92,6 +92,8 @@ class GresoSelector(UniformSelector):
         threshold: reward counted as success.
     """
 
+    saved_state = ("streak", "kind")
+
     def __init__(
         self,
         num_prompts: int,
@@ -164,27 +166,11 @@ class GresoSelector(UniformSelector):
         }
 
     def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {**super().state_dict(), "p": dict(self.p), "streak": self.streak.tolist(), "kind": self.kind.tolist()}
+        return {**super().state_dict(), "p": dict(self.p)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
         super().load_state_dict(state)
         self.p = dict(state["p"])
-        self.streak = np.asarray(state["streak"], dtype=np.int64)
-        self.kind = np.asarray(state["kind"], dtype=np.int64)
-
-
-class HistoryMixin:
-    """Per-prompt ring buffer of group mean rewards (``window`` most recent)."""
-
-    def _init_history(self, n: int, window: int) -> None:
-        self.window = int(window)
-        self.hist: Dict[int, List[float]] = {}
-
-    def _push(self, i: int, v: float) -> None:
-        h = self.hist.setdefault(int(i), [])
-        h.append(float(v))
-        if len(h) > self.window:
-            del h[0]
 
 
 @SELECTORS.register(
@@ -192,7 +178,7 @@ class HistoryMixin:
     paper="HIVE: History-Informed and online-VErified prompt selection (arXiv:2603.25184)",
     description="Coarse pick at the learning edge from reward history, then prune prompts whose prompt entropy shows stale history.",
 )
-class HiveSelector(HistoryMixin, Selector):
+class HiveSelector(Selector):
     """Two-stage selection before rollout.
 
     Stage 1 (history): utility ``u_i = m_i (1 - m_i) + c * s_i`` from the prompt's
@@ -218,6 +204,8 @@ class HiveSelector(HistoryMixin, Selector):
         entropy_threshold: relative entropy change marking stale history.
     """
 
+    saved_state = ("hist", "entropy_at")
+
     def __init__(
         self,
         num_prompts: int,
@@ -230,7 +218,8 @@ class HiveSelector(HistoryMixin, Selector):
         threshold: float = 0.5,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
-        self._init_history(num_prompts, history_window)
+        self.window = int(history_window)
+        self.hist: Dict[int, List[float]] = {}  # prompt -> its last ``window`` group accuracies
         self.c = float(uncertainty_weight)
         self.pool_multiplier = max(1.0, float(pool_multiplier))
         self.entropy_threshold = float(entropy_threshold)
@@ -281,24 +270,12 @@ class HiveSelector(HistoryMixin, Selector):
     def update(self, prompt_indices, rewards):  # noqa: D102
         for i, r in zip(prompt_indices, rewards):
             r = list(r)
-            self._push(int(i), float(np.mean([x >= self.threshold for x in r])) if r else 0.0)
+            append_history(self.hist, int(i), success_rate(r, self.threshold), self.window)
             if int(i) in self.pending_entropy:
                 self.entropy_at[int(i)] = self.pending_entropy[int(i)]
 
     def metrics(self) -> Dict[str, float]:  # noqa: D102
         return {"selector/pruned_stale": float(self.pruned), "selector/seen": float(len(self.hist))}
-
-    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {
-            **super().state_dict(),
-            "hist": {str(k): v for k, v in self.hist.items()},
-            "entropy_at": {str(k): v for k, v in self.entropy_at.items()},
-        }
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
-        super().load_state_dict(state)
-        self.hist = {int(k): list(v) for k, v in state["hist"].items()}
-        self.entropy_at = {int(k): float(v) for k, v in state["entropy_at"].items()}
 
 
 @SELECTORS.register(
@@ -325,6 +302,8 @@ class CdasSelector(Selector):
         threshold: reward counted as success.
         fixed_point_iters: iterations of the competence update.
     """
+
+    saved_state = ("sum_delta", "n_obs")
 
     def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, threshold: float = 0.5, fixed_point_iters: int = 50) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
@@ -374,10 +353,8 @@ class CdasSelector(Selector):
         return {"selector/competence": self.theta}
 
     def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {**super().state_dict(), "theta": self.theta, "sum_delta": self.sum_delta.tolist(), "n_obs": self.n_obs.tolist()}
+        return {**super().state_dict(), "theta": self.theta}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
         super().load_state_dict(state)
         self.theta = float(state["theta"])
-        self.sum_delta = np.asarray(state["sum_delta"], dtype=np.float64)
-        self.n_obs = np.asarray(state["n_obs"], dtype=np.float64)
