@@ -183,7 +183,13 @@ class Run:
 
     # ------------------------------------------------------------- resume
     def restore(self, ckpt: Path) -> None:
-        """Load a checkpoint written by :meth:`checkpoint` and continue after its step."""
+        """Load a checkpoint written by :meth:`checkpoint` and continue after its step.
+
+        Restores the policy, the trainer (optimizer, scheduler, critic, reference),
+        the selector, the sampler, the algorithm's cross-step state
+        (:class:`rlpost.algos.stages.AlgoState`: MSSR's Beta tracker, HAPO's
+        entropy statistics), the update generator and the global RNGs.
+        """
         from safetensors.torch import load_file
 
         files = sorted((ckpt / "policy").glob("*.safetensors"))
@@ -197,20 +203,24 @@ class Run:
         state = torch.load(ckpt / "state.pt", weights_only=False)
         self.selector.load_state_dict(state["selector"])
         self.sampler.load_state_dict(state.get("sampler", {}))
+        self.algo_state.load_state_dict(state.get("algo_state", {}))  # absent in checkpoints before it was saved
         self.update_rng.set_state(state["update_rng"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.engine.sync_weights(self.trainer.policy)
 
     def checkpoint(self) -> Optional[Path]:
-        """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks)."""
+        """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks).
+
+        ``state.pt`` holds every piece of cross-step state :meth:`restore` reads back.
+        """
         trainer_state = self.trainer.state_dict()  # collective for trainer=deepspeed: every rank calls it
         if not is_main_process():
             return None
         return save_checkpoint(
             self.run_dir, self.step, self.trainer.policy, self.tokenizer, trainer_state,
             {"selector": self.selector.state_dict(), "sampler": self.sampler.state_dict(),
-             "update_rng": self.update_rng.get_state()},
+             "algo_state": self.algo_state.state_dict(), "update_rng": self.update_rng.get_state()},
             keep_last=self.cfg.checkpoint.keep_last,
         )
 

@@ -144,6 +144,65 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
             assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), (ra["step"], k)
 
 
+class _Stopped(Exception):
+    """Raised by the patched checkpoint hook to stop a run right after a checkpoint."""
+
+
+def _stop_after_checkpoint(monkeypatch, step: int) -> None:
+    from rlpost.runner import Run
+
+    real = Run.checkpoint
+
+    def checkpoint_then_stop(self):
+        out = real(self)
+        if self.step == step:
+            raise _Stopped
+        return out
+
+    monkeypatch.setattr(Run, "checkpoint", checkpoint_then_stop)
+
+
+def _assert_same_metrics(a_dir: Path, b_dir: Path, steps: int) -> None:
+    a = [_stable(r) for r in _metrics(a_dir)]
+    b = [_stable(r) for r in _metrics(b_dir)]
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-7), (ra["step"], k)
+
+
+@pytest.mark.parametrize("algo,extra", [
+    ("mssr", ("algo.n_samples_per_prompt=1",)),  # per-prompt Beta tracker -> baselines of steps 3-4
+    ("hapo", ()),  # entropy statistics of step 2 -> adaptive temperatures of step 3's rollouts
+])
+def test_algo_state_survives_resume(compose, tmp_path, monkeypatch, algo, extra):
+    """Stop after the step-2 checkpoint, resume=auto: the same metrics as an uninterrupted run.
+
+    8 training prompts, 4 per step: steps 3-4 revisit the prompts of steps 1-2,
+    so MSSR's baselines there come from the tracker state saved at step 2.
+    """
+    over = (f"algo={algo}", *extra, "steps=4", "checkpoint.every=2", "eval.at_end=false", "task.train_size=8",
+            "seed=3", "trainer.lr=1e-4")
+    straight = _train(compose, tmp_path, *over, name="straight")
+    _stop_after_checkpoint(monkeypatch, 2)
+    with pytest.raises(_Stopped):
+        _train(compose, tmp_path, *over, name="stopped")
+    monkeypatch.undo()
+    ckpt = tmp_path / "stopped" / "checkpoints" / "step_000002" / "state.pt"
+    algo_state = torch.load(ckpt, weights_only=False)["algo_state"]
+    if algo == "mssr":
+        tracked = algo_state["tracker"]["state"]
+        # one epoch over the 8 prompts, one reward each: alpha + beta = rho (1 + 1) + 1 = 2.8
+        assert sorted(int(k) for k in tracked) == list(range(8))
+        assert all(a + b == pytest.approx(2.8) for a, b in tracked.values())
+    else:
+        stats = algo_state["entropy_stats"]
+        assert set(stats) == {"pivot", "rms", "scale_pos", "scale_neg"} and stats["rms"] > 0
+    _train(compose, tmp_path, *over, "resume=auto", name="stopped")
+    _assert_same_metrics(straight, tmp_path / "stopped", 4)
+
+
 def test_nan_loss_skips_steps_then_stops_with_checkpoint_intact(compose, tmp_path, monkeypatch):
     import rlpost.trainer.torch_engine as te
     from rlpost.errors import TrainingDiverged
