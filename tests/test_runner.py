@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -72,6 +73,85 @@ def test_rollout_logprobs_match_trainer_logprobs_fp32():
         assert m.sum() > 0
         diff = ((lp - gen.rollout_logprobs).abs() * m).max().item()
         assert diff < 1e-4, diff
+
+
+def test_prompt_entropy_matches_full_logits_on_unpadded_prompts():
+    """Chunked, left-padded, batched prefill = the entropy of model(ids).logits of each prompt alone."""
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.models.logprobs import prompt_entropy
+
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=3)
+    model.train()
+    prompts = [tok("What is 2+2?")["input_ids"], tok("Hi")["input_ids"], tok("Name a color please, any one you like best today")["input_ids"]]
+    assert len({len(p) for p in prompts}) == 3
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            logp = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
+            want.append(float(-(logp.exp() * logp).sum(-1).mean()))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for bs, chunk in [(2, 3), (16, 64), (1, 1)]:
+        got = prompt_entropy(model, prompts, pad, batch_size=bs, chunk_size=chunk)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (bs, chunk)
+    V = model.get_output_embeddings().weight.shape[0]
+    assert all(0.0 < e <= math.log(V) + 1e-4 for e in want)
+    assert model.training  # the training flag is restored
+    with pytest.raises(ValueError):
+        prompt_entropy(model, [[]], pad)
+
+
+def test_hive_prunes_by_the_policy_prompt_entropy_on_tiny(compose, tmp_path, monkeypatch):
+    """The runner attaches Run.prompt_entropy; HIVE checks its whole pool with it and prunes stale prompts.
+
+    8 prompts, 4 per step, pool 2 x 4 = all 8, entropy_threshold 0 (any change is stale), SFT so the
+    weights move every step. Step 1: nothing has history. Step 2: the 4 prompts of step 1 were
+    recorded with the step-0 weights; the update changed their entropy, so all 4 are pruned and
+    the 4 others are chosen. Step 3: the same for the prompts of step 2.
+    """
+    from rlpost.runner import Run
+
+    calls = []
+    real = Run.prompt_entropy
+
+    def spy(self, indices):
+        out = real(self, indices)
+        calls.append((list(indices), out))
+        return out
+
+    monkeypatch.setattr(Run, "prompt_entropy", spy)
+    common = ("selector=hive", "algo=sft", "steps=3", "task.train_size=8", "eval.at_end=false", "trainer.lr=1e-3",
+              "+selector.params.pool_multiplier=2")
+    run_dir = _train(compose, tmp_path, *common, "+selector.params.entropy_threshold=0.0", name="prune")
+    recs = _metrics(run_dir)
+    assert [sorted(c[0]) for c in calls] == [list(range(8))] * 3  # once per step, on the whole pool
+    assert [r["selector/entropy_checked"] for r in recs] == [8.0, 8.0, 8.0]
+    assert [r["selector/pruned_stale"] for r in recs] == [0.0, 4.0, 4.0]
+    assert [r["rollout/prompts_skipped"] for r in recs] == [0.0, 4.0, 4.0]
+    for (_, e), r in zip(calls, recs):
+        assert r["selector/prompt_entropy_mean"] == pytest.approx(sum(e) / len(e))
+    assert calls[1][1] != calls[0][1]  # computed with the updated weights, not the initial ones
+
+    calls.clear()
+    run_dir = _train(compose, tmp_path, *common, "+selector.params.entropy_threshold=1e9", name="keep")
+    recs = _metrics(run_dir)
+    assert len(calls) == 3
+    assert [r["selector/pruned_stale"] for r in recs] == [0.0, 0.0, 0.0]
+    assert [r["selector/seen"] for r in recs] == [0.0, 4.0, 8.0]
+
+
+def test_prompt_entropy_under_async_staleness_needs_an_engine_model():
+    """executor=async with max_staleness > 0 reads the engine's copy; vLLM has none: a clear ConfigError."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from rlpost.errors import ConfigError
+    from rlpost.runner import Run
+
+    fake = SimpleNamespace(cfg=OmegaConf.create({"executor": {"name": "async", "max_staleness": 1}}), engine=object())
+    with pytest.raises(ConfigError, match="rollout.engine=hf"):
+        Run.prompt_entropy(fake, [0])
 
 
 def test_greedy_generation_is_deterministic_and_masks_after_eos():

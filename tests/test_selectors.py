@@ -194,6 +194,43 @@ def test_state_dict_round_trip_continues_identically(name, tmp_path):
     assert a.metrics() == b.metrics()
 
 
+def test_hive_entropy_pruning_rule_on_synthetic_entropies():
+    """Stale iff |e - e_old| > entropy_threshold * |e_old| (strict); pruned prompts come back as unseen."""
+    ent = {0: 1.0, 1: 2.0, 2: 0.5, 3: 4.0}
+    calls = []
+
+    def prompt_entropy(idx):
+        calls.append(list(idx))
+        return [ent[i] for i in idx]
+
+    sel = SELECTORS.get("hive")(4, 2, seed=0, pool_multiplier=2, entropy_threshold=0.125)
+    sel.attach(prompt_entropy=prompt_entropy)
+    sel.select(0)
+    assert sorted(calls[-1]) == [0, 1, 2, 3]  # the pool (2 x 2 prompts) is checked
+    sel.update([0, 1, 2, 3], [[1.0, 0.0]] * 4)  # history and entropy recorded for all four
+    assert sel.entropy_at == ent and sel.pruned == 0
+    # relative changes (dyadic, so exact): 1/16 < 1/8 keep; 1/8 == 1/8 keep (strict >); 1/4 and 3/16 > 1/8 prune
+    ent.update({0: 1.0625, 1: 2.25, 2: 0.375, 3: 4.75})
+    picked = sel.select(1)
+    assert sorted(picked) == [0, 1]
+    assert sel.pruned == 2 and sel.skipped == 2
+    assert sorted(sel.hist) == [0, 1] and sorted(sel.entropy_at) == [0, 1]
+    m = sel.metrics()
+    assert m["selector/pruned_stale"] == 2.0 and m["selector/entropy_checked"] == 4.0
+    assert m["selector/prompt_entropy_mean"] == pytest.approx((1.0625 + 2.25 + 0.375 + 4.75) / 4)
+    sel.update(picked, [[1.0, 0.0]] * 2)
+    assert sel.entropy_at == {0: 1.0625, 1: 2.25}  # re-anchored at the entropy they were selected with
+    # unchanged entropies: nothing is stale, and the cleared prompts 2, 3 rank first again (unseen)
+    assert sorted(sel.select(2)) == [2, 3] and sel.pruned == 0
+
+
+def test_hive_without_entropy_function_runs_stage_one_only():
+    sel = SELECTORS.get("hive")(4, 2, seed=0, pool_multiplier=2, entropy_threshold=0.0)
+    sel.update([0, 1], [[1.0, 1.0], [0.0, 0.0]])  # solved / unsolved: utility 0.25 < unseen 0.5
+    assert sorted(sel.select(0)) == [2, 3] and sel.pruned == 0
+    assert "selector/entropy_checked" not in sel.metrics()
+
+
 def test_domain_mixture_keeps_effective_ratio_on_target():
     labels = ["a"] * 20 + ["b"] * 20
     p = np.array([0.97] * 20 + [0.5] * 20)  # domain a rarely gives mixed groups

@@ -189,10 +189,12 @@ class HiveSelector(Selector):
     (random tie-breaks) form the candidate pool.
 
     Stage 2 (online verification): when a ``prompt_entropy(indices) -> list``
-    function is attached (the policy's mean next-token entropy over the prompt
-    tokens, one prefill), a candidate whose entropy changed by more than
-    ``entropy_threshold`` (relative) since its history was last recorded has
-    stale history: it is pruned from this step, its history is cleared so it
+    function is attached (the runner attaches :meth:`rlpost.runner.Run.prompt_entropy`:
+    the current policy's mean next-token entropy over the prompt tokens, one
+    no-grad prefill), the pool's entropies ``e_i`` are computed and a candidate
+    with ``|e_i - e_i^old| > entropy_threshold * max(|e_i^old|, 1e-6)``, where
+    ``e_i^old`` is its entropy when its history was last recorded, has stale
+    history: it is pruned from this step, its history is cleared so it
     returns as unseen. The ``k`` best remaining candidates are chosen (pruned
     ones only fill a shortfall). Without the function only stage 1 runs. The
     thresholds are our choices; the abstract gives none.
@@ -274,8 +276,16 @@ class HiveSelector(Selector):
             if int(i) in self.pending_entropy:
                 self.entropy_at[int(i)] = self.pending_entropy[int(i)]
 
-    def metrics(self) -> Dict[str, float]:  # noqa: D102
-        return {"selector/pruned_stale": float(self.pruned), "selector/seen": float(len(self.hist))}
+    def metrics(self) -> Dict[str, float]:
+        """Step log: ``selector/pruned_stale`` (candidates pruned by stage 2 in the last
+        :meth:`select`), ``selector/seen`` (prompts with history), and when stage 2 ran,
+        ``selector/entropy_checked`` (candidates whose entropy was computed) and
+        ``selector/prompt_entropy_mean`` (their mean entropy, nats)."""
+        m = {"selector/pruned_stale": float(self.pruned), "selector/seen": float(len(self.hist))}
+        if self.pending_entropy:
+            m["selector/entropy_checked"] = float(len(self.pending_entropy))
+            m["selector/prompt_entropy_mean"] = float(np.mean(list(self.pending_entropy.values())))
+        return m
 
 
 @SELECTORS.register(
