@@ -3,7 +3,8 @@
 Layout: ``<run dir>/checkpoints/step_000010/`` holding ``policy/`` (Hugging Face
 format, loadable by ``rlpost eval eval.checkpoint=...``), ``trainer.pt``
 (optimizer, scheduler, critic, reference), ``state.pt`` (step, RNG states,
-selector and sampler state). A checkpoint is written to ``step_N.tmp`` and
+selector, sampler and algorithm state, e.g. MSSR's Beta tracker and HAPO's
+entropy statistics). A checkpoint is written to ``step_N.tmp`` and
 renamed into place, so a crash mid-write never leaves a partial checkpoint.
 """
 

@@ -161,7 +161,7 @@ class Run:
         self.trainer = self._build_trainer()
         self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
         self.selector = build_selector(cfg.selector, len(self.train_examples), cfg.seed, cfg.algo.n_samples_per_prompt)
-        self.selector.attach(examples=self.train_examples)
+        self.selector.attach(examples=self.train_examples, prompt_entropy=self.prompt_entropy)
         self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens)
         self._prompt_cache: Dict[int, List[int]] = {}
@@ -183,7 +183,13 @@ class Run:
 
     # ------------------------------------------------------------- resume
     def restore(self, ckpt: Path) -> None:
-        """Load a checkpoint written by :meth:`checkpoint` and continue after its step."""
+        """Load a checkpoint written by :meth:`checkpoint` and continue after its step.
+
+        Restores the policy, the trainer (optimizer, scheduler, critic, reference),
+        the selector, the sampler, the algorithm's cross-step state
+        (:class:`rlpost.algos.stages.AlgoState`: MSSR's Beta tracker, HAPO's
+        entropy statistics), the update generator and the global RNGs.
+        """
         from safetensors.torch import load_file
 
         files = sorted((ckpt / "policy").glob("*.safetensors"))
@@ -197,20 +203,24 @@ class Run:
         state = torch.load(ckpt / "state.pt", weights_only=False)
         self.selector.load_state_dict(state["selector"])
         self.sampler.load_state_dict(state.get("sampler", {}))
+        self.algo_state.load_state_dict(state.get("algo_state", {}))  # absent in checkpoints before it was saved
         self.update_rng.set_state(state["update_rng"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.engine.sync_weights(self.trainer.policy)
 
     def checkpoint(self) -> Optional[Path]:
-        """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks)."""
+        """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks).
+
+        ``state.pt`` holds every piece of cross-step state :meth:`restore` reads back.
+        """
         trainer_state = self.trainer.state_dict()  # collective for trainer=deepspeed: every rank calls it
         if not is_main_process():
             return None
         return save_checkpoint(
             self.run_dir, self.step, self.trainer.policy, self.tokenizer, trainer_state,
             {"selector": self.selector.state_dict(), "sampler": self.sampler.state_dict(),
-             "update_rng": self.update_rng.get_state()},
+             "algo_state": self.algo_state.state_dict(), "update_rng": self.update_rng.get_state()},
             keep_last=self.cfg.checkpoint.keep_last,
         )
 
@@ -220,6 +230,47 @@ class Run:
         if i not in self._prompt_cache:
             self._prompt_cache[i] = self.task.render_prompt(self.train_examples[i], self.tokenizer)
         return self._prompt_cache[i]
+
+    def prompt_entropy(self, indices: List[int]) -> List[float]:
+        """HIVE's prompt entropy of training examples ``indices`` under the current policy.
+
+        The mean next-token entropy (nats, temperature 1) over each rendered
+        prompt's tokens, one no-grad prefill per prompt, ``trainer.micro_batch_size``
+        prompts per pass and ``trainer.logprob_chunk_size`` positions per LM-head
+        chunk (:func:`rlpost.models.logprobs.prompt_entropy`; HIVE, "History-Informed
+        and online-VErified prompt selection", arXiv:2603.25184). Passed to the
+        selector by :meth:`rlpost.selectors.base.Selector.attach`; only ``hive``
+        calls it, from :meth:`select`, before the step's rollouts.
+
+        Weights: the trainer's current policy (under the trainer's autocast). With
+        ``executor=async`` and ``max_staleness > 0`` the learner updates that policy
+        while the producer selects, so the engine's private copy (the weights this
+        step's rollouts are generated with) is used instead.
+
+        Returns:
+            one entropy per index, in nats.
+        Raises:
+            ConfigError: async with staleness and an engine without a torch model (vLLM).
+        """
+        from rlpost.errors import ConfigError
+        from rlpost.models.logprobs import prompt_entropy
+
+        ex = self.cfg.executor
+        autocast = None
+        if ex.name == "async" and int(ex.get("max_staleness", 0)) > 0:
+            model = getattr(self.engine, "model", None)
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigError("selector=hive with executor=async max_staleness>0 computes prompt entropy on the "
+                                  "rollout engine's weights, which rollout.engine=vllm does not expose. Fix: use "
+                                  "rollout.engine=hf, executor.max_staleness=0 or another selector.")
+        else:
+            model, autocast = self.trainer.policy, self.trainer.autocast
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return prompt_entropy(
+            model, [self.prompt_ids(int(i)) for i in indices], int(pad or 0),
+            batch_size=self.cfg.trainer.micro_batch_size, chunk_size=self.cfg.trainer.logprob_chunk_size,
+            autocast=autocast,
+        )
 
     def sampling_params(self, step: int) -> SamplingParams:
         """The rollout sampling parameters of ``step`` (seeded for exact resume)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -74,6 +75,85 @@ def test_rollout_logprobs_match_trainer_logprobs_fp32():
         assert diff < 1e-4, diff
 
 
+def test_prompt_entropy_matches_full_logits_on_unpadded_prompts():
+    """Chunked, left-padded, batched prefill = the entropy of model(ids).logits of each prompt alone."""
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.models.logprobs import prompt_entropy
+
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=3)
+    model.train()
+    prompts = [tok("What is 2+2?")["input_ids"], tok("Hi")["input_ids"], tok("Name a color please, any one you like best today")["input_ids"]]
+    assert len({len(p) for p in prompts}) == 3
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            logp = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
+            want.append(float(-(logp.exp() * logp).sum(-1).mean()))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for bs, chunk in [(2, 3), (16, 64), (1, 1)]:
+        got = prompt_entropy(model, prompts, pad, batch_size=bs, chunk_size=chunk)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (bs, chunk)
+    V = model.get_output_embeddings().weight.shape[0]
+    assert all(0.0 < e <= math.log(V) + 1e-4 for e in want)
+    assert model.training  # the training flag is restored
+    with pytest.raises(ValueError):
+        prompt_entropy(model, [[]], pad)
+
+
+def test_hive_prunes_by_the_policy_prompt_entropy_on_tiny(compose, tmp_path, monkeypatch):
+    """The runner attaches Run.prompt_entropy; HIVE checks its whole pool with it and prunes stale prompts.
+
+    8 prompts, 4 per step, pool 2 x 4 = all 8, entropy_threshold 0 (any change is stale), SFT so the
+    weights move every step. Step 1: nothing has history. Step 2: the 4 prompts of step 1 were
+    recorded with the step-0 weights; the update changed their entropy, so all 4 are pruned and
+    the 4 others are chosen. Step 3: the same for the prompts of step 2.
+    """
+    from rlpost.runner import Run
+
+    calls = []
+    real = Run.prompt_entropy
+
+    def spy(self, indices):
+        out = real(self, indices)
+        calls.append((list(indices), out))
+        return out
+
+    monkeypatch.setattr(Run, "prompt_entropy", spy)
+    common = ("selector=hive", "algo=sft", "steps=3", "task.train_size=8", "eval.at_end=false", "trainer.lr=1e-3",
+              "+selector.params.pool_multiplier=2")
+    run_dir = _train(compose, tmp_path, *common, "+selector.params.entropy_threshold=0.0", name="prune")
+    recs = _metrics(run_dir)
+    assert [sorted(c[0]) for c in calls] == [list(range(8))] * 3  # once per step, on the whole pool
+    assert [r["selector/entropy_checked"] for r in recs] == [8.0, 8.0, 8.0]
+    assert [r["selector/pruned_stale"] for r in recs] == [0.0, 4.0, 4.0]
+    assert [r["rollout/prompts_skipped"] for r in recs] == [0.0, 4.0, 4.0]
+    for (_, e), r in zip(calls, recs):
+        assert r["selector/prompt_entropy_mean"] == pytest.approx(sum(e) / len(e))
+    assert calls[1][1] != calls[0][1]  # computed with the updated weights, not the initial ones
+
+    calls.clear()
+    run_dir = _train(compose, tmp_path, *common, "+selector.params.entropy_threshold=1e9", name="keep")
+    recs = _metrics(run_dir)
+    assert len(calls) == 3
+    assert [r["selector/pruned_stale"] for r in recs] == [0.0, 0.0, 0.0]
+    assert [r["selector/seen"] for r in recs] == [0.0, 4.0, 8.0]
+
+
+def test_prompt_entropy_under_async_staleness_needs_an_engine_model():
+    """executor=async with max_staleness > 0 reads the engine's copy; vLLM has none: a clear ConfigError."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from rlpost.errors import ConfigError
+    from rlpost.runner import Run
+
+    fake = SimpleNamespace(cfg=OmegaConf.create({"executor": {"name": "async", "max_staleness": 1}}), engine=object())
+    with pytest.raises(ConfigError, match="rollout.engine=hf"):
+        Run.prompt_entropy(fake, [0])
+
+
 def test_greedy_generation_is_deterministic_and_masks_after_eos():
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
@@ -142,6 +222,65 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
         assert ra.keys() == rb.keys()
         for k in ra:
             assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), (ra["step"], k)
+
+
+class _Stopped(Exception):
+    """Raised by the patched checkpoint hook to stop a run right after a checkpoint."""
+
+
+def _stop_after_checkpoint(monkeypatch, step: int) -> None:
+    from rlpost.runner import Run
+
+    real = Run.checkpoint
+
+    def checkpoint_then_stop(self):
+        out = real(self)
+        if self.step == step:
+            raise _Stopped
+        return out
+
+    monkeypatch.setattr(Run, "checkpoint", checkpoint_then_stop)
+
+
+def _assert_same_metrics(a_dir: Path, b_dir: Path, steps: int) -> None:
+    a = [_stable(r) for r in _metrics(a_dir)]
+    b = [_stable(r) for r in _metrics(b_dir)]
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-7), (ra["step"], k)
+
+
+@pytest.mark.parametrize("algo,extra", [
+    ("mssr", ("algo.n_samples_per_prompt=1",)),  # per-prompt Beta tracker -> baselines of steps 3-4
+    ("hapo", ()),  # entropy statistics of step 2 -> adaptive temperatures of step 3's rollouts
+])
+def test_algo_state_survives_resume(compose, tmp_path, monkeypatch, algo, extra):
+    """Stop after the step-2 checkpoint, resume=auto: the same metrics as an uninterrupted run.
+
+    8 training prompts, 4 per step: steps 3-4 revisit the prompts of steps 1-2,
+    so MSSR's baselines there come from the tracker state saved at step 2.
+    """
+    over = (f"algo={algo}", *extra, "steps=4", "checkpoint.every=2", "eval.at_end=false", "task.train_size=8",
+            "seed=3", "trainer.lr=1e-4")
+    straight = _train(compose, tmp_path, *over, name="straight")
+    _stop_after_checkpoint(monkeypatch, 2)
+    with pytest.raises(_Stopped):
+        _train(compose, tmp_path, *over, name="stopped")
+    monkeypatch.undo()
+    ckpt = tmp_path / "stopped" / "checkpoints" / "step_000002" / "state.pt"
+    algo_state = torch.load(ckpt, weights_only=False)["algo_state"]
+    if algo == "mssr":
+        tracked = algo_state["tracker"]["state"]
+        # one epoch over the 8 prompts, one reward each: alpha + beta = rho (1 + 1) + 1 = 2.8
+        assert sorted(int(k) for k in tracked) == list(range(8))
+        assert all(a + b == pytest.approx(2.8) for a, b in tracked.values())
+    else:
+        stats = algo_state["entropy_stats"]
+        assert set(stats) == {"pivot", "rms", "scale_pos", "scale_neg"} and stats["rms"] > 0
+    _train(compose, tmp_path, *over, "resume=auto", name="stopped")
+    _assert_same_metrics(straight, tmp_path / "stopped", 4)
 
 
 def test_nan_loss_skips_steps_then_stops_with_checkpoint_intact(compose, tmp_path, monkeypatch):

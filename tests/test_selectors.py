@@ -9,6 +9,7 @@ from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS
 from rlpost.samplers.driver import collect_rollouts
 from rlpost.selectors import SELECTORS, build_selector
+from rlpost.selectors.base import append_history, pack_state, success_rate, unpack_state
 from rlpost.selectors.mixture import fit_irt_difficulty
 
 
@@ -138,6 +139,96 @@ def test_hive_prunes_prompts_with_stale_history():
     hist0 = 0 in sel.hist
     idx = sel.select(1)
     assert hist0 and sel.pruned >= 1 and 0 not in sel.hist
+
+
+def test_history_bookkeeping_helpers():
+    assert success_rate([1.0, 0.4, 0.5, 0.0], threshold=0.5) == 0.5  # 1.0 and 0.5 count
+    assert success_rate([0.2, 0.9, 0.9], threshold=0.9) == pytest.approx(2 / 3)
+    assert success_rate([], threshold=0.5) == 0.0
+    store = {}
+    for v in (0.1, 0.2, 0.3, 0.4):
+        append_history(store, 3, v, window=2)
+    append_history(store, np.int64(5), [0.3, 1.0, 8.0])  # no window: everything is kept
+    append_history(store, 5, [0.1, 0.5, 8.0])
+    assert store == {3: [0.3, 0.4], 5: [[0.3, 1.0, 8.0], [0.1, 0.5, 8.0]]}
+    assert all(type(k) is int for k in store)
+    packed = pack_state(store)
+    assert packed == {"3": [0.3, 0.4], "5": [[0.3, 1.0, 8.0], [0.1, 0.5, 8.0]]}
+    packed["3"].append(9.9)  # a copy: the live history is untouched
+    assert store[3] == [0.3, 0.4]
+    arr = unpack_state([[1, 0], [0, 2]], like=np.zeros((1, 1), dtype=np.int64))
+    assert arr.dtype == np.int64 and arr.tolist() == [[1, 0], [0, 2]]
+    assert unpack_state({"7": 0.5}, like={}) == {7: 0.5}
+    with pytest.raises(TypeError):
+        pack_state([1, 2])
+
+
+@pytest.mark.parametrize("name", SELECTORS.names())
+def test_state_dict_round_trip_continues_identically(name, tmp_path):
+    """A selector restored from a saved state (torch.save, as in checkpoints) makes the same choices."""
+    ent = {i: 1.0 + 0.05 * i for i in range(20)}
+    rng = np.random.default_rng(0)
+
+    def make(seed):
+        sel = SELECTORS.get(name)(20, 4, seed=seed)
+        sel.attach(prompt_entropy=lambda idx: [ent[i] for i in idx])
+        return sel
+
+    def rewards(idx):
+        return [(rng.random(4) < P[2 * i]).astype(float).tolist() for i in idx]
+
+    a = make(seed=1)
+    for t in range(5):
+        idx = a.select(t)
+        a.update(idx, rewards(idx))
+    torch.save(a.state_dict(), tmp_path / "sel.pt")
+    b = make(seed=2)
+    b.load_state_dict(torch.load(tmp_path / "sel.pt", weights_only=False))
+    for t in range(5, 10):
+        ent[t] *= 1.5  # HIVE: some prompt entropies move
+        ia, ib = a.select(t), b.select(t)
+        assert ia == ib, (t, ia, ib)
+        r = rewards(ia)
+        a.update(ia, r)
+        b.update(ib, r)
+    assert a.metrics() == b.metrics()
+
+
+def test_hive_entropy_pruning_rule_on_synthetic_entropies():
+    """Stale iff |e - e_old| > entropy_threshold * |e_old| (strict); pruned prompts come back as unseen."""
+    ent = {0: 1.0, 1: 2.0, 2: 0.5, 3: 4.0}
+    calls = []
+
+    def prompt_entropy(idx):
+        calls.append(list(idx))
+        return [ent[i] for i in idx]
+
+    sel = SELECTORS.get("hive")(4, 2, seed=0, pool_multiplier=2, entropy_threshold=0.125)
+    sel.attach(prompt_entropy=prompt_entropy)
+    sel.select(0)
+    assert sorted(calls[-1]) == [0, 1, 2, 3]  # the pool (2 x 2 prompts) is checked
+    sel.update([0, 1, 2, 3], [[1.0, 0.0]] * 4)  # history and entropy recorded for all four
+    assert sel.entropy_at == ent and sel.pruned == 0
+    # relative changes (dyadic, so exact): 1/16 < 1/8 keep; 1/8 == 1/8 keep (strict >); 1/4 and 3/16 > 1/8 prune
+    ent.update({0: 1.0625, 1: 2.25, 2: 0.375, 3: 4.75})
+    picked = sel.select(1)
+    assert sorted(picked) == [0, 1]
+    assert sel.pruned == 2 and sel.skipped == 2
+    assert sorted(sel.hist) == [0, 1] and sorted(sel.entropy_at) == [0, 1]
+    m = sel.metrics()
+    assert m["selector/pruned_stale"] == 2.0 and m["selector/entropy_checked"] == 4.0
+    assert m["selector/prompt_entropy_mean"] == pytest.approx((1.0625 + 2.25 + 0.375 + 4.75) / 4)
+    sel.update(picked, [[1.0, 0.0]] * 2)
+    assert sel.entropy_at == {0: 1.0625, 1: 2.25}  # re-anchored at the entropy they were selected with
+    # unchanged entropies: nothing is stale, and the cleared prompts 2, 3 rank first again (unseen)
+    assert sorted(sel.select(2)) == [2, 3] and sel.pruned == 0
+
+
+def test_hive_without_entropy_function_runs_stage_one_only():
+    sel = SELECTORS.get("hive")(4, 2, seed=0, pool_multiplier=2, entropy_threshold=0.0)
+    sel.update([0, 1], [[1.0, 1.0], [0.0, 0.0]])  # solved / unsolved: utility 0.25 < unseen 0.5
+    assert sorted(sel.select(0)) == [2, 3] and sel.pruned == 0
+    assert "selector/entropy_checked" not in sel.metrics()
 
 
 def test_domain_mixture_keeps_effective_ratio_on_target():

@@ -47,6 +47,11 @@ class PolicyLossInput:
 
 
 def _ratio(inp: PolicyLossInput, max_log_ratio: float = 20.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token importance ratio ``r = pi / pi_old`` and its log, both ``[B, R]`` (the shared first step).
+
+    The log-ratio is clamped to ``[-max_log_ratio, max_log_ratio]`` so ``r``
+    stays finite; ``r`` carries the gradient of ``inp.logprobs``.
+    """
     log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-max_log_ratio, max_log_ratio)
     return torch.exp(log_ratio), log_ratio
 
@@ -60,6 +65,55 @@ def ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tens
             "ratio_max": big.max() if big.numel() else torch.tensor(0.0),
             "approx_kl": masked_mean(ratio - 1 - log_ratio, mask),
         }
+
+
+def _clip_metrics(ratio, log_ratio, low, high, m) -> Metrics:
+    """The standard metrics (the shared last step): clip fractions from the ``[B, R]`` 0/1 masks
+    ``low`` / ``high`` of clipped tokens, plus :func:`ratio_metrics`; no grad."""
+    with torch.no_grad():
+        return dict(
+            clip_frac=masked_mean(torch.clamp(low + high, max=1.0), m),
+            clip_frac_low=masked_mean(low, m),
+            clip_frac_high=masked_mean(high, m),
+            **ratio_metrics(ratio, log_ratio, m),
+        )
+
+
+def _ppo_core(ratio, A, lo, hi, dual_clip, m):
+    """The PPO clipped surrogate (arXiv:1707.06347) with optional dual clip (arXiv:1912.09729), shared by the PPO-family losses.
+
+    Args:
+        ratio, A, m: ``[B, R]`` ratio (with grad), advantages, response mask.
+        lo, hi: ``eps_low`` / ``eps_high`` as floats or ``[B, R]`` tensors (per token).
+        dual_clip: the dual-clip constant (> 1) or None.
+    Returns:
+        ``(loss [B, R], low, high, extra)``: ``low`` / ``high`` 0/1 masks of tokens whose
+        gradient the clip cuts (dual-clipped ones count as low), ``extra`` holds
+        ``clip_frac_dual`` when dual clip is on.
+    Raises:
+        ValueError: ``dual_clip`` not > 1.
+    """
+    surr1 = -A * ratio
+    if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        clipped = torch.minimum(torch.maximum(ratio, 1.0 - lo), 1.0 + hi)
+    else:
+        clipped = torch.clamp(ratio, 1.0 - lo, 1.0 + hi)
+    surr2 = -A * clipped
+    loss = torch.maximum(surr1, surr2)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - lo) & (A < 0)).float()
+        high = ((ratio > 1.0 + hi) & (A > 0)).float()
+    extra: Metrics = {}
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        surr3 = -A * dual_clip
+        with torch.no_grad():
+            dual = ((A < 0) & (surr3 < loss)).float()
+        loss = torch.where(A < 0, torch.minimum(loss, surr3), loss)
+        extra["clip_frac_dual"] = masked_mean(dual, m)
+        low = torch.clamp(low + dual, max=1.0)
+    return loss, low, high, extra
 
 
 @POLICY_LOSSES.register(
@@ -92,31 +146,10 @@ def ppo_clip_loss(
         ValueError: ``dual_clip`` not > 1.
     """
     ratio, log_ratio = _ratio(inp)
-    A = inp.advantages
-    surr1 = -A * ratio
-    surr2 = -A * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(surr1, surr2)
     m = inp.response_mask
-    with torch.no_grad():
-        low = ((ratio < 1.0 - eps_low) & (A < 0)).float()
-        high = ((ratio > 1.0 + eps_high) & (A > 0)).float()
-    metrics: Metrics = {}
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-        surr3 = -A * dual_clip
-        capped = torch.minimum(loss, surr3)
-        loss = torch.where(A < 0, capped, loss)
-        with torch.no_grad():
-            dual = ((A < 0) & (surr3 < torch.maximum(surr1, surr2))).float()
-        metrics["clip_frac_dual"] = masked_mean(dual, m)
-        low = torch.clamp(low + dual, max=1.0)
-    metrics.update(
-        clip_frac=masked_mean(torch.clamp(low + high, max=1.0), m),
-        clip_frac_low=masked_mean(low, m),
-        clip_frac_high=masked_mean(high, m),
-        **ratio_metrics(ratio, log_ratio, m),
-    )
+    loss, low, high, extra = _ppo_core(ratio, inp.advantages, eps_low, eps_high, dual_clip, m)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics.update(extra)
     return loss, metrics
 
 
@@ -145,31 +178,12 @@ def strict_double_clip_loss(
     ratio, log_ratio = _ratio(inp)
     A = inp.advantages
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    inside = ((ratio >= lo) & (ratio <= hi)).float()
-    clipped_ratio = torch.clamp(ratio, lo, hi)
     # Inside: gradient of r; outside: clamp's gradient is exactly 0.
-    loss = -A * clipped_ratio
-    m = inp.response_mask
+    loss = -A * torch.clamp(ratio, lo, hi)
     with torch.no_grad():
         low = (ratio < lo).float()
         high = (ratio > hi).float()
-    metrics = dict(
-        clip_frac=masked_mean(1.0 - inside, m),
-        clip_frac_low=masked_mean(low, m),
-        clip_frac_high=masked_mean(high, m),
-        **ratio_metrics(ratio, log_ratio, m),
-    )
-    return loss, metrics
-
-
-def _clip_metrics(ratio, log_ratio, low, high, m) -> Metrics:
-    with torch.no_grad():
-        return dict(
-            clip_frac=masked_mean(torch.clamp(low + high, max=1.0), m),
-            clip_frac_low=masked_mean(low, m),
-            clip_frac_high=masked_mean(high, m),
-            **ratio_metrics(ratio, log_ratio, m),
-        )
+    return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
 
 
 def _seq_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -202,7 +216,7 @@ def gspo_loss(
         sequences; ``seq_ratio_mean`` is the mean of ``s_i``.
     """
     m = inp.response_mask
-    log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-20.0, 20.0)
+    ratio, log_ratio = _ratio(inp)
     log_s = _seq_mean(log_ratio, m)
     log_st = log_s.detach()[:, None] + inp.logprobs - inp.logprobs.detach()
     s_t = torch.exp(log_st.clamp(max=20.0))
@@ -211,7 +225,7 @@ def gspo_loss(
     with torch.no_grad():
         low = ((s_t < 1.0 - eps_low) & (A < 0)).float()
         high = ((s_t > 1.0 + eps_high) & (A > 0)).float()
-        metrics = _clip_metrics(torch.exp(log_ratio), log_ratio, low, high, m)
+        metrics = _clip_metrics(ratio, log_ratio, low, high, m)
         metrics["seq_ratio_mean"] = torch.exp(log_s).mean() if log_s.numel() else torch.tensor(1.0)
     return loss, metrics
 
@@ -240,7 +254,7 @@ def gmpo_loss(
         ``(loss_mat [B, R], metrics)``.
     """
     m = inp.response_mask
-    lr = (inp.logprobs - inp.old_logprobs).clamp(-20.0, 20.0)
+    ratio, lr = _ratio(inp)
     A_seq = _seq_mean(inp.advantages, m)
     sgn = torch.sign(A_seq)[:, None]
     lr_c = lr.clamp(-eps_low, eps_high)
@@ -250,7 +264,7 @@ def gmpo_loss(
     with torch.no_grad():
         low = ((lr < -eps_low) & (sgn < 0)).float()
         high = ((lr > eps_high) & (sgn > 0)).float()
-        metrics = _clip_metrics(torch.exp(lr), lr, low, high, m)
+        metrics = _clip_metrics(ratio, lr, low, high, m)
         metrics["seq_ratio_mean"] = seq_ratio.mean() if seq_ratio.numel() else torch.tensor(1.0)
     return loss, metrics
 
@@ -381,6 +395,16 @@ def _n_select(ratio: float, n_tokens: int) -> int:
     return max(1, int(round(ratio * n_tokens))) if n_tokens > 0 else 0
 
 
+def _cov_metrics(ratio, log_ratio, sel, A, cov, m) -> Metrics:
+    """Metrics of the covariance losses: the ``[B, R]`` bool ``sel`` tokens count as clipped
+    (low when ``A < 0``, else high), plus ``cov_mean``; no grad."""
+    with torch.no_grad():
+        f = sel.float()
+        metrics = _clip_metrics(ratio, log_ratio, f * (A < 0).float(), f * (A >= 0).float(), m)
+        metrics["cov_mean"] = masked_mean(cov, m)
+    return metrics
+
+
 @POLICY_LOSSES.register(
     "clip_cov",
     paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov, arXiv:2505.22617)",
@@ -416,11 +440,7 @@ def clip_cov_loss(
     sel = sel.view_as(A)
     r_used = torch.where(sel, ratio.detach(), ratio)
     loss = -A * r_used
-    with torch.no_grad():
-        f = sel.float()
-        metrics = _clip_metrics(ratio, log_ratio, f * (A < 0).float(), f * (A >= 0).float(), m)
-        metrics["cov_mean"] = masked_mean(cov, m)
-    return loss, metrics
+    return loss, _cov_metrics(ratio, log_ratio, sel, A, cov, m)
 
 
 @POLICY_LOSSES.register(
@@ -451,11 +471,7 @@ def kl_cov_loss(
         sel[torch.topk(masked, k).indices] = True
     sel = sel.view_as(A)
     loss = -A * ratio + kl_coef * sel.float() * (inp.logprobs - inp.old_logprobs).abs()
-    with torch.no_grad():
-        f = sel.float()
-        metrics = _clip_metrics(ratio, log_ratio, f * (A < 0).float(), f * (A >= 0).float(), m)
-        metrics["cov_mean"] = masked_mean(cov, m)
-    return loss, metrics
+    return loss, _cov_metrics(ratio, log_ratio, sel, A, cov, m)
 
 
 @POLICY_LOSSES.register(
@@ -492,26 +508,6 @@ def sft_loss(inp: PolicyLossInput, **_: object) -> Tuple[torch.Tensor, Metrics]:
     metrics = _clip_metrics(ratio, log_ratio, z, z, inp.response_mask)
     metrics["nll"] = masked_mean(loss.detach(), inp.response_mask)
     return loss, metrics
-
-
-def _ppo_core(ratio, A, lo, hi, dual_clip, m):
-    surr1 = -A * ratio
-    surr2 = -A * torch.minimum(torch.maximum(ratio, 1.0 - lo), 1.0 + hi)
-    loss = torch.maximum(surr1, surr2)
-    with torch.no_grad():
-        low = ((ratio < 1.0 - lo) & (A < 0)).float()
-        high = ((ratio > 1.0 + hi) & (A > 0)).float()
-    extra: Metrics = {}
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-        surr3 = -A * dual_clip
-        with torch.no_grad():
-            dual = ((A < 0) & (surr3 < loss)).float()
-        loss = torch.where(A < 0, torch.minimum(loss, surr3), loss)
-        extra["clip_frac_dual"] = masked_mean(dual, m)
-        low = torch.clamp(low + dual, max=1.0)
-    return loss, low, high, extra
 
 
 @POLICY_LOSSES.register(
@@ -671,19 +667,19 @@ def gapo_loss(
     if ratio_level not in ("token", "sequence"):
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     m = inp.response_mask
-    log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-20.0, 20.0)
+    token_ratio, log_ratio = _ratio(inp)
     if ratio_level == "sequence":
         log_s = _seq_mean(log_ratio, m)
         ratio = torch.exp(log_s.detach()[:, None] + inp.logprobs - inp.logprobs.detach())
     else:
-        ratio = torch.exp(log_ratio)
+        ratio = token_ratio
     with torch.no_grad():
         a = _seq_mean(inp.advantages, m).abs()
         g = torch.clamp(a, min=1.0) if adv_scale == "linear" else torch.clamp(a.sqrt(), min=1.0)
         lo = (eps_low * g).clamp(max=eps_low_max)[:, None].expand_as(log_ratio)
         hi = (eps_high * g).clamp(max=eps_high_max)[:, None].expand_as(log_ratio)
     loss, low, high, _ = _ppo_core(ratio, inp.advantages, lo, hi, None, m)
-    metrics = _clip_metrics(torch.exp(log_ratio), log_ratio, low, high, m)
+    metrics = _clip_metrics(token_ratio, log_ratio, low, high, m)
     metrics["eps_high_mean"] = masked_mean(hi, m)
     return loss, metrics
 

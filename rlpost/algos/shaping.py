@@ -79,7 +79,7 @@ class BetaBaselineTracker:
 
     def state_dict(self) -> Dict[str, object]:
         """Serializable state (for checkpoints)."""
-        return {"prior": list(self.prior), "rho": self.rho, "state": {str(k): v for k, v in self.state.items()}}
+        return {"prior": list(self.prior), "rho": self.rho, "state": {str(k): list(v) for k, v in self.state.items()}}
 
     def load_state_dict(self, sd: Dict[str, object]) -> None:
         """Restore :meth:`state_dict` output."""

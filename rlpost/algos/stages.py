@@ -18,7 +18,7 @@ advantages) and reads the flags of :func:`algo_requirements`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -76,10 +76,14 @@ class AlgoState:
         return make_temperature_hook(base_temperature, self.entropy_stats, self.req.temperature_tau)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Serializable state for checkpoints."""
+        """Serializable state for checkpoints (saved by :meth:`rlpost.runner.Run.checkpoint`).
+
+        ``{"tracker": BetaBaselineTracker.state_dict() or None, "entropy_stats":
+        the EntropyStats fields as a dict or None}`` (copies, not live objects).
+        """
         return {
             "tracker": None if self.tracker is None else self.tracker.state_dict(),
-            "entropy_stats": None if self.entropy_stats is None else vars(self.entropy_stats),
+            "entropy_stats": None if self.entropy_stats is None else asdict(self.entropy_stats),
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:

@@ -4,12 +4,14 @@ The backbone runs once over prompt + response; the LM head and log-softmax are
 applied only at response positions, ``chunk_size`` positions at a time. With
 gradients, each chunk is wrapped in activation checkpointing, so the backward
 pass recomputes that chunk's logits instead of keeping all of them: peak memory
-holds one ``[B, chunk, V]`` block.
+holds one ``[B, chunk, V]`` block. :func:`prompt_entropy` applies the same
+chunking to the prompt positions (HIVE's prompt entropy).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from contextlib import nullcontext
+from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -117,3 +119,70 @@ def response_logprobs(
     logprobs = torch.cat(lps, dim=1)
     entropy = torch.cat(ents, dim=1) if with_entropy else None
     return logprobs, entropy
+
+
+@torch.no_grad()
+def prompt_entropy(
+    model: torch.nn.Module,
+    prompts: List[List[int]],
+    pad_id: int,
+    batch_size: int = 16,
+    chunk_size: int = 64,
+    autocast: Optional[Callable[[], ContextManager]] = None,
+) -> List[float]:
+    """Mean next-token entropy (nats) of ``model`` over each prompt's tokens: HIVE's prompt entropy.
+
+    The online check of HIVE ("HIVE: History-Informed and online-VErified
+    prompt selection", arXiv:2603.25184) needs a cheap signal of how the policy
+    currently sees a prompt, without rolling it out. Ours is one prefill per
+    prompt: at every real (non-pad) position ``t`` of the prompt, the entropy
+    ``H_t = -sum_v p(v | x_<=t) log p(v | x_<=t)`` of the model's next-token
+    distribution at temperature 1, averaged over the prompt's positions. The
+    last position's distribution is that of the first response token. No
+    generation, no sampling, so the value is deterministic for given weights.
+
+    Prompts are left-padded and run ``batch_size`` at a time; the LM head and
+    softmax are applied ``chunk_size`` positions at a time, so at most a
+    ``[batch_size, chunk_size, V]`` block of logits exists. Runs in eval mode
+    under ``torch.no_grad`` and restores the model's training flag.
+
+    Args:
+        model: a transformers causal LM (``base_model`` + output embeddings).
+        prompts: token ids of each prompt (each non-empty).
+        pad_id: id used for left padding (masked out).
+        batch_size: prompts per forward pass.
+        chunk_size: positions per LM-head chunk.
+        autocast: returns a context manager entered around each forward pass
+            (e.g. the trainer's ``autocast`` method for bf16), or None.
+    Returns:
+        one float per prompt, in nats, in ``[0, log V]``.
+    Raises:
+        ValueError: an empty prompt.
+        TypeError: the model has no separable decoder and LM head.
+    """
+    from rlpost.rollout.hf import left_pad
+
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("prompt_entropy needs non-empty prompts")
+    base, head = backbone_and_head(model)
+    device = next(model.parameters()).device
+    was = model.training
+    model.eval()
+    out: List[float] = []
+    try:
+        for b in range(0, len(prompts), max(1, int(batch_size))):
+            ids, mask = left_pad(prompts[b : b + max(1, int(batch_size))], pad_id)
+            ids, mask = ids.to(device), mask.to(device)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            with autocast() if autocast is not None else nullcontext():
+                h = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+                total = torch.zeros(ids.shape[0], device=device)
+                for s in range(0, ids.shape[1], max(1, int(chunk_size))):
+                    e = min(ids.shape[1], s + max(1, int(chunk_size)))
+                    logp = torch.log_softmax(head(h[:, s:e]).float(), dim=-1)
+                    ent = -(logp.exp() * logp).sum(-1)
+                    total += (ent * mask[:, s:e]).sum(-1)
+            out.extend((total / mask.sum(-1)).tolist())
+    finally:
+        model.train(was)
+    return out

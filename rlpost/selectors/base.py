@@ -7,7 +7,8 @@ selects exactly the same prompts.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+import copy
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,6 +36,48 @@ def success_counts(rewards: Sequence[float], threshold: float = 0.5, binary: boo
     return float(r.sum()), float((1.0 - r).sum())
 
 
+def success_rate(rewards: Sequence[float], threshold: float = 0.5) -> float:
+    """Share of one group's rewards that are ``>= threshold`` (a group accuracy in [0, 1]).
+
+    Returns 0.0 for an empty group.
+    """
+    r = list(rewards)
+    return sum(1 for x in r if x >= threshold) / len(r) if r else 0.0
+
+
+def append_history(store: Dict[int, List[Any]], i: int, record: Any, window: Optional[int] = None) -> None:
+    """Append ``record`` to prompt ``i``'s list in ``store``, keeping only the newest ``window``.
+
+    ``window`` None keeps every record. The per-prompt bookkeeping of the
+    history-based selectors (HIVE's accuracies, SEELE's ``(hint, accuracy, n)``
+    rounds).
+    """
+    h = store.setdefault(int(i), [])
+    h.append(record)
+    if window is not None and len(h) > window:
+        del h[: len(h) - window]
+
+
+def pack_state(value: Any) -> Any:
+    """Checkpoint form of one selector attribute listed in :attr:`Selector.saved_state`.
+
+    A NumPy array becomes a nested list; a dict keyed by prompt index gets
+    string keys and copied values. Raises TypeError for anything else.
+    """
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): copy.deepcopy(v) for k, v in value.items()}
+    raise TypeError(f"cannot save selector state of type {type(value).__name__}")
+
+
+def unpack_state(saved: Any, like: Any) -> Any:
+    """Inverse of :func:`pack_state`; ``like`` (the live attribute) gives the type and dtype."""
+    if isinstance(like, np.ndarray):
+        return np.asarray(saved, dtype=like.dtype)
+    return {int(k): copy.deepcopy(v) for k, v in dict(saved).items()}
+
+
 class Selector:
     """Base class.
 
@@ -57,6 +100,9 @@ class Selector:
 
     #: drop groups :meth:`keep_group` rejects and refill the batch
     filters_groups: bool = False
+    #: attributes that :meth:`state_dict` saves and :meth:`load_state_dict` restores
+    #: (NumPy arrays, or dicts keyed by prompt index; see :func:`pack_state`)
+    saved_state: Tuple[str, ...] = ()
 
     def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, **params: Any) -> None:
         if num_prompts <= 0:
@@ -103,12 +149,18 @@ class Selector:
         return {}
 
     def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to continue identically after a resume."""
-        return {"rng": self.rng.bit_generator.state}
+        """Everything needed to continue identically after a resume: the RNG and :attr:`saved_state`."""
+        return {"rng": self.rng.bit_generator.state, **{k: pack_state(getattr(self, k)) for k in self.saved_state}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            KeyError: an attribute of :attr:`saved_state` is missing from ``state``.
+        """
         self.rng.bit_generator.state = state["rng"]
+        for k in self.saved_state:
+            setattr(self, k, unpack_state(state[k], getattr(self, k)))
 
 
 @SELECTORS.register("uniform", paper="", description="Shuffled passes over the training split (the baseline).")

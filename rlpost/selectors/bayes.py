@@ -33,6 +33,8 @@ class BetaSelector(Selector):
         threshold: success threshold for ``binary``.
     """
 
+    saved_state = ("alpha", "beta", "seen")
+
     def __init__(
         self,
         num_prompts: int,
@@ -76,15 +78,6 @@ class BetaSelector(Selector):
             "selector/seen_frac": float(self.seen.mean()),
             "selector/mid_frac": float(((m > 0.2) & (m < 0.8)).mean()),
         }
-
-    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {**super().state_dict(), "alpha": self.alpha.tolist(), "beta": self.beta.tolist(), "seen": self.seen.tolist()}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
-        super().load_state_dict(state)
-        self.alpha = np.asarray(state["alpha"], dtype=np.float64)
-        self.beta = np.asarray(state["beta"], dtype=np.float64)
-        self.seen = np.asarray(state["seen"], dtype=bool)
 
     def _pool(self) -> np.ndarray:
         pool = getattr(self, "pool_size", None)
@@ -326,6 +319,8 @@ class DpsSelector(Selector):
         threshold: reward counted as success.
     """
 
+    saved_state = ("belief", "counts", "last_obs")
+
     def __init__(
         self,
         num_prompts: int,
@@ -378,17 +373,3 @@ class DpsSelector(Selector):
             "selector/T_stay_partial": float(T[PARTIAL, PARTIAL]),
             "selector/T_partial_to_solved": float(T[PARTIAL, SOLVED]),
         }
-
-    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {
-            **super().state_dict(),
-            "belief": self.belief.tolist(),
-            "counts": self.counts.tolist(),
-            "last_obs": self.last_obs.tolist(),
-        }
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
-        super().load_state_dict(state)
-        self.belief = np.asarray(state["belief"], dtype=np.float64)
-        self.counts = np.asarray(state["counts"], dtype=np.float64)
-        self.last_obs = np.asarray(state["last_obs"], dtype=np.int64)

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlpost.selectors.base import SELECTORS, UniformSelector, Selector, is_zero_variance
+from rlpost.selectors.base import SELECTORS, Selector, UniformSelector, append_history, is_zero_variance, success_rate
 
 
 @SELECTORS.register(
@@ -92,6 +92,8 @@ class GresoSelector(UniformSelector):
         threshold: reward counted as success.
     """
 
+    saved_state = ("streak", "kind")
+
     def __init__(
         self,
         num_prompts: int,
@@ -164,27 +166,11 @@ class GresoSelector(UniformSelector):
         }
 
     def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {**super().state_dict(), "p": dict(self.p), "streak": self.streak.tolist(), "kind": self.kind.tolist()}
+        return {**super().state_dict(), "p": dict(self.p)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
         super().load_state_dict(state)
         self.p = dict(state["p"])
-        self.streak = np.asarray(state["streak"], dtype=np.int64)
-        self.kind = np.asarray(state["kind"], dtype=np.int64)
-
-
-class HistoryMixin:
-    """Per-prompt ring buffer of group mean rewards (``window`` most recent)."""
-
-    def _init_history(self, n: int, window: int) -> None:
-        self.window = int(window)
-        self.hist: Dict[int, List[float]] = {}
-
-    def _push(self, i: int, v: float) -> None:
-        h = self.hist.setdefault(int(i), [])
-        h.append(float(v))
-        if len(h) > self.window:
-            del h[0]
 
 
 @SELECTORS.register(
@@ -192,7 +178,7 @@ class HistoryMixin:
     paper="HIVE: History-Informed and online-VErified prompt selection (arXiv:2603.25184)",
     description="Coarse pick at the learning edge from reward history, then prune prompts whose prompt entropy shows stale history.",
 )
-class HiveSelector(HistoryMixin, Selector):
+class HiveSelector(Selector):
     """Two-stage selection before rollout.
 
     Stage 1 (history): utility ``u_i = m_i (1 - m_i) + c * s_i`` from the prompt's
@@ -203,10 +189,12 @@ class HiveSelector(HistoryMixin, Selector):
     (random tie-breaks) form the candidate pool.
 
     Stage 2 (online verification): when a ``prompt_entropy(indices) -> list``
-    function is attached (the policy's mean next-token entropy over the prompt
-    tokens, one prefill), a candidate whose entropy changed by more than
-    ``entropy_threshold`` (relative) since its history was last recorded has
-    stale history: it is pruned from this step, its history is cleared so it
+    function is attached (the runner attaches :meth:`rlpost.runner.Run.prompt_entropy`:
+    the current policy's mean next-token entropy over the prompt tokens, one
+    no-grad prefill), the pool's entropies ``e_i`` are computed and a candidate
+    with ``|e_i - e_i^old| > entropy_threshold * max(|e_i^old|, 1e-6)``, where
+    ``e_i^old`` is its entropy when its history was last recorded, has stale
+    history: it is pruned from this step, its history is cleared so it
     returns as unseen. The ``k`` best remaining candidates are chosen (pruned
     ones only fill a shortfall). Without the function only stage 1 runs. The
     thresholds are our choices; the abstract gives none.
@@ -217,6 +205,8 @@ class HiveSelector(HistoryMixin, Selector):
         pool_multiplier: candidate pool size / prompts_per_step.
         entropy_threshold: relative entropy change marking stale history.
     """
+
+    saved_state = ("hist", "entropy_at")
 
     def __init__(
         self,
@@ -230,7 +220,8 @@ class HiveSelector(HistoryMixin, Selector):
         threshold: float = 0.5,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
-        self._init_history(num_prompts, history_window)
+        self.window = int(history_window)
+        self.hist: Dict[int, List[float]] = {}  # prompt -> its last ``window`` group accuracies
         self.c = float(uncertainty_weight)
         self.pool_multiplier = max(1.0, float(pool_multiplier))
         self.entropy_threshold = float(entropy_threshold)
@@ -281,24 +272,20 @@ class HiveSelector(HistoryMixin, Selector):
     def update(self, prompt_indices, rewards):  # noqa: D102
         for i, r in zip(prompt_indices, rewards):
             r = list(r)
-            self._push(int(i), float(np.mean([x >= self.threshold for x in r])) if r else 0.0)
+            append_history(self.hist, int(i), success_rate(r, self.threshold), self.window)
             if int(i) in self.pending_entropy:
                 self.entropy_at[int(i)] = self.pending_entropy[int(i)]
 
-    def metrics(self) -> Dict[str, float]:  # noqa: D102
-        return {"selector/pruned_stale": float(self.pruned), "selector/seen": float(len(self.hist))}
-
-    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {
-            **super().state_dict(),
-            "hist": {str(k): v for k, v in self.hist.items()},
-            "entropy_at": {str(k): v for k, v in self.entropy_at.items()},
-        }
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
-        super().load_state_dict(state)
-        self.hist = {int(k): list(v) for k, v in state["hist"].items()}
-        self.entropy_at = {int(k): float(v) for k, v in state["entropy_at"].items()}
+    def metrics(self) -> Dict[str, float]:
+        """Step log: ``selector/pruned_stale`` (candidates pruned by stage 2 in the last
+        :meth:`select`), ``selector/seen`` (prompts with history), and when stage 2 ran,
+        ``selector/entropy_checked`` (candidates whose entropy was computed) and
+        ``selector/prompt_entropy_mean`` (their mean entropy, nats)."""
+        m = {"selector/pruned_stale": float(self.pruned), "selector/seen": float(len(self.hist))}
+        if self.pending_entropy:
+            m["selector/entropy_checked"] = float(len(self.pending_entropy))
+            m["selector/prompt_entropy_mean"] = float(np.mean(list(self.pending_entropy.values())))
+        return m
 
 
 @SELECTORS.register(
@@ -325,6 +312,8 @@ class CdasSelector(Selector):
         threshold: reward counted as success.
         fixed_point_iters: iterations of the competence update.
     """
+
+    saved_state = ("sum_delta", "n_obs")
 
     def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, threshold: float = 0.5, fixed_point_iters: int = 50) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
@@ -374,10 +363,8 @@ class CdasSelector(Selector):
         return {"selector/competence": self.theta}
 
     def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {**super().state_dict(), "theta": self.theta, "sum_delta": self.sum_delta.tolist(), "n_obs": self.n_obs.tolist()}
+        return {**super().state_dict(), "theta": self.theta}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
         super().load_state_dict(state)
         self.theta = float(state["theta"])
-        self.sum_delta = np.asarray(state["sum_delta"], dtype=np.float64)
-        self.n_obs = np.asarray(state["n_obs"], dtype=np.float64)

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlpost.selectors.base import SELECTORS, Selector, UniformSelector, is_zero_variance
+from rlpost.selectors.base import SELECTORS, Selector, UniformSelector, append_history, is_zero_variance, success_rate
 
 
 @SELECTORS.register(
@@ -166,6 +166,8 @@ class SeeleSelector(UniformSelector):
         max_hint: largest hint fraction.
     """
 
+    saved_state = ("obs", "last_hint")
+
     def __init__(
         self,
         num_prompts: int,
@@ -205,20 +207,11 @@ class SeeleSelector(UniformSelector):
             r = list(r)
             if not r:
                 continue
-            acc = sum(1 for x in r if x >= self.threshold) / len(r)
-            self.obs.setdefault(int(i), []).append([self.last_hint.get(int(i), 0.0), acc, float(len(r))])
+            append_history(self.obs, int(i), [self.last_hint.get(int(i), 0.0), success_rate(r, self.threshold), float(len(r))])
 
     def metrics(self) -> Dict[str, float]:  # noqa: D102
         h = list(self.last_hint.values())
         return {"selector/hint_mean": float(np.mean(h)) if h else 0.0}
-
-    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
-        return {**super().state_dict(), "obs": {str(k): v for k, v in self.obs.items()}, "last_hint": {str(k): v for k, v in self.last_hint.items()}}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
-        super().load_state_dict(state)
-        self.obs = {int(k): [list(x) for x in v] for k, v in state["obs"].items()}
-        self.last_hint = {int(k): float(v) for k, v in state["last_hint"].items()}
 
 
 def make_hint_fn(examples: Sequence[Any], tokenizer: Any, prefix: str = "") -> Any:
