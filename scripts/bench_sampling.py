@@ -20,7 +20,9 @@ seed, then prints the paired comparison against the first method
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -36,31 +38,48 @@ ENTRIES = [
 ]
 
 
-def base_overrides(args) -> List[str]:
-    """Overrides shared by every entry."""
-    o = ["algo=grpo", f"model={args.model}", f"seed={args.seed}", "logger=jsonl", f"steps={args.steps}",
+def base_overrides(args, seed: int) -> List[str]:
+    """Overrides shared by every entry (seed ``seed``)."""
+    o = ["algo=grpo", f"model={args.model}", f"seed={seed}", "logger=jsonl", f"steps={args.steps}",
          f"selector.prompts_per_step={args.prompts}", f"algo.n_samples_per_prompt={args.n}",
-         f"rollout.max_new_tokens={args.max_new_tokens}", "eval.at_end=false", "checkpoint.every=0"]
+         f"rollout.max_new_tokens={args.max_new_tokens}", "checkpoint.every=0",
+         f"eval.at_end={'true' if args.eval_limit > 0 else 'false'}", f"eval.limit={max(1, args.eval_limit)}"]
     return o + list(args.extra)
 
 
-def run_entry(entry: List[str], args) -> Dict[str, float]:
-    """Train one entry for ``args.steps`` steps in a temporary directory; aggregate its metrics."""
-    from rlpost.config.compose import compose_config
-    from rlpost.runner import Run
+def run_dir_of(root: Path, entry: str, seed: int) -> Path:
+    """``root/<entry tag>/seed<seed>``: one run directory per (entry, seed)."""
+    return root / entry.replace("=", "-").replace(" ", "_") / f"seed{seed}"
 
-    cfg = compose_config(base_overrides(args) + entry)
-    with tempfile.TemporaryDirectory() as d:
-        run = Run(cfg, Path(d))
-        rows = []
+
+def run_entry(entry: str, seed: int, args, root: Path) -> Dict[str, float]:
+    """Train one entry for ``args.steps`` steps (held-out evaluation at the end) and aggregate its metrics.
+
+    A run directory that already holds a finished run (``DONE``) is reused, so
+    ``--compare`` picks up the table's seed-0 runs. The trained weights
+    (``final/``, ``checkpoints/``) are deleted afterwards to save disk; the
+    metrics and ``eval.json`` stay.
+    """
+    from rlpost.checkpoint import DONE_MARKER
+    from rlpost.config.compose import compose_config
+    from rlpost.runner import train
+
+    run_dir = run_dir_of(root, entry, seed)
+    if not (run_dir / DONE_MARKER).exists():
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
         t0 = time.perf_counter()
-        try:
-            for _ in range(args.steps):
-                rows.append(run.train_step())
-        finally:
-            run.close()
-        secs = time.perf_counter() - t0
+        train(compose_config(base_overrides(args, seed) + entry.split()), run_dir)
+        (run_dir / "wall_s.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
+        for sub in ("final", "checkpoints"):
+            shutil.rmtree(run_dir / sub, ignore_errors=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "reward/mean" in r]
     mean = lambda k: sum(r.get(k, 0.0) for r in rows) / max(1, len(rows))  # noqa: E731
+    wall = run_dir / "wall_s.txt"
+    acc = None
+    if (run_dir / "eval.json").exists():
+        acc = json.loads((run_dir / "eval.json").read_text()).get("accuracy")
     return {
         "spent": sum(r.get("rollout/spent", 0.0) for r in rows),
         "reward": mean("reward/mean"),
@@ -68,43 +87,50 @@ def run_entry(entry: List[str], args) -> Dict[str, float]:
         "zero_var": mean("rollout/zero_var_frac"),
         "eff_batch": mean("rollout/effective_batch"),
         "skipped": sum(r.get("rollout/prompts_skipped", 0.0) for r in rows),
-        "secs": secs,
+        "step_s": mean("time/step_s"),
+        "eval": acc,
+        "secs": float(wall.read_text()) if wall.exists() else float("nan"),
     }
 
 
+def _root(args) -> Path:
+    root = Path(args.out or tempfile.mkdtemp(prefix="bench_sampling_"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def table(args) -> None:
-    """Print the per-entry table."""
+    """Print the per-entry table (seed ``args.seed``)."""
     entries = args.only or ENTRIES
+    root = _root(args)
     print(f"# {args.steps} steps, model={args.model}, algo=grpo, {args.prompts} prompts x n={args.n}, "
-          f"max_new_tokens={args.max_new_tokens}, seed={args.seed}")
-    print("| entry | rollouts spent | mean reward/step | reward (last 5) | zero-var share | eff. batch | skipped | s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"max_new_tokens={args.max_new_tokens}, seed={args.seed}, held-out eval on {args.eval_limit}; runs in {root}")
+    print("| entry | rollouts spent | mean reward/step | reward (last 5) | zero-var share | eff. batch | skipped "
+          "| s/step | held-out acc. | wall s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for e in entries:
         try:
-            m = run_entry(e.split(), args)
+            m = run_entry(e, args.seed, args, root)
+            acc = "-" if m["eval"] is None else f"{100 * m['eval']:.1f}%"
             print(f"| {e} | {m['spent']:.0f} | {m['reward']:.3f} | {m['reward_last5']:.3f} | {m['zero_var']:.2f} | "
-                  f"{m['eff_batch']:.1f} | {m['skipped']:.0f} | {m['secs']:.0f} |", flush=True)
+                  f"{m['eff_batch']:.1f} | {m['skipped']:.0f} | {m['step_s']:.1f} | {acc} | {m['secs']:.0f} |", flush=True)
         except Exception as err:  # report and go on with the other entries
-            print(f"| {e} | failed: {type(err).__name__}: {str(err)[:80]} | | | | | | |", flush=True)
+            print(f"| {e} | failed: {type(err).__name__}: {str(err)[:80]} | | | | | | | | |", flush=True)
 
 
 def compare(args) -> None:
     """Matched-seed training of each method, held-out evaluation, paired statistics vs the first."""
-    from rlpost.config.compose import compose_config
     from rlpost.eval.compare import compare as paired
-    from rlpost.runner import train
 
-    root = Path(args.out or tempfile.mkdtemp(prefix="bench_cmp_"))
+    if args.eval_limit <= 0:
+        raise SystemExit("--compare needs --eval-limit > 0 (the paired statistics use the held-out records)")
+    root = _root(args)
     specs = []
     for meth in args.methods:
-        tag = meth.replace("=", "-").replace(" ", "_")
         for s in args.seeds:
-            args.seed = s
-            o = [x for x in base_overrides(args) if not x.startswith("eval.at_end")] + ["eval.at_end=true", f"eval.limit={args.eval_limit}"]
-            cfg = compose_config(o + meth.split())
-            last = train(cfg, root / tag / f"seed{s}")
-            print(f"{meth} seed={s}: eval/accuracy={last.get('eval/accuracy')}", flush=True)
-        specs.append(str(root / tag))
+            m = run_entry(meth, s, args, root)
+            print(f"{meth} seed={s}: held-out accuracy={m['eval']}, rollouts spent={m['spent']:.0f}", flush=True)
+        specs.append(str(run_dir_of(root, meth, args.seeds[0]).parent))
     report, _ = paired(specs)
     print(report)
 
@@ -123,8 +149,8 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true")
     ap.add_argument("--methods", nargs="*", default=["selector=uniform", "selector=vade", "selector=dynamic_filter"])
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])
-    ap.add_argument("--eval-limit", type=int, default=50)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--eval-limit", type=int, default=100, help="held-out problems scored after training (0: none)")
+    ap.add_argument("--out", default=None, help="run directories go here (reused when finished); default: a temp dir")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     compare(args) if args.compare else table(args)
