@@ -66,6 +66,20 @@ def test_a3po_interpolates_by_version():
         a3po_proximal_logprobs(behav, cur, v, 6, 5)
 
 
+def test_a3po_takes_per_token_versions_of_partial_rollouts():
+    from rlpost.algos.offpolicy import a3po_proximal_logprobs
+
+    behav = torch.tensor([[-2.0, -1.0, -3.0]])
+    cur = torch.tensor([[-1.0, -0.5, -1.0]])
+    tv = torch.tensor([[3, 5, 6]])  # a stitched response: tokens sampled by versions 3, 5, 6
+    prox = a3po_proximal_logprobs(behav, cur, tv, proximal_version=6, current_version=8)
+    # alpha per token: (6-3)/(8-3) = 0.6, (6-5)/(8-5) = 1/3, (6-6)/(8-6) = 0
+    torch.testing.assert_close(prox, torch.tensor([[-2.0 + 0.6 * 1.0, -1.0 + 0.5 / 3, -3.0]]))
+    # a [B] version is the same as that version on every token
+    seq = a3po_proximal_logprobs(behav, cur, torch.tensor([3]), 6, 8)
+    torch.testing.assert_close(seq, a3po_proximal_logprobs(behav, cur, torch.tensor([[3, 3, 3]]), 6, 8))
+
+
 def test_vcpo_lr_scale_follows_ess_with_a_floor():
     from rlpost.algos.offpolicy import vcpo_lr_scale
 

@@ -93,15 +93,18 @@ def a3po_proximal_logprobs(
     staleness-aware coefficient ``alpha = (v_prox - v_behav) / (v_theta - v_behav)``
     per sequence, clipped to [0, 1]; where ``v_theta == v_behav`` (fresh data,
     first update) ``alpha = 1`` and the proximal policy is the current one.
-    This is the "log-linear" rule of AReaL's implementation; the paper leaves
-    the per-token version of partial rollouts open, and we use the sequence's
-    oldest version (``batch.policy_version``).
+    This is the "log-linear" rule of AReaL's implementation. The paper leaves
+    partial rollouts open; given per-token versions (``[B, R]``, as stitched
+    partial rollouts carry them, CoPRIS cross-stage IS) ``alpha`` is taken per
+    token from the version that sampled it, which is our extension; given
+    ``[B]`` it is per sequence.
 
     Args:
         behav_logprobs: ``[B, R]`` rollout-engine log-probs (nats).
         current_logprobs: ``[B, R]`` log-probs of the current policy (detached
             here; no gradient flows into the proximal anchor).
-        behav_version: ``[B]`` policy version that generated each sequence.
+        behav_version: ``[B]`` policy version that generated each sequence, or
+            ``[B, R]`` the version of each token (padding values are unused).
         proximal_version: trainer version at the start of this step.
         current_version: trainer version now (>= proximal_version).
     Returns:
@@ -111,7 +114,9 @@ def a3po_proximal_logprobs(
     """
     if current_version < proximal_version:
         raise ValueError(f"current_version {current_version} < proximal_version {proximal_version}")
-    vb = behav_version.to(behav_logprobs.device).float()[:, None]
+    vb = behav_version.to(behav_logprobs.device).float()
+    if vb.dim() == 1:
+        vb = vb[:, None]
     span = float(current_version) - vb
     alpha = torch.where(span > 0, (float(proximal_version) - vb) / span.clamp(min=1e-9), torch.ones_like(span))
     alpha = alpha.clamp(0.0, 1.0)
