@@ -56,7 +56,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
         Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)", need_old),
         Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})", a.kl.coef > 0),
         Stage("values", "critic values V(s_t)", a.critic.enabled),
-        Stage("advantages", f"adv_estimator={a.adv_estimator}"),
+        Stage("advantages", f"adv_estimator={a.adv_estimator}"
+              + (f" (baseline={(a.adv_params or {}).get('baseline')})" if (a.adv_params or {}).get("baseline") else "")),
         Stage("critic_update", "value-loss regression on returns", a.critic.enabled),
         Stage("policy_update", f"loss={a.loss} agg={a.loss_agg} epochs={a.ppo_epochs} mini_batches={a.mini_batches} "
               f"trainer={cfg.trainer.engine} ({cfg.precision.trainer_dtype})"
@@ -74,10 +75,13 @@ def needs_old_logprobs(a: Any) -> bool:
 
     Several optimizer steps per batch anchor their ratios to them, unless
     A-3PO's interpolation replaces them (``algo.loss_params.proximal=a3po``,
-    arXiv:2512.06547); KL-in-reward reads them too.
+    arXiv:2512.06547); KL-in-reward reads them too, and so does VCPO's
+    minimum-variance baseline (``algo.adv_params.baseline=min_variance``,
+    arXiv:2602.17616: sequence weights ``pi_old / pi_behav``).
     """
     a3po = (a.loss_params or {}).get("proximal", "recompute") == "a3po"
-    return (a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward)
+    min_var = (a.adv_params or {}).get("baseline", "mean") == "min_variance"
+    return (a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward) or min_var
 
 
 @dataclass
@@ -415,7 +419,8 @@ class Run:
             a.adv_estimator,
             AdvantageInput(rewards=rewards, response_mask=batch.response_mask, group_index=gi,
                            values=batch.extras.get("values"), token_rewards=token_rewards,
-                           baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy")),
+                           baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
+                           old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs),
             **dict(a.adv_params or {}),
         )
         batch.extras["advantages"] = out.advantages

@@ -68,6 +68,17 @@ def test_trainer_keys_of_loss_params_are_accepted_for_any_loss_and_range_checked
         validate_algo(algo(loss_params={"vcpo_lr": True, "vcpo_min_scale": 1.5}))
 
 
+def test_min_variance_baseline_only_for_group_baseline_estimators():
+    for adv in ("grpo", "rloo", "gpg", "opo", "reinforce_pp_baseline"):
+        validate_algo(algo(adv_estimator=adv, adv_params={"baseline": "min_variance"}))
+    with pytest.raises(ConfigError, match="baseline=min_variance is not a choice of algo.adv_estimator=mc_grpo"):
+        validate_algo(algo(adv_estimator="mc_grpo", n_samples_per_prompt=5, adv_params={"baseline": "min_variance"}))
+    with pytest.raises(ConfigError, match="grpo, .*rloo"):  # the message names the estimators that take it
+        validate_algo(algo(adv_estimator="hapo", adv_params={"baseline": "min_variance"}))
+    with pytest.raises(ConfigError, match="valid choices are mean, min_variance"):
+        validate_algo(algo(adv_estimator="grpo", adv_params={"baseline": "minvar"}))
+
+
 def test_ranges_and_gpg_trust_region():
     with pytest.raises(ConfigError, match="dual_clip"):
         validate_algo(algo(**{"clip.dual_clip": 0.5}))
