@@ -34,7 +34,11 @@ class RolloutBatch:
             prompt in this step (group id for group-relative baselines).
         prompt_index: ``[B]`` long, the dataset index of the prompt.
         policy_version: ``[B]`` long, the trainer version that produced each sample
-            (0 = initial weights); staleness = current version - this.
+            (0 = initial weights); staleness = current version - this. For
+            partial rollouts (:mod:`rlpost.partial`) the version of the row's
+            oldest token; ``extras['token_version']`` ``[B, R]`` then holds each
+            token's version (-1 on padding) and ``rollout_logprobs`` each token's
+            log-prob under that version (CoPRIS cross-stage behaviour log-probs).
         rewards: ``[B]`` float, scalar reward per sequence (filled by the reward stage).
         response_texts: decoded responses, length ``B``.
         answers: gold answers (task-specific objects), length ``B``.

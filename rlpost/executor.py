@@ -28,26 +28,39 @@ Each batch records the version of the weights that produced it
 ``async/staleness_mean``, ``async/staleness_max``, ``async/staleness_hist_<k>``
 (share of samples ``k`` steps old) and ``async/wait_s`` (learner time spent
 waiting for rollouts).
+
+**Partial rollouts** (``executor.partial_rollout=true``; APRIL arXiv:2509.18521,
+CoPRIS seed catalog entry 14) work with both executors: the producer half runs
+:class:`rlpost.partial.PartialRolloutProducer` (see :func:`check_partial`), and a
+response may then hold tokens of several policy versions
+(``extras['token_version']`` / ``extras['token_policy_step']``, ``[B, R]``). A
+row's ``policy_version`` / ``policy_step`` is that of its oldest token, so with
+carried-over tokens ``async/staleness_max`` can exceed ``max_staleness``
+(``async/staleness_hist_over_k`` reports the share); the bound still holds for
+the weights each step's rounds run under (asserted per step).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from rlpost.errors import ConfigError
 
 EXECUTORS = ("sync", "async")
+PARTIAL_SAMPLERS = ("group", "single")
+_SELECTOR_HOOKS = ("refill", "keep_group", "rollout_counts", "hint_fractions", "postprocess")
 
 
 def build_executor(cfg: Any, run: Any) -> "SyncExecutor":
     """The executor named by ``cfg.executor.name`` for ``run``.
 
     Raises:
-        ConfigError: unknown name, negative ``max_staleness``, or an
+        ConfigError: unknown name, negative ``max_staleness``, an
             asynchronous run on several processes with staleness > 0 (processes
-            would consume different batches).
+            would consume different batches), or bad partial-rollout settings
+            (:func:`check_partial`).
     """
     name = cfg.executor.name
     if name not in EXECUTORS:
@@ -55,7 +68,7 @@ def build_executor(cfg: Any, run: Any) -> "SyncExecutor":
     k = int(cfg.executor.max_staleness)
     if k < 0:
         raise ConfigError(f"executor.max_staleness={k} must be >= 0.")
-    _check_partial(cfg)
+    check_partial(cfg)
     if name == "sync":
         return SyncExecutor(run)
     if int(getattr(cfg.trainer, "num_procs", 1)) > 1 and k > 0:
@@ -65,32 +78,52 @@ def build_executor(cfg: Any, run: Any) -> "SyncExecutor":
     return AsyncExecutor(run, k)
 
 
-def _check_partial(cfg: Any) -> None:
-    """Validate the partial-rollout knobs (APRIL arXiv:2509.18521; CoPRIS cross-stage IS).
+def check_partial(cfg: Any) -> None:
+    """Validate the partial-rollout knobs (APRIL arXiv:2509.18521; CoPRIS, seed catalog entry 14).
 
-    The carry-over buffer and stitching live in :mod:`rlpost.partial` (tested on
-    their own); they keep a prompt's group together, releasing it only when all
-    its members are done. They are not wired into the executors yet.
+    With ``executor.partial_rollout=true`` the producer half of every step
+    (:meth:`rlpost.runner.Run.collect`, under ``executor=sync`` or
+    ``executor=async``) goes through :class:`rlpost.partial.PartialRolloutProducer`
+    instead of the sampler: prompts come straight from ``selector.select`` and
+    every prompt gets one whole group of plain rollouts. Samplers with their own
+    generation logic and selectors that act between generation and training
+    (filter and refill, per-prompt budgets, hints, batch edits) have no place in
+    that path, so they are refused rather than silently ignored.
 
     Raises:
-        ConfigError: ``over_provision < 1``, ``partial_chunk_tokens < 1``, partial
-            rollouts with ``executor=sync``, or ``partial_rollout=true`` at all
-            (not wired yet).
+        ConfigError: ``over_provision < 1``, ``partial_chunk_tokens < 1``, a
+            sampler other than ``group`` / ``single``, or a selector that filters
+            groups, allocates rollouts, gives hints or post-processes the batch.
     """
     ex = cfg.executor
     if not bool(getattr(ex, "partial_rollout", False)):
         return
     op = float(getattr(ex, "over_provision", 1.0))
     if op < 1:
-        raise ConfigError(f"executor.over_provision={op} must be >= 1.")
+        raise ConfigError(f"executor.over_provision={op} must be >= 1 (APRIL keeps ceil(over_provision * needed) "
+                          f"groups in flight). Fix: executor.over_provision=1.5, or 1 for no over-provisioning.")
     chunk = int(getattr(ex, "partial_chunk_tokens", 16))
     if chunk < 1:
-        raise ConfigError(f"executor.partial_chunk_tokens={chunk} must be >= 1.")
-    if ex.name != "async":
-        raise ConfigError("executor.partial_rollout=true needs executor=async.")
-    raise ConfigError("executor.partial_rollout=true is not wired into the executor yet: the carry-over "
-                      "buffer and cross-stage stitching exist in rlpost.partial (whole groups are kept "
-                      "together) but no executor drives them. Fix: executor.partial_rollout=false.")
+        raise ConfigError(f"executor.partial_chunk_tokens={chunk} must be >= 1 (tokens per response per round).")
+    sampler = cfg.sampler.name
+    if sampler not in PARTIAL_SAMPLERS:
+        raise ConfigError(f"executor.partial_rollout=true generates plain groups through the carry-over buffer, "
+                          f"so sampler={sampler} would be ignored. Fix: sampler=group (or single), or "
+                          f"executor.partial_rollout=false.")
+    import rlpost.selectors  # noqa: F401  (registers)
+    from rlpost.selectors.base import SELECTORS, Selector
+
+    def extra_hooks(c: Any) -> List[str]:
+        hooks = [h for h in _SELECTOR_HOOKS if getattr(c, h) is not getattr(Selector, h)]
+        return (["filters_groups"] if c.filters_groups else []) + hooks
+
+    what = extra_hooks(SELECTORS.get(cfg.selector.name))
+    if what:
+        plain = ", ".join(e.name for e in SELECTORS if not extra_hooks(e.obj))
+        raise ConfigError(f"executor.partial_rollout=true takes prompts from selector.select only; "
+                          f"selector={cfg.selector.name} also acts between generation and training "
+                          f"({', '.join(what)}), which the carry-over buffer does not do. Fix: a plain selector "
+                          f"({plain}), or executor.partial_rollout=false.")
 
 
 class SyncExecutor:
@@ -208,8 +241,8 @@ class AsyncExecutor(SyncExecutor):
                 raise self.error
             c = self.ready.pop(s)
         wait = time.perf_counter() - t0
-        stale = (s - 1) - c.batch.extras["policy_step"]
-        assert int(stale.max()) <= self.k, (int(stale.max()), self.k)  # guaranteed by the producer's wait
+        assert (s - 1) - c.weights_step <= self.k, (s, c.weights_step, self.k)  # guaranteed by the producer's wait
+        stale = (s - 1) - c.batch.extras["policy_step"]  # per row: its oldest token's weights
         c.t_start = time.perf_counter() - wait  # the step's wall time includes the wait
         m = r.learn(c, sync_engine=False)
         with self.shadow_lock:
@@ -224,6 +257,8 @@ class AsyncExecutor(SyncExecutor):
         m["async/staleness_max"] = float(stale.max())
         for k in range(self.k + 1):
             m[f"async/staleness_hist_{k}"] = float((stale == k).float().mean())
+        if r.partial is not None:  # carried-over tokens may be older than the bound
+            m["async/staleness_hist_over_k"] = float((stale > self.k).float().mean())
         return m
 
     def paused(self):

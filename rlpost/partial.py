@@ -26,10 +26,14 @@ every member of a prompt's group, so entries are added a whole group at a time
 releases a group only once *all* its members are done; no partial group is ever
 returned. A group-free setup is the special case ``group size 1``.
 
-Status: this module is tested on its own (tests/test_partial.py) but is **not
-yet wired into** :class:`rlpost.executor.AsyncExecutor`;
-``executor.partial_rollout=true`` raises a :class:`rlpost.errors.ConfigError`
-saying so (see :func:`rlpost.executor.build_executor`).
+**Driving it.** :class:`PartialRolloutProducer` is what the runner calls each
+step when ``executor.partial_rollout=true`` (with ``executor=sync`` or
+``executor=async``; see :meth:`rlpost.runner.Run.collect`): it tops the buffer up
+to ``ceil(over_provision * needed)`` groups in flight with prompts from the
+selector, runs rounds under the engine's current weights until ``needed`` groups
+are complete (at least one round), pops exactly ``needed`` whole groups (oldest
+first) and carries everything else into the next step. Its state (buffer, queued
+prompts, version map) is saved in checkpoints.
 
 Known limits of continuing with token ids through ``RolloutEngine.generate``:
 a stop string that straddles two chunks is only seen if the engine's stop check
@@ -84,6 +88,9 @@ class PartialEntry:
         logprobs: ``n`` behaviour log-probs (nats), each under the policy
             version that sampled that token.
         versions: ``n`` policy versions, one per token.
+        temperatures: ``n`` sampling temperatures, one per token, when the
+            engine reported them (empty otherwise).
+        rounds: chunks (rounds) this entry was extended in.
         finished: EOS / stop string reached.
         done: finished, or ``n == max_new_tokens`` (truncated); a done entry
             gets no more tokens.
@@ -95,6 +102,8 @@ class PartialEntry:
     response_ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
+    temperatures: List[float] = field(default_factory=list)
+    rounds: int = 0
     finished: bool = False
     done: bool = False
     meta: Dict[str, Any] = field(default_factory=dict)
@@ -117,6 +126,9 @@ class StitchedBatch:
         finished: ``[B]`` bool (False: truncated at max_new_tokens).
         group: ``[B]`` long group keys (rows of a group are contiguous).
         meta: ``B`` per-entry payloads.
+        temperatures: ``[B, R]`` per-token sampling temperatures (0 on padding),
+            or None when some entry has none recorded.
+        rounds: ``[B]`` long, chunks each response was generated in.
     """
 
     prompt_ids: torch.Tensor
@@ -128,6 +140,8 @@ class StitchedBatch:
     finished: torch.Tensor
     group: torch.Tensor
     meta: List[Dict[str, Any]]
+    temperatures: Optional[torch.Tensor] = None
+    rounds: Optional[torch.Tensor] = None
 
     def token_staleness(self, current_version: int) -> torch.Tensor:
         """``[B, R]`` long: ``current_version - token_version`` on tokens, 0 on padding (CoPRIS staleness).
@@ -223,7 +237,8 @@ class PartialRolloutBuffer:
         return e.prompt_ids + e.response_ids
 
     # -------------------------------------------------------------- extending
-    def extend(self, entry_id: int, ids: List[int], logprobs: List[float], version: int, finished: bool) -> None:
+    def extend(self, entry_id: int, ids: List[int], logprobs: List[float], version: int, finished: bool,
+               temperatures: Optional[List[float]] = None) -> None:
         """Append one chunk sampled by policy ``version`` to an entry.
 
         Args:
@@ -232,6 +247,8 @@ class PartialRolloutBuffer:
             logprobs: their ``k`` behaviour log-probs.
             version: policy version that sampled the chunk (recorded per token).
             finished: the chunk ended in EOS / a stop string.
+            temperatures: the ``k`` temperatures the tokens were sampled at, or
+                None (then the stitched batch has no temperatures).
 
         Raises:
             KeyError: unknown entry. ValueError: entry already done, length
@@ -240,13 +257,17 @@ class PartialRolloutBuffer:
         e = self.entries[entry_id]
         if e.done:
             raise ValueError(f"entry {entry_id} is done")
-        if len(ids) != len(logprobs):
-            raise ValueError(f"{len(ids)} ids but {len(logprobs)} log-probs")
+        if len(ids) != len(logprobs) or (temperatures is not None and len(temperatures) != len(ids)):
+            raise ValueError(f"{len(ids)} ids but {len(logprobs)} log-probs"
+                             + ("" if temperatures is None else f" and {len(temperatures)} temperatures"))
         if len(ids) > self.remaining(entry_id):
             raise ValueError(f"chunk of {len(ids)} tokens exceeds the {self.remaining(entry_id)} left of max_new_tokens")
         e.response_ids.extend(int(t) for t in ids)
         e.logprobs.extend(float(x) for x in logprobs)
         e.versions.extend([int(version)] * len(ids))
+        if temperatures is not None:
+            e.temperatures.extend(float(x) for x in temperatures)
+        e.rounds += 1
         e.finished = bool(finished)
         e.done = e.finished or len(e.response_ids) >= self.max_new_tokens
 
@@ -276,6 +297,32 @@ class PartialRolloutBuffer:
         rows = [self.entries.pop(i) for i in ids]
         return stitch(rows, self.pad_id)
 
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain-python copy of the buffer (entries with their tokens, log-probs and versions) for checkpoints.
+
+        APRIL (arXiv:2509.18521) carry-over state; raises nothing.
+        """
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "entries": [(i, dataclasses.asdict(e)) for i, e in self.entries.items()],
+            "next_id": self._next_id,
+            "next_group": self._next_group,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (entry ids, order and group keys are kept).
+
+        Raises:
+            ValueError: the saved buffer was made for another ``max_new_tokens``.
+        """
+        if int(state["max_new_tokens"]) != self.max_new_tokens:
+            raise ValueError(f"checkpointed partial rollouts were generated with max_new_tokens="
+                             f"{state['max_new_tokens']}, this run has {self.max_new_tokens}")
+        self.entries = {int(i): PartialEntry(**e) for i, e in state["entries"]}
+        self._next_id = int(state["next_id"])
+        self._next_group = int(state["next_group"])
+
 
 def stitch(rows: List[PartialEntry], pad_id: int = 0) -> StitchedBatch:
     """Pad entries into a :class:`StitchedBatch` (token ids, log-probs and versions kept exactly).
@@ -297,6 +344,8 @@ def stitch(rows: List[PartialEntry], pad_id: int = 0) -> StitchedBatch:
     rm = torch.zeros((B, R))
     lp = torch.zeros((B, R))
     ver = torch.full((B, R), -1, dtype=torch.long)
+    has_t = all(len(r.temperatures) == len(r.response_ids) for r in rows)
+    temps = torch.zeros((B, R)) if has_t else None
     for b, r in enumerate(rows):
         p, n = len(r.prompt_ids), len(r.response_ids)
         pid[b, P - p:] = torch.tensor(r.prompt_ids, dtype=torch.long)
@@ -306,10 +355,13 @@ def stitch(rows: List[PartialEntry], pad_id: int = 0) -> StitchedBatch:
             rm[b, :n] = 1
             lp[b, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
             ver[b, :n] = torch.tensor(r.versions, dtype=torch.long)
+            if temps is not None:
+                temps[b, :n] = torch.tensor(r.temperatures, dtype=torch.float32)
     return StitchedBatch(
         prompt_ids=pid, prompt_mask=pm, response_ids=rid, response_mask=rm, rollout_logprobs=lp,
         token_version=ver, finished=torch.tensor([r.finished for r in rows], dtype=torch.bool),
         group=torch.tensor([r.group for r in rows], dtype=torch.long), meta=[r.meta for r in rows],
+        temperatures=temps, rounds=torch.tensor([r.rounds for r in rows], dtype=torch.long),
     )
 
 
@@ -318,9 +370,13 @@ def continue_round(buffer: PartialRolloutBuffer, engine: Any, params: Any, versi
 
     Each pending entry is continued from ``prompt + partial response`` with
     ``max_new_tokens = min(chunk_tokens, remaining)``; entries with the same
-    limit share one ``engine.generate`` call (seed offset by the limit). The
-    sampled tokens are recorded with their log-probs and ``version``
-    (APRIL arXiv:2509.18521 / CoPRIS cross-stage IS).
+    limit share one ``engine.generate`` call, largest limit first. The first
+    call samples with ``params.seed`` itself and call ``k`` with
+    ``params.seed + 1_000_003 * k``, so a round in which every entry starts
+    fresh with ``chunk_tokens >= max_new_tokens`` is the very same engine call
+    as a one-shot group rollout. The sampled tokens are recorded with their
+    log-probs, temperatures and ``version`` (APRIL arXiv:2509.18521 / CoPRIS
+    cross-stage IS).
 
     Args:
         buffer: the carry-over buffer.
@@ -342,15 +398,180 @@ def continue_round(buffer: PartialRolloutBuffer, engine: Any, params: Any, versi
     for i in buffer.pending():
         by_limit.setdefault(min(chunk_tokens, buffer.remaining(i)), []).append(i)
     total = 0
-    for limit, ids in sorted(by_limit.items()):
-        seed = None if params.seed is None else int(params.seed) + 1_000_003 * limit
+    for call, (limit, ids) in enumerate(sorted(by_limit.items(), reverse=True)):
+        seed = None if params.seed is None else int(params.seed) + 1_000_003 * call
         p = dataclasses.replace(params, max_new_tokens=limit, seed=seed)
         gen = engine.generate([buffer.context(i) for i in ids], p)
         for b, i in enumerate(ids):
             n = int(gen.response_mask[b].sum())
             if n > limit:
                 raise ValueError(f"engine returned {n} tokens, asked for at most {limit}")
+            temps = gen.temperatures[b, :n].tolist() if getattr(gen, "temperatures", None) is not None else None
             buffer.extend(i, gen.response_ids[b, :n].tolist(), gen.rollout_logprobs[b, :n].tolist(),
-                          version, bool(gen.finished[b]))
+                          version, bool(gen.finished[b]), temps)
             total += n
     return total
+
+
+@dataclass
+class PartialStep:
+    """One step of :class:`PartialRolloutProducer` (APRIL arXiv:2509.18521; CoPRIS cross-stage IS).
+
+    Attributes:
+        batch: ``needed`` whole groups (``B`` rows), stitched.
+        prompt_index: ``B`` dataset indices, one per row.
+        token_step: ``[B, R]`` long, RL step of the weights that sampled each
+            token (``weights_step`` of the round; -1 on padding).
+        new_groups: groups started this step.
+        rounds: rounds (``continue_round`` calls) run this step.
+        tokens: tokens generated this step (trained now or carried).
+        metrics: ``partial/...`` scalars (see :meth:`PartialRolloutProducer.produce`).
+    """
+
+    batch: StitchedBatch
+    prompt_index: List[int]
+    token_step: torch.Tensor
+    new_groups: int
+    rounds: int
+    tokens: int
+    metrics: Dict[str, float]
+
+
+class PartialRolloutProducer:
+    """The per-step driver of partial rollouts (APRIL arXiv:2509.18521; CoPRIS, seed catalog entry 14).
+
+    Holds the carry-over :class:`PartialRolloutBuffer`, the prompts drawn from
+    the selector but not started yet, and the RL step of every policy version
+    whose tokens are still in the buffer. No tensors are kept between steps.
+
+    Args:
+        max_new_tokens: total response budget (``rollout.max_new_tokens``).
+        group_size: rollouts per prompt (a group is added and released whole).
+        over_provision: APRIL's factor (>= 1): ``ceil(over_provision * needed)``
+            groups in flight.
+        chunk_tokens: per-round token budget of one response (>= 1).
+        pad_id: padding id of the stitched tensors.
+
+    Raises:
+        ValueError: ``over_provision < 1``, ``chunk_tokens < 1``, ``group_size < 1``
+            or ``max_new_tokens < 1``.
+    """
+
+    def __init__(self, max_new_tokens: int, group_size: int, over_provision: float = 1.0,
+                 chunk_tokens: int = 16, pad_id: int = 0) -> None:
+        if over_provision < 1:
+            raise ValueError(f"over_provision={over_provision} must be >= 1")
+        if chunk_tokens < 1 or group_size < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens} and group_size={group_size} must be >= 1")
+        self.buffer = PartialRolloutBuffer(max_new_tokens, pad_id)
+        self.group_size = int(group_size)
+        self.over_provision = float(over_provision)
+        self.chunk_tokens = int(chunk_tokens)
+        self.queue: List[int] = []  # dataset indices selected but not started yet
+        self.version_step: Dict[int, int] = {}  # policy version -> RL step of those weights
+
+    def produce(self, needed: int, select: Any, encode: Any, engine: Any, params: Any,
+                version: int, weights_step: int) -> PartialStep:
+        """Top up, generate and release ``needed`` complete groups for one RL step.
+
+        1. Groups already in the buffer count as in flight; ``num_requests``
+           more are started (APRIL over-provisioning) with prompts from
+           ``select()`` (called as often as needed; leftovers wait in a queue).
+        2. Rounds of :func:`continue_round` under the engine's current weights
+           (recorded as ``version``) run until ``needed`` groups are complete or
+           nothing is pending, at least one round when anything is pending.
+           Round ``r > 0`` samples with ``params.seed + 7919 * r``.
+        3. The ``needed`` oldest complete groups are popped; the rest (finished
+           or not) stays for the next step.
+
+        Args:
+            needed: groups to train on (>= 1).
+            select: ``fn() -> list of dataset indices`` (e.g. ``selector.select(step)``).
+            encode: ``fn(dataset index) -> prompt token ids``.
+            engine: a :class:`rlpost.rollout.base.RolloutEngine` holding the weights of ``version``.
+            params: the step's :class:`rlpost.rollout.base.SamplingParams`.
+            version: trainer version (optimizer steps) of the engine's weights.
+            weights_step: RL steps those weights have completed.
+
+        Returns:
+            a :class:`PartialStep`; its ``metrics``: ``partial/new_groups``,
+            ``partial/carried_in_groups`` (in flight at the start),
+            ``partial/carried_groups`` / ``partial/carried_responses`` /
+            ``partial/carried_tokens`` (left for the next step),
+            ``partial/rounds`` (this step), ``partial/tokens_generated``,
+            ``partial/rounds_mean`` (chunks per trained response),
+            ``partial/resumed_frac`` (trained responses continued in a later
+            step than they began), ``partial/multi_version_frac`` (trained
+            responses whose tokens come from more than one policy version),
+            ``partial/queued_prompts``.
+
+        Raises:
+            ValueError: ``needed < 1``; RuntimeError: ``select()`` returned nothing.
+        """
+        if needed < 1:
+            raise ValueError(f"needed={needed} must be >= 1")
+        buf = self.buffer
+        self.version_step[int(version)] = int(weights_step)
+        for i in buf.pending():  # begun in an earlier step, continued now
+            if buf.entries[i].response_ids:
+                buf.entries[i].meta["resumed"] = True
+        carried_in = buf.in_flight_groups()
+        new = num_requests(needed, self.over_provision, carried_in)
+        while len(self.queue) < new:
+            got = [int(i) for i in select()]
+            if not got:
+                raise RuntimeError("the selector returned no prompts")
+            self.queue.extend(got)
+        take, self.queue = self.queue[:new], self.queue[new:]
+        for idx in take:
+            buf.add_group(list(encode(idx)), self.group_size, meta={"prompt_index": idx})
+        rounds = tokens = 0
+        while True:
+            if buf.pending():
+                p = params
+                if rounds and params.seed is not None:
+                    p = dataclasses.replace(params, seed=int(params.seed) + 7919 * rounds)
+                tokens += continue_round(buf, engine, p, version, self.chunk_tokens)
+                rounds += 1
+            if len(buf.ready_groups()) >= needed or not buf.pending():
+                break
+        sb = buf.pop_ready(needed)
+        assert sb is not None and len(set(sb.group.tolist())) == needed  # in_flight + new >= needed
+        token_step = torch.full_like(sb.token_version, -1)
+        for v in sb.token_version.unique().tolist():
+            if v >= 0:
+                token_step[sb.token_version == v] = self.version_step[int(v)]
+        live = {v for e in buf.entries.values() for v in e.versions} | {int(version)}
+        self.version_step = {v: s for v, s in self.version_step.items() if v in live}
+        mask = sb.response_mask.bool()
+        tv = sb.token_version
+        n_versions = torch.tensor([len(set(tv[b][mask[b]].tolist())) for b in range(len(tv))], dtype=torch.float32)
+        metrics = {
+            "partial/new_groups": float(new),
+            "partial/carried_in_groups": float(carried_in),
+            "partial/carried_groups": float(buf.in_flight_groups()),
+            "partial/carried_responses": float(len(buf)),
+            "partial/carried_tokens": float(sum(len(e.response_ids) for e in buf.entries.values())),
+            "partial/rounds": float(rounds),
+            "partial/tokens_generated": float(tokens),
+            "partial/rounds_mean": float(sb.rounds.float().mean()),
+            "partial/resumed_frac": float(sum(bool(m.get("resumed")) for m in sb.meta) / len(sb.meta)),
+            "partial/multi_version_frac": float((n_versions > 1).float().mean()),
+            "partial/queued_prompts": float(len(self.queue)),
+        }
+        return PartialStep(sb, [int(m["prompt_index"]) for m in sb.meta], token_step, new, rounds, tokens, metrics)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Buffer, queued prompts and version map, as plain python (saved in checkpoints). Raises nothing."""
+        return {"buffer": self.buffer.state_dict(), "queue": list(self.queue),
+                "version_step": dict(self.version_step)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: from :meth:`PartialRolloutBuffer.load_state_dict`.
+        """
+        self.buffer.load_state_dict(state["buffer"])
+        self.queue = [int(i) for i in state["queue"]]
+        self.version_step = {int(v): int(s) for v, s in state["version_step"].items()}

@@ -48,12 +48,16 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
     return [
         Stage("select", f"selector={cfg.selector.name}: choose {cfg.selector.prompts_per_step} prompts of task={cfg.task.name}"),
         Stage("rollout", f"sampler={cfg.sampler.name} x{a.n_samples_per_prompt} via rollout={cfg.rollout.engine} "
-              f"({cfg.precision.rollout_dtype}, T={cfg.rollout.temperature}, max_new_tokens={cfg.rollout.max_new_tokens})"),
+              f"({cfg.precision.rollout_dtype}, T={cfg.rollout.temperature}, max_new_tokens={cfg.rollout.max_new_tokens})"
+              + (f"; partial rollouts: chunks of {cfg.executor.partial_chunk_tokens} tokens, "
+                 f"over_provision {cfg.executor.over_provision}, unfinished groups carried over"
+                 if cfg.executor.get("partial_rollout", False) else "")),
         Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping"),
         Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)", need_old),
         Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})", a.kl.coef > 0),
         Stage("values", "critic values V(s_t)", a.critic.enabled),
-        Stage("advantages", f"adv_estimator={a.adv_estimator}"),
+        Stage("advantages", f"adv_estimator={a.adv_estimator}"
+              + (f" (baseline={(a.adv_params or {}).get('baseline')})" if (a.adv_params or {}).get("baseline") else "")),
         Stage("critic_update", "value-loss regression on returns", a.critic.enabled),
         Stage("policy_update", f"loss={a.loss} agg={a.loss_agg} epochs={a.ppo_epochs} mini_batches={a.mini_batches} "
               f"trainer={cfg.trainer.engine} ({cfg.precision.trainer_dtype})"
@@ -71,10 +75,13 @@ def needs_old_logprobs(a: Any) -> bool:
 
     Several optimizer steps per batch anchor their ratios to them, unless
     A-3PO's interpolation replaces them (``algo.loss_params.proximal=a3po``,
-    arXiv:2512.06547); KL-in-reward reads them too.
+    arXiv:2512.06547); KL-in-reward reads them too, and so does VCPO's
+    minimum-variance baseline (``algo.adv_params.baseline=min_variance``,
+    arXiv:2602.17616: sequence weights ``pi_old / pi_behav``).
     """
     a3po = (a.loss_params or {}).get("proximal", "recompute") == "a3po"
-    return (a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward)
+    min_var = (a.adv_params or {}).get("baseline", "mean") == "min_variance"
+    return (a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward) or min_var
 
 
 @dataclass
@@ -90,6 +97,14 @@ class Collected:
     t_start: float
     t_rollout: float
     t_reward: float
+    weights_step: int = -1  # RL steps completed by the engine weights of this collect
+
+
+def _row_oldest(token_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` smallest of ``token_values`` ``[B, R]`` over each row's ``mask`` (the row's oldest token; -1 if empty)."""
+    big = torch.iinfo(token_values.dtype).max
+    m = torch.where(mask > 0, token_values, torch.full_like(token_values, big)).min(-1).values
+    return torch.where(m == big, torch.full_like(m, -1), m)
 
 
 def format_graph(cfg: DictConfig) -> str:
@@ -171,6 +186,21 @@ class Run:
         self.algo_state = AlgoState(algo_requirements(cfg.algo))
         self.step = 0
         self.update_rng = torch.Generator().manual_seed(cfg.seed)
+        self.partial = self._build_partial()
+
+    def _build_partial(self):
+        """The APRIL / CoPRIS partial-rollout producer when ``executor.partial_rollout=true``, else None."""
+        ex = self.cfg.executor
+        if not bool(ex.get("partial_rollout", False)):
+            return None
+        from rlpost.partial import PartialRolloutProducer
+        from rlpost.samplers.base import SamplerContext, pad_id_of
+
+        return PartialRolloutProducer(
+            int(self.cfg.rollout.max_new_tokens), group_size=self.sampler.counts(1, SamplerContext())[0],
+            over_provision=float(ex.over_provision), chunk_tokens=int(ex.partial_chunk_tokens),
+            pad_id=pad_id_of(self.engine),
+        )
 
     def _build_trainer(self):
         if self.cfg.trainer.engine == "deepspeed":
@@ -204,6 +234,8 @@ class Run:
         self.selector.load_state_dict(state["selector"])
         self.sampler.load_state_dict(state.get("sampler", {}))
         self.algo_state.load_state_dict(state.get("algo_state", {}))  # absent in checkpoints before it was saved
+        if self.partial is not None and state.get("partial") is not None:
+            self.partial.load_state_dict(state["partial"])
         self.update_rng.set_state(state["update_rng"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
@@ -220,7 +252,8 @@ class Run:
         return save_checkpoint(
             self.run_dir, self.step, self.trainer.policy, self.tokenizer, trainer_state,
             {"selector": self.selector.state_dict(), "sampler": self.sampler.state_dict(),
-             "algo_state": self.algo_state.state_dict(), "update_rng": self.update_rng.get_state()},
+             "algo_state": self.algo_state.state_dict(), "update_rng": self.update_rng.get_state(),
+             "partial": self.partial.state_dict() if self.partial is not None else None},
             keep_last=self.cfg.checkpoint.keep_last,
         )
 
@@ -307,23 +340,30 @@ class Run:
             lens = torch.tensor([len(self.tokenizer(t)["input_ids"]) for t in texts])
             return self.reward_fn(texts, ex, lens)[0].tolist()
 
-        step_out = collect_rollouts(
-            self.selector, self.sampler, self.engine, self.sampling_params(step), step=step,
-            encode=self.prompt_ids, score=score, hint=make_hint_fn(self.train_examples, self.tokenizer),
-            seed=step_seed(cfg.seed, step, "sampler"),
-        )
+        if self.partial is not None:
+            step_out = self._partial_rollouts(step, version, weights_step, score)
+        else:
+            step_out = collect_rollouts(
+                self.selector, self.sampler, self.engine, self.sampling_params(step), step=step,
+                encode=self.prompt_ids, score=score, hint=make_hint_fn(self.train_examples, self.tokenizer),
+                seed=step_seed(cfg.seed, step, "sampler"),
+            )
         sres = step_out.result
         gen = sres.generation
         t_rollout = time.perf_counter() - t0
         gi = sres.group_index
         pidx = step_out.row_prompt_index
         examples = [self.train_examples[int(i)] for i in pidx]
+        extras = {"temperatures": gen.temperatures, "policy_step": torch.full((len(gi),), weights_step), **sres.extras}
+        pversion = torch.full((len(gi),), version, dtype=torch.long)
+        if "token_version" in extras:  # partial rollouts: a row is as old as its oldest token
+            pversion = _row_oldest(extras["token_version"], gen.response_mask)
         batch = RolloutBatch(
             prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
             response_mask=gen.response_mask, rollout_logprobs=gen.rollout_logprobs, group_index=gi,
-            prompt_index=pidx, policy_version=torch.full((len(gi),), version, dtype=torch.long),
+            prompt_index=pidx, policy_version=pversion,
             response_texts=gen.texts, answers=[e.answer for e in examples], meta=[{} for _ in examples],
-            extras={"temperatures": gen.temperatures, "policy_step": torch.full((len(gi),), weights_step), **sres.extras},
+            extras=extras,
         )
 
         # reward
@@ -335,7 +375,54 @@ class Run:
         n_groups = int(gi.max()) + 1 if len(gi) else 0
         per_prompt = [[float(x) for x in rewards[gi == g]] for g in range(n_groups)]
         step_out.update_selector(self.selector)
-        return Collected(step, batch, examples, per_prompt, rm, step_out, t_step, t_rollout, t_reward)
+        return Collected(step, batch, examples, per_prompt, rm, step_out, t_step, t_rollout, t_reward, weights_step)
+
+    def _partial_rollouts(self, step: int, version: int, weights_step: int, score) -> Any:
+        """The step's rollouts through the partial-rollout producer (APRIL arXiv:2509.18521; CoPRIS).
+
+        Returns the same :class:`rlpost.samplers.driver.StepRollouts` as
+        :func:`rlpost.samplers.driver.collect_rollouts` (rows grouped by prompt,
+        compact group ids, rewards scored the same way, the same ``rollout/...``
+        metrics) plus ``partial/...`` metrics and, in ``result.extras``, the
+        per-token ``token_version`` / ``token_policy_step`` ``[B, R]`` (-1 on
+        padding) and the per-row ``policy_step`` of the oldest token ``[B]``.
+        The stitched per-token behaviour log-probs become ``rollout_logprobs``.
+        """
+        from rlpost.rollout.base import GenerationResult
+        from rlpost.samplers.base import SampleResult
+        from rlpost.samplers.driver import StepRollouts, rollout_metrics
+
+        skipped = [0]
+
+        def select() -> List[int]:
+            out = list(self.selector.select(step))
+            skipped[0] += int(getattr(self.selector, "skipped", 0))
+            return out
+
+        ps = self.partial.produce(int(self.cfg.selector.prompts_per_step), select, self.prompt_ids, self.engine,
+                                  self.sampling_params(step), version, weights_step)
+        sb = ps.batch
+        gmap: Dict[int, int] = {}
+        gi = torch.tensor([gmap.setdefault(int(g), len(gmap)) for g in sb.group.tolist()], dtype=torch.long)
+        first_row = {int(g): r for r, g in reversed(list(enumerate(gi.tolist())))}
+        prompt_indices = [ps.prompt_index[first_row[g]] for g in range(len(gmap))]
+        texts = [self.tokenizer.decode(sb.response_ids[b][sb.response_mask[b] > 0].tolist(), skip_special_tokens=True)
+                 for b in range(len(gi))]
+        temps = sb.temperatures if sb.temperatures is not None else float(self.cfg.rollout.temperature) * sb.response_mask
+        gen = GenerationResult(sb.prompt_ids, sb.prompt_mask, sb.response_ids, sb.response_mask, sb.rollout_logprobs,
+                               temps, sb.finished, texts)
+        rewards = torch.tensor(score(ps.prompt_index, texts), dtype=torch.float32)
+        extras = {"token_version": sb.token_version, "token_policy_step": ps.token_step,
+                  "policy_step": _row_oldest(ps.token_step, sb.response_mask)}
+        res = SampleResult(gen, gi, ps.new_groups * self.partial.group_size, extras, {}, rewards)
+        observed = [(prompt_indices[g], rewards[gi == g].tolist()) for g in range(len(gmap))]
+        out = StepRollouts(res, prompt_indices, rewards, observed)
+        out.metrics = {**rollout_metrics(out, res.rollouts_spent, ps.rounds, skipped[0]), **ps.metrics}
+        try:
+            out.metrics.update(self.selector.metrics())
+        except Exception:  # pragma: no cover - metrics must never break a step
+            pass
+        return out
 
     def learn(self, c: "Collected", sync_engine: bool = True) -> Dict[str, Any]:
         """Learner half of a step: log-probs -> advantages -> update (-> sync the engine); returns metrics."""
@@ -383,7 +470,8 @@ class Run:
             a.adv_estimator,
             AdvantageInput(rewards=rewards, response_mask=batch.response_mask, group_index=gi,
                            values=batch.extras.get("values"), token_rewards=token_rewards,
-                           baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy")),
+                           baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
+                           old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs),
             **dict(a.adv_params or {}),
         )
         batch.extras["advantages"] = out.advantages
@@ -424,6 +512,11 @@ class Run:
             "throughput/rollout_tokens_per_s": ntok / max(t_rollout, 1e-9),
             **step_out.metrics,
         })
+        if "token_policy_step" in batch.extras:  # partial rollouts: per-token staleness in RL steps (CoPRIS)
+            tm = batch.response_mask > 0
+            st = ((step - 1) - batch.extras["token_policy_step"])[tm].float()
+            m["partial/token_staleness_mean"] = float(st.mean()) if st.numel() else 0.0
+            m["partial/token_staleness_max"] = float(st.max()) if st.numel() else 0.0
         m["bench/update_tokens"] = float(batch.prompt_mask.sum() + batch.response_mask.sum())
         m["time/step_s"] = time.perf_counter() - t_step
         m["memory/peak_rss_mb"] = peak_rss_mb()

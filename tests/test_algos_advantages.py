@@ -203,3 +203,83 @@ def test_stage_requirements_and_reference_answers():
     assert AlgoState(req()).temperature_hook(1.0) is None
     assert reference_response(42, "tags") == "<answer>42</answer>"
     assert reference_response("x", "boxed") == "\\boxed{x}"
+
+
+# ------------------------------------------------ VCPO minimum-variance baseline (arXiv:2602.17616)
+def _offpolicy_inp(rewards, lengths, groups, log_w, pad_junk=True):
+    """``inp`` with old/rollout log-probs whose masked differences sum to ``log_w[i]`` per row.
+
+    The difference is spread over the row's tokens; padding positions get a large
+    old/rollout gap that must be ignored.
+    """
+    x = inp(rewards, lengths, groups)
+    B, R = x.response_mask.shape
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(B, R, generator=g) * 2
+    diff = torch.zeros(B, R)
+    for i, L in enumerate(lengths):
+        diff[i, :L] = log_w[i] / L
+        if pad_junk:
+            diff[i, L:] = 7.0
+    x.rollout_logprobs, x.old_logprobs = rollout, rollout + diff
+    return x
+
+
+GROUP_BASELINE_ESTIMATORS = ["grpo", "rloo", "gpg", "opo", "reinforce_pp_baseline"]
+
+
+@pytest.mark.parametrize("name", GROUP_BASELINE_ESTIMATORS)
+def test_min_variance_baseline_on_policy_is_the_estimators_own_baseline(name):
+    g = torch.Generator().manual_seed(1)
+    r = (torch.rand(12, generator=g) > 0.5).float().tolist()
+    x = inp(r, [3, 1, 4, 2, 2, 4, 1, 3, 2, 4, 4, 1], [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
+    x.rollout_logprobs = -torch.rand(x.response_mask.shape, generator=g)
+    x.old_logprobs = x.rollout_logprobs.clone()  # on-policy: every importance weight is exactly 1
+    assert all(len(set(r[4 * k: 4 * k + 4])) > 1 for k in range(3)), r  # every group has a non-zero advantage
+    params = [{}] if name != "grpo" else [{"norm_by_std": True}, {"norm_by_std": False}]
+    for p in params:
+        mean = compute_advantages(name, x, **p).advantages
+        mv = compute_advantages(name, x, baseline="min_variance", **p).advantages
+        if name in ("grpo", "gpg", "reinforce_pp_baseline"):
+            assert torch.equal(mean, mv), name  # the group mean itself, bit for bit
+        else:  # rloo (leave-one-out) and opo (length-weighted): same value, float64 vs float32 arithmetic
+            torch.testing.assert_close(mean, mv, atol=1e-6, rtol=1e-6)
+
+
+def test_min_variance_baseline_off_policy_hand_computed_grpo():
+    # group 0: r = [1, 0, 0], w = [2, 1, 1]  -> b = (4*1) / (4+1+1) = 2/3
+    # group 1: r = [1, 0, 1], log w = 800 + [0, ln 3, 0] (w^2 would overflow) -> w ~ [1, 3, 1], b = 2/11
+    # group 2: r = [1, 1, 1] (zero variance) with wild weights -> advantage 0
+    lw = [math.log(2), 0.0, 0.0, 800.0, 800.0 + math.log(3), 800.0, 5.0, -5.0, 0.0]
+    x = _offpolicy_inp([1, 0, 0, 1, 0, 1, 1, 1, 1], [2, 1, 3, 2, 2, 1, 1, 2, 3], [0, 0, 0, 1, 1, 1, 2, 2, 2], lw)
+    a = seq_adv(compute_advantages("grpo", x, norm_by_std=False, baseline="min_variance"), x)
+    expect = [1 / 3, -2 / 3, -2 / 3, 9 / 11, -2 / 11, 9 / 11, 0.0, 0.0, 0.0]
+    assert a[:3].tolist() == pytest.approx(expect[:3], abs=1e-6)
+    # group 1's float32 log-probs near 400 carry ~3e-5 rounding: the baseline is finite and 2/11 to that
+    assert a[3:6].tolist() == pytest.approx(expect[3:6], abs=1e-4)
+    assert a[6:].tolist() == [0.0, 0.0, 0.0]
+    # with the std: group 0 std = sqrt(1/3), group 1 std = sqrt(1/3)
+    s = math.sqrt(1 / 3) + 1e-6
+    a = seq_adv(compute_advantages("grpo", x, baseline="min_variance"), x)
+    assert a.tolist() == pytest.approx([v / s for v in expect[:6]] + [0.0] * 3, abs=2e-4)
+    # the plain mean would give 1/3 and 2/3 baselines: the weighting matters
+    plain = seq_adv(compute_advantages("grpo", x, norm_by_std=False), x)
+    assert plain[:3].tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3], abs=1e-6)
+
+
+def test_min_variance_baseline_off_policy_rloo_and_opo():
+    x = _offpolicy_inp([1, 0, 0], [2, 1, 1], [0, 0, 0], [math.log(2), 0.0, 0.0])
+    # RLOO: b_0 = (1*0 + 1*0) / 2 = 0; b_1 = b_2 = (4*1 + 1*0) / (4 + 1) = 0.8
+    a = seq_adv(compute_advantages("rloo", x, baseline="min_variance"), x)
+    assert a.tolist() == pytest.approx([1.0, -0.8, -0.8], abs=1e-6)
+    # OPO: c = w^2 L = [8, 1, 1] -> b = 8/10
+    a = seq_adv(compute_advantages("opo", x, baseline="min_variance"), x)
+    assert a.tolist() == pytest.approx([0.2, -0.8, -0.8], abs=1e-6)
+
+
+def test_min_variance_baseline_errors():
+    x = inp([1, 0], [1, 1], [0, 0])
+    with pytest.raises(ValueError, match="old_logprobs"):
+        compute_advantages("grpo", x, baseline="min_variance")
+    with pytest.raises(ValueError, match="mean, min_variance"):
+        compute_advantages("grpo", x, baseline="median")

@@ -55,6 +55,30 @@ def test_unknown_names_and_params_list_choices():
     validate_algo(algo(adv_estimator="grpo", adv_params={"overlong_buffer": 4, "max_len": 16}))
 
 
+def test_trainer_keys_of_loss_params_are_accepted_for_any_loss_and_range_checked():
+    # A-3PO's proximal policy and VCPO's lr scaling are read by the trainer, whatever the loss
+    for loss in ("ppo_clip", "decoupled_ppo", "cispo"):
+        validate_algo(algo(loss=loss, loss_params={"proximal": "a3po", "vcpo_lr": True, "vcpo_power": 0.5,
+                                                   "vcpo_min_scale": 0.2}))
+    with pytest.raises(ConfigError, match="proximal='a3p0'.*recompute, a3po"):
+        validate_algo(algo(loss_params={"proximal": "a3p0"}))
+    with pytest.raises(ConfigError, match="vcpo_power"):
+        validate_algo(algo(loss_params={"vcpo_lr": True, "vcpo_power": 0.0}))
+    with pytest.raises(ConfigError, match="vcpo_min_scale"):
+        validate_algo(algo(loss_params={"vcpo_lr": True, "vcpo_min_scale": 1.5}))
+
+
+def test_min_variance_baseline_only_for_group_baseline_estimators():
+    for adv in ("grpo", "rloo", "gpg", "opo", "reinforce_pp_baseline"):
+        validate_algo(algo(adv_estimator=adv, adv_params={"baseline": "min_variance"}))
+    with pytest.raises(ConfigError, match="baseline=min_variance is not a choice of algo.adv_estimator=mc_grpo"):
+        validate_algo(algo(adv_estimator="mc_grpo", n_samples_per_prompt=5, adv_params={"baseline": "min_variance"}))
+    with pytest.raises(ConfigError, match="grpo, .*rloo"):  # the message names the estimators that take it
+        validate_algo(algo(adv_estimator="hapo", adv_params={"baseline": "min_variance"}))
+    with pytest.raises(ConfigError, match="valid choices are mean, min_variance"):
+        validate_algo(algo(adv_estimator="grpo", adv_params={"baseline": "minvar"}))
+
+
 def test_ranges_and_gpg_trust_region():
     with pytest.raises(ConfigError, match="dual_clip"):
         validate_algo(algo(**{"clip.dual_clip": 0.5}))

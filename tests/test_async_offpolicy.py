@@ -66,6 +66,20 @@ def test_a3po_interpolates_by_version():
         a3po_proximal_logprobs(behav, cur, v, 6, 5)
 
 
+def test_a3po_takes_per_token_versions_of_partial_rollouts():
+    from rlpost.algos.offpolicy import a3po_proximal_logprobs
+
+    behav = torch.tensor([[-2.0, -1.0, -3.0]])
+    cur = torch.tensor([[-1.0, -0.5, -1.0]])
+    tv = torch.tensor([[3, 5, 6]])  # a stitched response: tokens sampled by versions 3, 5, 6
+    prox = a3po_proximal_logprobs(behav, cur, tv, proximal_version=6, current_version=8)
+    # alpha per token: (6-3)/(8-3) = 0.6, (6-5)/(8-5) = 1/3, (6-6)/(8-6) = 0
+    torch.testing.assert_close(prox, torch.tensor([[-2.0 + 0.6 * 1.0, -1.0 + 0.5 / 3, -3.0]]))
+    # a [B] version is the same as that version on every token
+    seq = a3po_proximal_logprobs(behav, cur, torch.tensor([3]), 6, 8)
+    torch.testing.assert_close(seq, a3po_proximal_logprobs(behav, cur, torch.tensor([[3, 3, 3]]), 6, 8))
+
+
 def test_vcpo_lr_scale_follows_ess_with_a_floor():
     from rlpost.algos.offpolicy import vcpo_lr_scale
 
@@ -119,3 +133,47 @@ def test_vcpo_lr_scaling_shrinks_the_step_on_stale_batches(compose):
             assert 0.1 <= m["offpolicy/vcpo_lr_scale"] < 0.9
             assert m["offpolicy/vcpo_lr_scale"] == pytest.approx(max(0.1, m["offpolicy/ess_frac"]))
     assert moved[True] < 0.95 * moved[False]
+
+
+def test_vcpo_preset_feeds_importance_weights_to_the_baseline_on_stale_batches(compose, tmp_path, monkeypatch):
+    """algo=vcpo under executor=async: the estimator gets pi_old and the (stale) rollout log-probs."""
+    import json
+    import time
+
+    import rlpost.runner as runner
+    from conftest import tiny_overrides
+    from rlpost.algos.advantages import AdvantageInput, min_variance_group_baseline
+
+    assert runner.needs_old_logprobs(compose(tiny_overrides("algo=vcpo")).algo)
+    real_adv = runner.compute_advantages
+    seen = []
+
+    def spy(name, inp: AdvantageInput, **params):
+        seen.append((name, inp, params))
+        return real_adv(name, inp, **params)
+
+    real_learn = runner.Run.learn
+
+    def slow_learn(self, c, sync_engine=True):
+        time.sleep(0.5)  # let the producer run one step ahead: stale batches
+        return real_learn(self, c, sync_engine)
+
+    monkeypatch.setattr(runner, "compute_advantages", spy)
+    monkeypatch.setattr(runner.Run, "learn", slow_learn)
+    cfg = compose(tiny_overrides("algo=vcpo", "algo.n_samples_per_prompt=4", "executor=async", "executor.max_staleness=1",
+                                 "steps=3", "eval.at_end=false", "checkpoint.every=0", "trainer.lr=1e-3",
+                                 "algo.entropy_coef=0.1"))  # rewards are ~0 on tiny: entropy moves the weights
+    runner.train(cfg, tmp_path / "vcpo")
+    recs = [json.loads(line) for line in (tmp_path / "vcpo" / "metrics.jsonl").read_text().splitlines()]
+    assert len(seen) == 3 and all(p.get("baseline") == "min_variance" for _, _, p in seen)
+    gaps = []
+    for _, inp, _ in seen:
+        assert inp.old_logprobs is not None and inp.rollout_logprobs is not None
+        lw = ((inp.old_logprobs - inp.rollout_logprobs) * inp.response_mask).sum(-1)
+        gaps.append(float(lw.abs().max()))
+        b = min_variance_group_baseline(inp)
+        assert b.shape == inp.rewards.shape and bool(torch.isfinite(b).all())
+    assert gaps[0] < 1e-3  # step 1 is on-policy: every weight ~1
+    assert max(gaps[1:]) > 1e-2, gaps  # a stale batch: pi_old / pi_behav moved away from 1
+    assert max(r["async/staleness_max"] for r in recs) >= 1
+    assert all(0.1 <= r["offpolicy/vcpo_lr_scale"] <= 1.0 for r in recs)

@@ -3,6 +3,15 @@
 Calling convention: ``fn(inp: AdvantageInput, **params) -> AdvantageOutput``. Every
 estimator returns ``[B, R]`` advantages that are 0 outside ``response_mask``.
 Estimators are pure: no model, no config object.
+
+The group-baseline estimators ``grpo`` (and Dr. GRPO), ``rloo``, ``gpg``,
+``opo`` and ``reinforce_pp_baseline`` take ``baseline``: ``"mean"`` (their
+own baseline, the default) or ``"min_variance"``, VCPO's minimum-variance
+baseline for off-policy data ("Stable Asynchrony: Variance-Controlled
+Off-Policy RL for LLMs", arXiv:2602.17616): the group's rewards weighted by the
+squared sequence importance weights ``pi_old / pi_behav``
+(:func:`rlpost.algos.offpolicy.min_variance_baseline`). On-policy (all weights
+1) it is each estimator's own baseline.
 """
 
 from __future__ import annotations
@@ -29,6 +38,12 @@ class AdvantageInput:
             (e.g. a KL-in-reward penalty), or None.
         entropy: ``[B, R]`` per-token policy entropy in nats, or None.
         baseline_rewards: ``[B]`` reward of a baseline rollout (ReMax), or None.
+        old_logprobs: ``[B, R]`` log-probs (nats) of the response tokens under the
+            proximal policy (the trainer before this step's update), or None.
+        rollout_logprobs: ``[B, R]`` behaviour log-probs the rollout engine
+            recorded (per token; stitched across versions for partial
+            rollouts), or None. With ``old_logprobs`` they give VCPO's sequence
+            importance weights (``baseline="min_variance"``).
     """
 
     rewards: torch.Tensor
@@ -38,6 +53,41 @@ class AdvantageInput:
     token_rewards: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
     baseline_rewards: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
+
+
+#: choices of ``algo.adv_params.baseline`` for the group-baseline estimators
+BASELINES = ("mean", "min_variance")
+
+
+def min_variance_group_baseline(
+    inp: AdvantageInput, score_sq: Optional[torch.Tensor] = None, leave_one_out: bool = False
+) -> torch.Tensor:
+    """VCPO's off-policy minimum-variance group baseline ``[B]`` (arXiv:2602.17616).
+
+    Sequence weights ``w_i = prod_t pi_old / pi_behav`` over the response mask
+    (from ``inp.old_logprobs`` and ``inp.rollout_logprobs``, rescaled per group so
+    they cannot overflow), then
+    :func:`rlpost.algos.offpolicy.min_variance_baseline`:
+    ``b_g = sum w_i^2 s_i r_i / sum w_i^2 s_i`` (``s_i = score_sq`` or 1).
+
+    Raises:
+        ValueError: ``inp.old_logprobs`` or ``inp.rollout_logprobs`` is None.
+    """
+    from rlpost.algos.offpolicy import group_normalized_weights, min_variance_baseline, sequence_log_weights
+
+    if inp.old_logprobs is None or inp.rollout_logprobs is None:
+        raise ValueError("baseline='min_variance' needs old_logprobs and rollout_logprobs (the sequence "
+                         "importance weights pi_old / pi_behav); the runner computes old_logprobs for it")
+    lw = sequence_log_weights(inp.old_logprobs, inp.rollout_logprobs, inp.response_mask)
+    w = group_normalized_weights(lw, inp.group_index)
+    return min_variance_baseline(inp.rewards.float(), w, inp.group_index, score_sq, leave_one_out)
+
+
+def _check_baseline(baseline: str) -> None:
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline={baseline!r}: valid choices are {', '.join(BASELINES)}")
 
 
 @dataclass
@@ -80,7 +130,9 @@ def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
     paper="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models (arXiv:2402.03300)",
     needs_group=True,
 )
-def grpo_advantage(inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, **_: object) -> AdvantageOutput:
+def grpo_advantage(
+    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, baseline: str = "mean", **_: object
+) -> AdvantageOutput:
     """Group-relative outcome advantage: ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
     The same advantage is broadcast to every response token of sequence ``i``.
@@ -91,15 +143,28 @@ def grpo_advantage(inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1
     A group whose rewards are all equal (zero variance) gets advantage exactly 0,
     never NaN; a group of size 1 likewise gets 0.
 
+    With ``baseline="min_variance"`` the group mean is replaced by VCPO's
+    minimum-variance baseline (:func:`min_variance_group_baseline`,
+    arXiv:2602.17616) in groups with reward variance; ``std_g`` stays the plain
+    group std. On-policy (``old_logprobs == rollout_logprobs``) the result is
+    bit-identical to ``baseline="mean"``.
+
     Args:
-        inp: rewards ``[B]``, response_mask ``[B, R]``, group_index ``[B]``.
+        inp: rewards ``[B]``, response_mask ``[B, R]``, group_index ``[B]``
+            (and ``old_logprobs`` / ``rollout_logprobs`` ``[B, R]`` for ``min_variance``).
         norm_by_std: divide by the group std.
         eps: added to the std.
+        baseline: ``"mean"`` or ``"min_variance"``.
     Returns:
         AdvantageOutput with ``advantages [B, R]`` and ``returns=None``.
+    Raises:
+        ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
+    _check_baseline(baseline)
     r = inp.rewards.float()
     mean, std, _ = group_stats(r, inp.group_index)
+    if baseline == "min_variance":
+        mean = torch.where(std > 0, min_variance_group_baseline(inp), mean)
     adv = r - mean
     if norm_by_std:
         adv = adv / (std + eps)
@@ -249,16 +314,27 @@ def reinforce_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
     "(RLOO, arXiv:2402.14740)",
     needs_group=True,
 )
-def rloo_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
+def rloo_advantage(inp: AdvantageInput, baseline: str = "mean", **_: object) -> AdvantageOutput:
     """REINFORCE leave-one-out: ``A_i = r_i - mean_{j != i, j in g} r_j``.
 
     Equivalently ``G / (G - 1) * (r_i - mean_g)`` for a group of size ``G``. A
     group of one has no other sample and gets 0. No std normalisation (as in the
     paper). Shapes: rewards ``[B]`` -> advantages ``[B, R]``.
+
+    ``baseline="min_variance"``: the leave-one-out mean becomes VCPO's
+    minimum-variance baseline over the other members,
+    ``sum_{j != i} w_j^2 r_j / sum_{j != i} w_j^2`` (arXiv:2602.17616; our
+    leave-one-out form); equal weights give the plain leave-one-out mean.
+
+    Raises:
+        ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
+    _check_baseline(baseline)
     r = inp.rewards.float()
-    mean, _, cnt = group_stats(r, inp.group_index)
+    mean, std, cnt = group_stats(r, inp.group_index)
     adv = torch.where(cnt > 1, (r - mean) * cnt / (cnt - 1).clamp(min=1), torch.zeros_like(r))
+    if baseline == "min_variance":
+        adv = torch.where(std > 0, r - min_variance_group_baseline(inp, leave_one_out=True), adv)
     return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask))
 
 
@@ -292,16 +368,26 @@ def reinforce_pp_advantage(inp: AdvantageInput, gamma: float = 1.0, **_: object)
     needs_group=True,
     uses_token_rewards=True,
 )
-def reinforce_pp_baseline_advantage(inp: AdvantageInput, gamma: float = 1.0, **_: object) -> AdvantageOutput:
+def reinforce_pp_baseline_advantage(
+    inp: AdvantageInput, gamma: float = 1.0, baseline: str = "mean", **_: object
+) -> AdvantageOutput:
     """REINFORCE++-baseline: subtract the group mean reward, then whiten over the batch.
 
     ``r'_i = r_i - mean_g``; the token reward-to-go of ``r'`` (plus any
     ``token_rewards``) is whitened over all response tokens of the batch. The
     group mean removes the prompt's difficulty; the global normalisation (not
     per-group std) is the paper's remedy for GRPO's per-prompt std bias.
+    ``baseline="min_variance"`` subtracts VCPO's minimum-variance baseline
+    instead (arXiv:2602.17616). Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
+    _check_baseline(baseline)
     r = inp.rewards.float()
-    mean, _, _ = group_stats(r, inp.group_index)
+    mean, std, _ = group_stats(r, inp.group_index)
+    if baseline == "min_variance":
+        mean = torch.where(std > 0, min_variance_group_baseline(inp), mean)
     shifted = AdvantageInput(**{**inp.__dict__, "rewards": r - mean})
     tr = outcome_token_rewards(shifted)
     ret = reverse_cumsum(tr, inp.response_mask, gamma)
@@ -339,21 +425,32 @@ def remax_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
     paper="On-Policy RL with Optimal Reward Baseline (OPO, arXiv:2505.23585)",
     needs_group=True,
 )
-def opo_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
+def opo_advantage(inp: AdvantageInput, baseline: str = "mean", **_: object) -> AdvantageOutput:
     """OPO's length-weighted optimal baseline: ``b_g = sum_j L_j r_j / sum_j L_j``.
 
     ``L_j`` is the response length (mask sum) of sample ``j``; ``A_i = r_i - b_g``
     without std normalisation. This is the variance-minimising baseline when the
     squared gradient norm grows with length. Groups whose samples all have
     length 0 get the plain mean.
+
+    ``baseline="min_variance"``: its off-policy form with VCPO's squared
+    importance weights (arXiv:2602.17616), ``sum w_j^2 L_j r_j / sum w_j^2 L_j``;
+    equal weights give OPO's baseline (up to float rounding: float64 here).
+    Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
+    _check_baseline(baseline)
     r = inp.rewards.float()
     L = inp.response_mask.float().sum(-1)
     inv, G = group_ids(inp.group_index)
     num = torch.zeros(G).index_add_(0, inv, L * r)
     den = torch.zeros(G).index_add_(0, inv, L)
-    mean, _, _ = group_stats(r, inp.group_index)
+    mean, std, _ = group_stats(r, inp.group_index)
     b = torch.where(den[inv] > 0, num[inv] / den[inv].clamp(min=1e-12), mean)
+    if baseline == "min_variance":
+        b = torch.where(std > 0, min_variance_group_baseline(inp, score_sq=L), b)
     return AdvantageOutput(advantages=_broadcast(r - b, inp.response_mask))
 
 
@@ -363,7 +460,7 @@ def opo_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
     needs_group=True,
 )
 def gpg_advantage(
-    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, **_: object
+    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, baseline: str = "mean", **_: object
 ) -> AdvantageOutput:
     """GPG's rectified group advantage ``A_i = alpha * (r_i - mean_g) / F_norm``.
 
@@ -372,9 +469,17 @@ def gpg_advantage(
     gradient is not diluted by them (the paper's gradient rectification).
     ``F_norm`` is the group std (+eps) when ``norm_by_std``, else 1. Zero-variance
     groups get 0. ``alpha`` is 1 when every group is degenerate.
+    ``baseline="min_variance"`` replaces ``mean_g`` by VCPO's minimum-variance
+    baseline (arXiv:2602.17616). Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
+    _check_baseline(baseline)
     r = inp.rewards.float()
     mean, std, cnt = group_stats(r, inp.group_index)
+    if baseline == "min_variance":
+        mean = torch.where(std > 0, min_variance_group_baseline(inp), mean)
     valid = std > 0
     B = r.numel()
     n_valid = int(valid.sum())

@@ -30,7 +30,7 @@ import torch
 
 from rlpost.algos.losses import PolicyLossInput, ppo_clip_loss
 from rlpost.algos.registries import POLICY_LOSSES
-from rlpost.algos.utils import masked_mean
+from rlpost.algos.utils import group_ids, masked_mean
 
 
 @POLICY_LOSSES.register(
@@ -93,15 +93,18 @@ def a3po_proximal_logprobs(
     staleness-aware coefficient ``alpha = (v_prox - v_behav) / (v_theta - v_behav)``
     per sequence, clipped to [0, 1]; where ``v_theta == v_behav`` (fresh data,
     first update) ``alpha = 1`` and the proximal policy is the current one.
-    This is the "log-linear" rule of AReaL's implementation; the paper leaves
-    the per-token version of partial rollouts open, and we use the sequence's
-    oldest version (``batch.policy_version``).
+    This is the "log-linear" rule of AReaL's implementation. The paper leaves
+    partial rollouts open; given per-token versions (``[B, R]``, as stitched
+    partial rollouts carry them, CoPRIS cross-stage IS) ``alpha`` is taken per
+    token from the version that sampled it, which is our extension; given
+    ``[B]`` it is per sequence.
 
     Args:
         behav_logprobs: ``[B, R]`` rollout-engine log-probs (nats).
         current_logprobs: ``[B, R]`` log-probs of the current policy (detached
             here; no gradient flows into the proximal anchor).
-        behav_version: ``[B]`` policy version that generated each sequence.
+        behav_version: ``[B]`` policy version that generated each sequence, or
+            ``[B, R]`` the version of each token (padding values are unused).
         proximal_version: trainer version at the start of this step.
         current_version: trainer version now (>= proximal_version).
     Returns:
@@ -111,7 +114,9 @@ def a3po_proximal_logprobs(
     """
     if current_version < proximal_version:
         raise ValueError(f"current_version {current_version} < proximal_version {proximal_version}")
-    vb = behav_version.to(behav_logprobs.device).float()[:, None]
+    vb = behav_version.to(behav_logprobs.device).float()
+    if vb.dim() == 1:
+        vb = vb[:, None]
     span = float(current_version) - vb
     alpha = torch.where(span > 0, (float(proximal_version) - vb) / span.clamp(min=1e-9), torch.ones_like(span))
     alpha = alpha.clamp(0.0, 1.0)
@@ -138,29 +143,96 @@ def vcpo_lr_scale(ess_frac: float, power: float = 1.0, min_scale: float = 0.1) -
     return float(min(1.0, max(min_scale, e**power)))
 
 
-def min_variance_baseline(rewards: torch.Tensor, seq_weights: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    """Per-group minimum-variance baseline of the importance-weighted policy gradient.
+def sequence_log_weights(num_logprobs: torch.Tensor, den_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float64 log sequence importance weights ``sum_t mask_t (log pi_num - log pi_den)``.
 
-    For ``g = w (R - b) grad log pi`` the variance-minimising constant baseline is
-    ``b* = E[w^2 |grad|^2 R] / E[w^2 |grad|^2]``; taking the score norms as equal
-    (they are not computed, to keep it free) gives ``b = sum w_i^2 R_i / sum w_i^2``
-    over each group. With equal weights it is the group mean (GRPO's baseline).
-    VCPO (arXiv:2602.17616) derives a closed form of this kind; the equal-norm
-    simplification is ours.
+    For VCPO's off-policy baseline (arXiv:2602.17616) ``pi_num`` is the proximal
+    (pre-update trainer) policy and ``pi_den`` the behaviour policy whose
+    log-probs the rollout engine recorded (per token, so stitched partial
+    rollouts give each token its own sampling policy; CoPRIS cross-stage IS).
+
+    Args:
+        num_logprobs, den_logprobs: ``[B, R]`` log-probs (nats) of the same tokens.
+        mask: ``[B, R]`` 0/1 response mask; padding contributes nothing.
+
+    Raises:
+        ValueError: shape mismatch.
+    """
+    if num_logprobs.shape != den_logprobs.shape or num_logprobs.shape != mask.shape:
+        raise ValueError(f"shapes differ: {tuple(num_logprobs.shape)}, {tuple(den_logprobs.shape)}, {tuple(mask.shape)}")
+    return ((num_logprobs.double() - den_logprobs.double()) * mask.double()).sum(-1)
+
+
+def group_normalized_weights(log_weights: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float64 ``exp(log_w_i - max_{j in g(i)} log_w_j)``: weights in (0, 1], 1 for each group's largest.
+
+    Every group-wise ratio of weights (all the minimum-variance baseline reads)
+    is kept, and products of many token ratios cannot overflow. Equal log
+    weights (on-policy: all 0) give exactly 1. VCPO (arXiv:2602.17616) helper.
+
+    Args:
+        log_weights: ``[B]`` log importance weights (nats).
+        group_index: ``[B]`` long group ids (any integers).
+    Raises nothing.
+    """
+    inv, G = group_ids(group_index)
+    lw = log_weights.double()
+    top = torch.full((G,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, inv, lw, reduce="amax")
+    return torch.exp(lw - top[inv])
+
+
+def min_variance_baseline(
+    rewards: torch.Tensor,
+    seq_weights: torch.Tensor,
+    group_index: torch.Tensor,
+    score_sq: Optional[torch.Tensor] = None,
+    leave_one_out: bool = False,
+) -> torch.Tensor:
+    """Per-group minimum-variance baseline of the importance-weighted policy gradient (VCPO, arXiv:2602.17616).
+
+    For the off-policy gradient ``g = w (R - b) grad log pi`` the constant
+    baseline that minimises its variance is
+    ``b* = E[w^2 |grad log pi|^2 R] / E[w^2 |grad log pi|^2]``. VCPO applies a
+    closed form of this kind; its exact estimator of the score norms is not in
+    the abstract, so ours is documented here: ``|grad log pi|^2`` is taken
+    equal across a group (``score_sq=None``, no extra backward pass), or
+    proportional to ``score_sq`` (e.g. the response length, OPO's proxy,
+    arXiv:2505.23585), giving over each group
+
+        ``b = sum_i c_i R_i / sum_i c_i``,  ``c_i = w_i^2 * score_sq_i``.
+
+    With equal weights and equal norms it is exactly the group mean (GRPO's
+    baseline; computed in float64 like :func:`rlpost.algos.utils.group_stats`,
+    so the two agree bit for bit). ``leave_one_out`` excludes sample ``i`` from
+    its own baseline (RLOO's form): ``b_i = sum_{j != i} c_j R_j / sum_{j != i} c_j``.
+    Where the denominator is 0 (all ``c`` zero, or a group of one under
+    leave-one-out) the plain (leave-one-out) mean is used, and a lone sample's
+    leave-one-out baseline is its own reward.
 
     Args:
         rewards: ``[B]`` sequence rewards.
-        seq_weights: ``[B]`` sequence importance weights ``pi_theta / pi_behav``
-            (>= 0), e.g. the exp of summed token log-ratios.
-        group_index: ``[B]`` long group id.
+        seq_weights: ``[B]`` sequence importance weights ``pi / pi_behav`` (>= 0);
+            only ratios within a group matter (see :func:`group_normalized_weights`).
+        group_index: ``[B]`` long group id (any integers).
+        score_sq: ``[B]`` >= 0 proxy of each sample's squared score norm, or None (equal).
+        leave_one_out: baseline of the other members only.
     Returns:
-        ``[B]`` baseline of each sequence's group.
+        ``[B]`` baseline of each sequence, in ``rewards.dtype``.
+    Raises nothing.
     """
-    w2 = seq_weights.float().pow(2)
-    G = int(group_index.max()) + 1 if group_index.numel() else 0
-    num = torch.zeros(G).index_add_(0, group_index, w2 * rewards.float())
-    den = torch.zeros(G).index_add_(0, group_index, w2)
-    cnt = torch.zeros(G).index_add_(0, group_index, torch.ones_like(w2))
-    mean = torch.zeros(G).index_add_(0, group_index, rewards.float()) / cnt.clamp(min=1)
-    b = torch.where(den > 0, num / den.clamp(min=1e-30), mean)
-    return b[group_index]
+    inv, G = group_ids(group_index)
+    r = rewards.double()
+    c = seq_weights.double().pow(2)
+    if score_sq is not None:
+        c = c * score_sq.double()
+    cnt = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
+    tot = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, r)
+    num = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, c * r)
+    den = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, c)
+    if not leave_one_out:
+        b = torch.where(den[inv] > 0, num[inv] / den[inv].clamp(min=1e-300), (tot / cnt)[inv])
+        return b.to(rewards.dtype)
+    n_i, d_i = num[inv] - c * r, den[inv] - c
+    loo_mean = torch.where(cnt[inv] > 1, (tot[inv] - r) / (cnt[inv] - 1).clamp(min=1), r)
+    ok = (d_i > 1e-12 * den[inv]) & (cnt[inv] > 1)
+    return torch.where(ok, n_i / d_i.clamp(min=1e-300), loo_mean).to(rewards.dtype)

@@ -20,6 +20,10 @@ from rlpost.errors import ConfigError
 SHAPING_KEYS = ("overlong_buffer", "overlong_penalty", "max_len")
 # Keys of algo.clip, always passed to the loss together with algo.loss_params.
 CLIP_KEYS = ("eps_low", "eps_high", "dual_clip")
+# Keys of algo.loss_params the trainer reads for any loss (rlpost.trainer.torch_engine): A-3PO's proximal
+# policy (arXiv:2512.06547) and VCPO's ESS learning-rate scaling (arXiv:2602.17616).
+TRAINER_LOSS_KEYS = ("proximal", "vcpo_lr", "vcpo_power", "vcpo_min_scale")
+PROXIMAL_CHOICES = ("recompute", "a3po")
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -70,7 +74,10 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
     * ``algo.adv_estimator``, ``algo.loss``, ``algo.loss_agg``, ``algo.kl.estimator``
       are registered (unknown names list the valid choices);
     * ``algo.adv_params`` / ``algo.loss_params`` only hold parameters the chosen
-      functions accept (plus the reward-shaping keys of ``adv_params``);
+      functions accept (plus the reward-shaping keys of ``adv_params`` and the
+      trainer's ``proximal`` / ``vcpo_*`` keys of ``loss_params``, range-checked);
+    * ``algo.adv_params.baseline`` (``mean`` | ``min_variance``) is only set for
+      estimators that take it;
     * an estimator tagged ``needs_critic`` has ``algo.critic.enabled=true``;
     * an estimator tagged ``needs_group`` has ``algo.n_samples_per_prompt >= 2``
       (``odd_group``: an odd size >= 3, so the median is a sample);
@@ -101,9 +108,12 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
     kl_est = _get(kl, "estimator", "k3")
     KL_ESTIMATORS.get(kl_est)
 
-    _check_params("advantage estimator", "algo.adv_params", adv, adv_fn, _as_dict(_get(algo_cfg, "adv_params")), 1, SHAPING_KEYS)
+    adv_params = _as_dict(_get(algo_cfg, "adv_params"))
+    _check_baseline(adv, adv_fn, adv_params.get("baseline"))
+    _check_params("advantage estimator", "algo.adv_params", adv, adv_fn, adv_params, 1, SHAPING_KEYS)
     loss_params = _as_dict(_get(algo_cfg, "loss_params"))
-    _check_params("policy loss", "algo.loss_params", loss, loss_fn, loss_params, 1, CLIP_KEYS)
+    _check_params("policy loss", "algo.loss_params", loss, loss_fn, loss_params, 1, CLIP_KEYS + TRAINER_LOSS_KEYS)
+    _check_trainer_loss_keys(loss_params)
 
     for k in ("ppo_epochs", "mini_batches", "n_samples_per_prompt"):
         v = _get(algo_cfg, k, 1)
@@ -159,6 +169,45 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
         prec = _get(root_cfg, "precision")
         if prec is not None:
             validate_correction(_get(prec, "correction", "none"), _as_dict(_get(prec, "correction_params")))
+
+
+def _check_baseline(adv: str, adv_fn: Any, baseline: Any) -> None:
+    """``algo.adv_params.baseline`` (VCPO's minimum-variance baseline, arXiv:2602.17616) is valid for ``adv``.
+
+    Raises:
+        ConfigError: the estimator has no ``baseline`` choice, or an unknown value.
+    """
+    if baseline is None:
+        return
+    from rlpost.algos.advantages import BASELINES
+
+    if "baseline" not in (accepted_params(adv_fn) or set()):
+        users = ", ".join(e.name for e in ADV_ESTIMATORS if "baseline" in (accepted_params(e.obj) or set()))
+        raise ConfigError(
+            f"algo.adv_params.baseline={baseline} is not a choice of algo.adv_estimator={adv}, which has its own "
+            f"baseline. Fix: drop algo.adv_params.baseline, or use a group-baseline estimator that takes it ({users})."
+        )
+    if baseline not in BASELINES:
+        raise ConfigError(f"algo.adv_params.baseline={baseline!r}: valid choices are {', '.join(BASELINES)} "
+                          f"(min_variance: VCPO's importance-weighted group baseline).")
+
+
+def _check_trainer_loss_keys(lp: Mapping[str, Any]) -> None:
+    """Value checks of :data:`TRAINER_LOSS_KEYS` (A-3PO arXiv:2512.06547, VCPO arXiv:2602.17616).
+
+    Raises:
+        ConfigError: unknown ``proximal``, ``vcpo_power <= 0`` or ``vcpo_min_scale`` outside (0, 1].
+    """
+    prox = lp.get("proximal", "recompute")
+    if prox not in PROXIMAL_CHOICES:
+        raise ConfigError(f"algo.loss_params.proximal={prox!r}: valid choices are {', '.join(PROXIMAL_CHOICES)} "
+                          f"(a3po: A-3PO's interpolated proximal policy, no extra forward pass).")
+    power = float(lp.get("vcpo_power", 1.0))
+    if power <= 0:
+        raise ConfigError(f"algo.loss_params.vcpo_power={power} must be > 0 (lr scale = ess_frac ** power).")
+    floor = float(lp.get("vcpo_min_scale", 0.1))
+    if not 0.0 < floor <= 1.0:
+        raise ConfigError(f"algo.loss_params.vcpo_min_scale={floor} must be in (0, 1] (the smallest lr multiplier).")
 
 
 def validate_correction(name: Optional[str], params: Optional[Mapping[str, Any]] = None) -> None:

@@ -155,7 +155,8 @@ def validate_config(cfg: DictConfig) -> None:
     """Semantic checks that schemas cannot express.
 
     Checks registered names (estimator, loss, aggregation, KL estimator, task kind,
-    selector, sampler), the algorithm's combination rules, and value ranges.
+    selector, sampler), the algorithm's combination rules, value ranges, and the
+    partial-rollout settings (:func:`rlpost.executor.check_partial`).
 
     Raises:
         ConfigError: naming the key, the problem and the fix.
@@ -216,3 +217,6 @@ def validate_config(cfg: DictConfig) -> None:
         except ImportError:
             raise ConfigError("precision.correction is not available in this build; use precision.correction=none.") from None
         CORRECTIONS.entry(cfg.precision.correction)
+    from rlpost.executor import check_partial
+
+    check_partial(cfg)

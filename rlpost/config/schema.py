@@ -386,14 +386,15 @@ class ExecutorConfig:
     """sync | async; ``max_staleness``: policy versions a rollout may lag the trainer.
 
     Partial rollouts (APRIL, arXiv:2509.18521; CoPRIS cross-stage IS), an opt-in
-    of ``executor=async`` (:mod:`rlpost.partial`):
+    of either executor (:mod:`rlpost.partial`, checked by
+    :func:`rlpost.executor.check_partial`):
 
     Attributes:
-        partial_rollout: carry unfinished responses into the next round instead
-            of generating each to the end. Validated, but not yet wired into the
-            executor: ``true`` raises a ConfigError.
+        partial_rollout: generate in chunks, train on the first complete groups
+            and carry unfinished responses into the next step; every token keeps
+            the log-prob and policy version it was sampled with.
         over_provision: float >= 1; ``ceil(over_provision * needed)`` groups in
-            flight each round.
+            flight each step (1: no carry-over, each step finishes its groups).
         partial_chunk_tokens: per-round token budget of one response (>= 1).
     """
 

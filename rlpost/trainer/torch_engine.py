@@ -261,7 +261,8 @@ class TorchTrainer:
         ratio is exactly 1 on the first micro-batch. With
         ``algo.loss_params.proximal=a3po`` and no ``old_logprobs``, the proximal
         log-probs are A-3PO's interpolation between the rollout log-probs and the
-        current ones (:func:`rlpost.algos.offpolicy.a3po_proximal_logprobs`), so
+        current ones (:func:`rlpost.algos.offpolicy.a3po_proximal_logprobs`; per
+        token from ``extras['token_version']`` for partial rollouts), so
         multi-mini-batch updates need no extra forward pass. With
         ``algo.loss_params.vcpo_lr=true`` each optimizer step's learning rate is
         scaled by :func:`rlpost.algos.offpolicy.vcpo_lr_scale` of the mini-batch's
@@ -306,7 +307,8 @@ class TorchTrainer:
                     if old is not None:
                         old = old.to(self.device)
                     elif offp["proximal"] == "a3po" and mb.policy_version is not None:
-                        old = a3po_proximal_logprobs(rollout_lp, lp, mb.policy_version, v_start, self.version)
+                        bv = mb.extras.get("token_version", mb.policy_version)  # per token for partial rollouts
+                        old = a3po_proximal_logprobs(rollout_lp, lp, bv, v_start, self.version)
                     else:
                         old = lp.detach()
                     if epoch == 0:
