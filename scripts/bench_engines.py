@@ -8,7 +8,7 @@ Usage::
 
 Settings: ``trainer=torch`` (= ``executor=sync``), ``trainer=deepspeed`` on 1
 and 2 processes (ZeRO-2, gloo on CPU), and ``executor=async``
-(``max_staleness=1``). Each runs as its own ``rlpost train`` process (so
+(``max_staleness=1``), with and without partial rollouts. Each runs as its own ``rlpost train`` process (so
 DeepSpeed's two-process case goes through the real torchrun launch), logging to
 a temporary directory. The first step is a warm-up and is excluded.
 
@@ -39,6 +39,9 @@ SETTINGS = [
     ("trainer=deepspeed, 1 proc (ZeRO-2)", ["trainer=deepspeed", "trainer.num_procs=1", "trainer.zero_stage=2"]),
     ("trainer=deepspeed, 2 procs (ZeRO-2)", ["trainer=deepspeed", "trainer.num_procs=2", "trainer.zero_stage=2"]),
     ("executor=async (max_staleness=1)", ["trainer=torch", "executor=async", "executor.max_staleness=1"]),
+    ("executor=async + partial rollouts (APRIL, 16-token rounds, over-provision 1.5)",
+     ["trainer=torch", "executor=async", "executor.max_staleness=1", "executor.partial_rollout=true",
+      "executor.partial_chunk_tokens=16", "executor.over_provision=1.5"]),
 ]
 
 
