@@ -472,7 +472,7 @@ class Run:
                            values=batch.extras.get("values"), token_rewards=token_rewards,
                            baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs),
-            **dict(a.adv_params or {}),
+            **{"max_len": self.cfg.rollout.max_new_tokens, **dict(a.adv_params or {})},  # overlong shaping's budget
         )
         batch.extras["advantages"] = out.advantages
         if out.loss_mask is not None:  # e.g. MC-GRPO's median pivot leaves the update
