@@ -9,7 +9,7 @@ Usage::
 
 Each preset runs in-process with ``algo=NAME`` plus the ``-o`` overrides (Hydra
 syntax), logging to a temporary directory. The table reports, per preset: the
-final step's mean reward, policy entropy (nats), clip fraction, the mean
+mean reward over the first and the last five steps and at the final step, policy entropy (nats), clip fraction, the mean
 seconds per step, the largest |loss| seen, and a status (``ok``, ``nan`` if any
 logged loss or gradient norm was not finite, ``diverged``, or the error).
 ``--json`` also writes the rows to a file.
@@ -39,8 +39,14 @@ def _finite(x: Any) -> bool:
     return not (isinstance(x, float) and (math.isnan(x) or math.isinf(x)))
 
 
-def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False) -> Dict[str, Any]:
+def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
+               rollouts_per_step: int = 0) -> Dict[str, Any]:
     """Train preset ``name`` for ``steps`` steps; returns one table row.
+
+    With ``rollouts_per_step > 0`` the prompts per step are set to
+    ``max(1, rollouts_per_step // algo.n_samples_per_prompt)``, so group presets
+    (n = 8: 2 prompts for 16) and single-rollout presets (SAO, MSSR, n = 1: 16
+    prompts) spend the same rollouts per step.
 
     The temporary run directory (checkpoint and final model, about 1-2 GB for
     the real model) is deleted afterwards unless ``keep``.
@@ -53,8 +59,12 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False) 
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     t0 = time.perf_counter()
     try:
-        cfg = compose_config([f"algo={name}", f"steps={steps}", "logger=jsonl", "eval.at_end=false",
-                              "checkpoint.every=0", *overrides])
+        base = [f"algo={name}", f"steps={steps}", "logger=jsonl", "eval.at_end=false", "checkpoint.every=0"]
+        cfg = compose_config([*base, *overrides])
+        if rollouts_per_step > 0:
+            k = max(1, rollouts_per_step // int(cfg.algo.n_samples_per_prompt))
+            cfg = compose_config([*base, f"selector.prompts_per_step={k}", *overrides])
+        row["rollouts_per_step"] = int(cfg.selector.prompts_per_step) * int(cfg.algo.n_samples_per_prompt)
         train(cfg, run_dir)
     except TrainingDiverged as e:
         row["status"] = "diverged"
@@ -71,6 +81,9 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False) 
         last = rows[-1]
         row["steps"] = len(rows)
         row["reward"] = last.get("reward/mean")
+        rew = [r.get("reward/mean", 0.0) for r in rows]
+        row["reward_first5"] = sum(rew[:5]) / len(rew[:5])
+        row["reward_last5"] = sum(rew[-5:]) / len(rew[-5:])
         row["entropy"] = last.get("actor/entropy")
         row["clip_frac"] = last.get("actor/clip_frac")
         row["s_per_step"] = sum(r.get("time/step_s", 0.0) for r in rows) / len(rows)
@@ -95,11 +108,13 @@ def fmt(x: Any, nd: int = 3) -> str:
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    head = ["preset", "steps", "reward", "entropy", "clip_frac", "s/step", "max|loss|", "status"]
+    head = ["preset", "rollouts/step", "steps", "reward (steps 1-5)", "reward (last 5)", "final reward", "entropy",
+            "clip_frac", "s/step", "max|loss|", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["preset"], str(r["steps"]), fmt(r.get("reward")), fmt(r.get("entropy")), fmt(r.get("clip_frac")),
+            r["preset"], str(r.get("rollouts_per_step", "-")), str(r["steps"]), fmt(r.get("reward_first5")),
+            fmt(r.get("reward_last5")), fmt(r.get("reward")), fmt(r.get("entropy")), fmt(r.get("clip_frac")),
             fmt(r.get("s_per_step"), 1), fmt(r.get("max_abs_loss")), r["status"],
         ]) + " |")
     return "\n".join(lines)
@@ -112,10 +127,12 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("-o", "--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
     ap.add_argument("--json", type=str, default=None, help="also write the rows here")
     ap.add_argument("--keep", action="store_true", help="keep each preset's run directory")
+    ap.add_argument("--rollouts-per-step", type=int, default=0,
+                    help="equal rollouts per step for every preset (prompts = this // n); 0: the presets' own")
     args = ap.parse_args(argv)
     rows = []
     for name in args.presets:
-        row = run_preset(name, args.steps, args.overrides, keep=args.keep)
+        row = run_preset(name, args.steps, args.overrides, keep=args.keep, rollouts_per_step=args.rollouts_per_step)
         rows.append(row)
         print(f"[bench] {name}: {row['status']} steps={row['steps']} reward={fmt(row.get('reward'))} "
               f"s/step={fmt(row.get('s_per_step'), 1)}", file=sys.stderr, flush=True)
