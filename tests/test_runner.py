@@ -75,6 +75,37 @@ def test_rollout_logprobs_match_trainer_logprobs_fp32():
         assert diff < 1e-4, diff
 
 
+def test_shared_prefix_forward_equals_full_forward_in_values_and_gradients():
+    """A group's prompt computed once (KV cache indexed out to its rows) = every row computed in full."""
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.models.logprobs import response_logprobs
+
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=4)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    # 2 distinct prompts (one left-padded) x 3 samples, responses of unequal length
+    prompts = torch.randint(5, 500, (2, 7), generator=g)
+    pmask = torch.ones(2, 7, dtype=torch.long)
+    prompts[1, :2], pmask[1, :2] = 0, 0
+    prompts, pmask = prompts.repeat_interleave(3, 0), pmask.repeat_interleave(3, 0)
+    resp = torch.randint(5, 500, (6, 5), generator=g)
+    rattn = torch.ones(6, 5, dtype=torch.long)
+    rattn[2, 3:], resp[2, 3:] = 0, 0
+    out = {}
+    for share in (False, True):
+        model.zero_grad()
+        lp, ent = response_logprobs(model, prompts, pmask, resp, rattn, with_entropy=True, chunk_size=2,
+                                    share_prefix=share)
+        ((lp + 0.1 * ent) * rattn).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        out[share] = (lp.detach() * rattn, ent.detach() * rattn, grads)
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    assert torch.allclose(out[True][1], out[False][1], atol=1e-5)
+    assert torch.allclose(out[True][2], out[False][2], atol=1e-5, rtol=1e-4)
+    assert out[False][2].abs().sum() > 0
+
+
 def test_prompt_entropy_matches_full_logits_on_unpadded_prompts():
     """Chunked, left-padded, batched prefill = the entropy of model(ids).logits of each prompt alone."""
     from rlpost.config.schema import ModelConfig

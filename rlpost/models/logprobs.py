@@ -60,6 +60,58 @@ def _chunk_logprobs(
     return lp, ent
 
 
+def _cache_kw(base: torch.nn.Module) -> str:
+    """Name of the decoder's KV-cache argument (``cache`` in transformers >= 5, ``past_key_values`` before)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _shared_prefix_hidden(
+    base: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_attn: torch.Tensor,
+) -> Optional[torch.Tensor]:
+    """Hidden states ``[B, R, H]`` that predict each response token, prompts computed once each.
+
+    Rows with identical (left-padded) prompt ids and mask form one prompt; the
+    decoder runs on the ``U`` distinct prompts with a KV cache, the cache is
+    indexed out to all ``B`` rows, and the ``B`` responses run on top of it.
+    The state that predicts response token 0 is the prompt's last position;
+    token ``t > 0`` is predicted from response position ``t - 1``. Indexing is
+    differentiable, so the backward pass sums every row's gradient into its
+    prompt's computation, exactly as the unshared forward would.
+
+    Returns:
+        The hidden states, or None when no prompt repeats (``U == B``) or the
+        decoder returns no cache; the caller then runs the plain forward.
+    """
+    B, P = prompt_ids.shape
+    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+    U = uniq.shape[0]
+    if U == B:
+        return None
+    first = torch.full((U,), B, dtype=torch.long, device=inverse.device).scatter_reduce(
+        0, inverse, torch.arange(B, device=inverse.device), reduce="amin")
+    p_mask = prompt_mask.long()
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    kw = _cache_kw(base)
+    out = base(input_ids=prompt_ids[first], attention_mask=p_mask[first], position_ids=p_pos[first],
+               use_cache=True, **{kw: None})
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(inverse.to(out.last_hidden_state.device))
+    attn = torch.cat([p_mask, response_attn.long()], dim=1)
+    r_pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, P:]
+    out_r = base(input_ids=response_ids, attention_mask=attn, position_ids=r_pos, use_cache=False, **{kw: cache})
+    h_last_prompt = out.last_hidden_state[:, -1:][inverse]
+    return torch.cat([h_last_prompt, out_r.last_hidden_state[:, :-1]], dim=1)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -70,8 +122,16 @@ def response_logprobs(
     chunk_size: int = 64,
     with_entropy: bool = False,
     checkpoint_chunks: Optional[bool] = None,
+    share_prefix: bool = True,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs (nats) of ``response_ids`` under ``model`` at ``temperature``.
+
+    When several rows share the same prompt (a GRPO group of ``n`` samples) and
+    ``share_prefix`` is on, the backbone runs once per distinct prompt, its KV
+    cache is expanded to the rows (an index, so gradients from every row add
+    up on the shared prompt) and only the responses run per row: see
+    :func:`_shared_prefix_hidden`. Same values and gradients as the full
+    forward up to float summation order; about ``n`` times fewer prompt tokens.
 
     Args:
         model: a transformers causal LM (``base_model`` + output embeddings).
@@ -87,15 +147,21 @@ def response_logprobs(
             is enabled and the response spans more than one chunk (with a single
             chunk the full block exists during recomputation anyway, so
             checkpointing would only add work).
+        share_prefix: compute each distinct prompt once (off automatically under
+            gradient checkpointing, which cannot return a KV cache).
     Returns:
         ``(logprobs [B, R], entropy [B, R] or None)``, float32. Values on padding
         positions are meaningless; mask them.
     """
     base, head = backbone_and_head(model)
-    ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
-    hidden = base(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    h = hidden[:, P - 1 : P + R - 1]
+    h = None
+    if share_prefix and not getattr(base, "gradient_checkpointing", False):
+        h = _shared_prefix_hidden(base, prompt_ids, prompt_mask, response_ids, response_attn)
+    if h is None:
+        ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
+        hidden = base(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+        h = hidden[:, P - 1 : P + R - 1]
     if isinstance(temperature, torch.Tensor):
         T = temperature.float().to(h.device)
         T = torch.where(T > 0, T, torch.ones_like(T))
