@@ -16,6 +16,25 @@ from typing import Any, Dict, List, Optional
 import torch
 
 
+def pad_cat(tensors: List[torch.Tensor], value: float = 0, left: bool = False,
+            width: Optional[int] = None) -> torch.Tensor:
+    """Concatenate ``[b_i, w_i]`` tensors along dim 0, padding each to ``width`` columns.
+
+    Args:
+        tensors: 2-D tensors of any widths ``w_i <= width``.
+        value: fill value of the padding (a pad token id, or 0 for masks/log-probs).
+        left: pad on the left (prompts, left-padded) instead of the right (responses).
+        width: target width; default ``max(w_i)``.
+    Returns:
+        ``[sum b_i, width]``.
+    Raises:
+        RuntimeError: (from torch) a tensor wider than ``width``.
+    """
+    W = max(t.shape[1] for t in tensors) if width is None else width
+    pad = (lambda t: (W - t.shape[1], 0)) if left else (lambda t: (0, W - t.shape[1]))
+    return torch.cat([torch.nn.functional.pad(t, pad(t), value=value) for t in tensors])
+
+
 @dataclass
 class RolloutBatch:
     """Rollouts of one step plus everything later stages attach to them.
@@ -110,21 +129,13 @@ class RolloutBatch:
             raise ValueError("concat needs at least one batch")
         if len(batches) == 1:
             return batches[0]
-        P = max(b.prompt_ids.shape[1] for b in batches)
         R = max(b.response_ids.shape[1] for b in batches)
-
-        def lpad(t: torch.Tensor, n: int, v: float) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (n - t.shape[1], 0), value=v)
-
-        def rpad(t: torch.Tensor, n: int, v: float) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, n - t.shape[1]), value=v)
-
         out: Dict[str, Any] = {
-            "prompt_ids": torch.cat([lpad(b.prompt_ids, P, pad_token_id) for b in batches]),
-            "prompt_mask": torch.cat([lpad(b.prompt_mask, P, 0) for b in batches]),
-            "response_ids": torch.cat([rpad(b.response_ids, R, pad_token_id) for b in batches]),
-            "response_mask": torch.cat([rpad(b.response_mask, R, 0) for b in batches]),
-            "rollout_logprobs": torch.cat([rpad(b.rollout_logprobs, R, 0) for b in batches]),
+            "prompt_ids": pad_cat([b.prompt_ids for b in batches], pad_token_id, left=True),
+            "prompt_mask": pad_cat([b.prompt_mask for b in batches], 0, left=True),
+            "response_ids": pad_cat([b.response_ids for b in batches], pad_token_id),
+            "response_mask": pad_cat([b.response_mask for b in batches], 0),
+            "rollout_logprobs": pad_cat([b.rollout_logprobs for b in batches], 0),
             "group_index": torch.cat([b.group_index for b in batches]),
             "prompt_index": torch.cat([b.prompt_index for b in batches]),
         }
@@ -138,8 +149,6 @@ class RolloutBatch:
         extras = {}
         for k in keys:
             ts = [b.extras[k] for b in batches]
-            if ts[0].dim() == 2:
-                ts = [rpad(t, R, 0) for t in ts]
-            extras[k] = torch.cat(ts)
+            extras[k] = pad_cat(ts, 0, width=R) if ts[0].dim() == 2 else torch.cat(ts)
         out["extras"] = extras
         return RolloutBatch(**out)

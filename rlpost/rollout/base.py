@@ -8,6 +8,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from rlpost.batch import pad_cat
+
 # A logits hook sees the raw next-token logits ``[B, V]`` (float32) of the
 # unfinished step ``t`` and returns a per-sequence temperature ``[B]`` to sample
 # with (HAPO's adaptive temperature is one). Returning None keeps the engine's
@@ -108,17 +110,13 @@ def concat_generations(parts: Sequence[GenerationResult], pad_id: int = 0) -> Ge
         raise ValueError("nothing to concatenate")
     if len(parts) == 1:
         return parts[0]
-    P = max(p.prompt_ids.shape[1] for p in parts)
-    R = max(p.response_ids.shape[1] for p in parts)
-    lp = lambda t, v: torch.nn.functional.pad(t, (P - t.shape[1], 0), value=v)  # noqa: E731
-    rp = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
     return GenerationResult(
-        prompt_ids=torch.cat([lp(p.prompt_ids, pad_id) for p in parts]),
-        prompt_mask=torch.cat([lp(p.prompt_mask, 0) for p in parts]),
-        response_ids=torch.cat([rp(p.response_ids, pad_id) for p in parts]),
-        response_mask=torch.cat([rp(p.response_mask, 0) for p in parts]),
-        rollout_logprobs=torch.cat([rp(p.rollout_logprobs, 0) for p in parts]),
-        temperatures=torch.cat([rp(p.temperatures, 0) for p in parts]),
+        prompt_ids=pad_cat([p.prompt_ids for p in parts], pad_id, left=True),
+        prompt_mask=pad_cat([p.prompt_mask for p in parts], 0, left=True),
+        response_ids=pad_cat([p.response_ids for p in parts], pad_id),
+        response_mask=pad_cat([p.response_mask for p in parts], 0),
+        rollout_logprobs=pad_cat([p.rollout_logprobs for p in parts], 0),
+        temperatures=pad_cat([p.temperatures for p in parts], 0),
         finished=torch.cat([p.finished for p in parts]),
         texts=[t for p in parts for t in p.texts],
     )
