@@ -345,7 +345,7 @@ class Run:
         else:
             step_out = collect_rollouts(
                 self.selector, self.sampler, self.engine, self.sampling_params(step), step=step,
-                encode=self.prompt_ids, score=score, hint=make_hint_fn(self.train_examples, self.tokenizer),
+                encode=self.prompt_ids, score=score, hint=make_hint_fn(self.train_examples, self.tokenizer, self.task.reference_solution),
                 seed=step_seed(cfg.seed, step, "sampler"),
             )
         sres = step_out.result

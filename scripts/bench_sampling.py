@@ -5,6 +5,7 @@ Usage::
     python scripts/bench_sampling.py --steps 20                      # the table (real model)
     python scripts/bench_sampling.py --steps 2 --model tiny          # smoke run
     python scripts/bench_sampling.py --only selector=vade sampler=dars
+    python scripts/bench_sampling.py --only "selector=domain_mixture task=arithmetic_mix"
     python scripts/bench_sampling.py --compare --steps 20 --seeds 0 1 \
         --methods selector=uniform selector=vade selector=dynamic_filter
 
@@ -32,7 +33,8 @@ from typing import Dict, List
 ENTRIES = [
     "selector=uniform", "selector=dynamic_filter", "selector=vade", "selector=dps", "selector=cdas",
     "selector=bots", "selector=cures", "selector=greso", "selector=hive", "selector=popo",
-    "selector=domain_mixture", "selector=seele",
+    # domain_mixture needs several domains: it and its uniform baseline run on the two-domain task
+    "selector=uniform task=arithmetic_mix", "selector=domain_mixture task=arithmetic_mix", "selector=seele",
     "sampler=group", "sampler=single", "sampler=adaptive_temperature", "sampler=vigor", "sampler=dars",
     "sampler=pilot_commit", "sampler=ar3po", "sampler=tree", "sampler=param_perturb",
 ]

@@ -10,7 +10,7 @@ from rlpost.samplers import SAMPLERS
 from rlpost.samplers.driver import collect_rollouts
 from rlpost.selectors import SELECTORS, build_selector
 from rlpost.selectors.base import append_history, pack_state, success_rate, unpack_state
-from rlpost.selectors.mixture import fit_irt_difficulty
+from rlpost.selectors.mixture import Hint, fit_irt_difficulty, make_hint_fn
 
 
 def stream(sel, p, steps, n=8, seed=0):
@@ -301,11 +301,38 @@ def test_cures_counts_reach_the_sampler_through_the_driver():
     assert sum(counts) == 8 and counts == sel.rollout_counts(out.prompt_indices)
 
 
-def test_seele_hints_are_appended_to_prompts():
-    eng, enc, score = driver_env([0.5] * 4)
+def _five_char_hint(i, f):
+    # fraction 0.5 -> 5 tokens; the text starts with the fake task's correct answer "1"
+    k = int(10 * f)
+    return Hint([3] + [99] * (k - 1), "1" + "x" * (k - 1))
+
+
+@pytest.mark.parametrize("sampler", ["group", "vigor"])
+def test_seele_hints_are_appended_to_prompts_and_scored_with_the_completion(sampler):
+    # the engine never answers correctly on its own, and every hint begins with the
+    # correct answer: a completion is scored as hint + completion, so all rewards are 1
+    # (they were 0 when only the completion was scored), both when the driver scores and
+    # when the sampler scores inside its rounds (vigor)
+    eng, enc, score = driver_env([0.0] * 4)
     sel = SELECTORS.get("seele")(4, 2, seed=0, prior_b=0.5)
-    out = collect_rollouts(sel, SAMPLERS.get("group")(2), eng, PARAMS, step=0, encode=enc, score=score, hint=lambda i, f: [99] * int(10 * f))
-    assert all(c[-5:] == [99] * 5 and len(c) == 7 for c in eng.calls[0])
+    sam = SAMPLERS.get("group")(2) if sampler == "group" else SAMPLERS.get("vigor")(4, n_init=2, increment=2)
+    out = collect_rollouts(sel, sam, eng, PARAMS, step=0, encode=enc, score=score, hint=_five_char_hint)
+    assert all(c[-5:] == [3] + [99] * 4 and len(c) == 7 for call in eng.calls for c in call)
+    assert out.rewards.tolist() == [1.0] * len(out.rewards)
+    assert all(t.startswith("1xxxx") for t in out.result.generation.texts)
+    assert not any(t[5:].startswith("1") for t in out.result.generation.texts)  # the completions alone are wrong
+
+
+def test_make_hint_fn_cuts_the_worked_solution_by_characters():
+    from rlpost.tasks.base import Example
+
+    ex = [Example(index=0, question="Calculate 58 + 3.", answer="61", meta={})]
+    tok = __import__("fake_engine").CharTok()
+    fn = make_hint_fn(ex, tok, solution=lambda e: "abcdefghij")
+    assert fn(0, 0.0) == Hint([], "")
+    h = fn(0, 0.34)
+    assert h.text == "abc" and tok.decode(h.ids) == "abc"
+    assert make_hint_fn(ex, tok)(0, 1.0).text == "61"  # no worked solution: the bare answer
 
 
 def test_popo_replays_mixed_groups_instead_of_zero_variance_ones():

@@ -296,3 +296,11 @@ def test_math_style_boxed_solutions(tmp_path):
     assert task.score("\\boxed{x=2}", ex[1]) == 1.0
     assert task.score("\\boxed{[0,\\infty)}", ex[2]) == 1.0
     assert task.score("\\boxed{(0,\\infty)}", ex[2]) == 0.0
+
+
+@needs_data
+def test_gsm8k_reference_solution_is_the_worked_answer_field():
+    task = build_task(math_cfg(path=str(DATA / "gsm8k" / "test.jsonl"), gold_format="gsm8k"))
+    ex = task.eval_examples()[0]
+    sol = task.reference_solution(ex)
+    assert sol.rstrip().endswith("#### 18") and len(sol) > 40 and task.score(sol, ex) == 1.0

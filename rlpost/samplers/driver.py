@@ -93,8 +93,10 @@ def collect_rollouts(
         score: ``fn(dataset indices, texts) -> rewards`` (one per text); without
             it nothing is scored (filtering selectors and reward-driven samplers
             then fail).
-        hint: ``fn(dataset index, fraction) -> token ids`` appended to the prompt
-            for selectors that give hints (SEELE); ignored when None.
+        hint: ``fn(dataset index, fraction) -> Hint`` (:class:`rlpost.selectors.mixture.Hint`)
+            for selectors that give hints (SEELE); ignored when None. Its ids are
+            appended to the prompt (no loss on them); its text is put in front of
+            each completion for scoring and in the returned texts.
         seed: base seed of the step's samplers.
 
     Returns:
@@ -122,11 +124,21 @@ def collect_rollouts(
     while idx:
         prompts = [list(encode(i)) for i in idx]
         fr = selector.hint_fractions(idx)
+        hint_text: Optional[List[str]] = None
         if fr is not None and hint is not None:
-            prompts = [p + list(hint(i, f)) if f > 0 else p for p, i, f in zip(prompts, idx, fr)]
+            hints = [hint(i, f) if f > 0 else None for i, f in zip(idx, fr)]
+            prompts = [p + list(h.ids) if h is not None else p for p, h in zip(prompts, hints)]
+            hint_text = [h.text if h is not None else "" for h in hints]
         cur = list(idx)
+
+        def score_hinted(rows: List[int], texts: List[str], cur: List[int] = cur, ht: Optional[List[str]] = hint_text) -> List[float]:
+            # a hinted completion is judged together with its hint (SEELE)
+            if ht is not None:
+                texts = [ht[r] + t for r, t in zip(rows, texts)]
+            return score([cur[r] for r in rows], texts)
+
         ctx = SamplerContext(
-            score=(lambda rows, texts, cur=cur: score([cur[r] for r in rows], texts)) if score is not None else None,
+            score=score_hinted if score is not None else None,
             step=step,
             seed=seed + 7919 * rounds,
             prompt_indices=cur,
@@ -138,7 +150,9 @@ def collect_rollouts(
             smetrics[k] = smetrics.get(k, 0.0) + float(v)
         pos = res.positions()
         if res.rewards is None and score is not None:
-            res.rewards = torch.tensor(score([cur[int(g)] for g in pos], res.generation.texts), dtype=torch.float32)
+            res.rewards = torch.tensor(score_hinted([int(g) for g in pos], res.generation.texts), dtype=torch.float32)
+        if hint_text is not None:  # the batch's texts are whole answers: hint + completion
+            res.generation.texts = [hint_text[int(g)] + t for g, t in zip(pos, res.generation.texts)]
         keep_rows: List[int] = []
         for g, rows in _groups(res).items():
             r = res.rewards[rows].tolist() if res.rewards is not None else []

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -154,9 +155,17 @@ class SeeleSelector(UniformSelector):
     target``: ``h = b_x + logit(target) / a``, clipped to ``[0, max_hint]``.
     Each selection of a prompt is one round (the paper runs several rounds
     inside a step; here rounds are spread over steps, our simplification).
-    Prompts are drawn like ``uniform``. The hint tokens are built by the
-    ``hint`` function the runner passes to the rollout driver (see
-    :func:`make_hint_fn`).
+    Prompts are drawn like ``uniform``. The hint is a prefix of the task's
+    worked solution (:meth:`rlpost.tasks.base.Task.reference_solution`; for the
+    default arithmetic task ``"58 + 3 = 61"``) built by :func:`make_hint_fn`;
+    its tokens open the assistant turn (no loss on them) and the verifier
+    scores hint + completion as one answer, as in the paper.
+
+    Paper: "Staying in the Sweet Spot: Responsive Reasoning Evolution via
+    Capability-Adaptive Hint Scaffolding" (SEELE, arXiv:2509.06923). The paper
+    fits a three-parameter logistic IRT model; we fit only the difficulty with
+    a fixed shared slope and no guessing floor (one parameter per prompt, from a
+    handful of observations per prompt): our choice.
 
     Args:
         target: accuracy to aim for.
@@ -214,21 +223,43 @@ class SeeleSelector(UniformSelector):
         return {"selector/hint_mean": float(np.mean(h)) if h else 0.0}
 
 
-def make_hint_fn(examples: Sequence[Any], tokenizer: Any, prefix: str = "") -> Any:
-    """``fn(dataset index, fraction) -> token ids`` of a hint for SEELE.
+@dataclass(frozen=True)
+class Hint:
+    """A SEELE hint: ``ids`` (token ids appended after the rendered prompt, opening the
+    assistant turn, carrying no loss) and ``text`` (their text, put in front of the
+    completion when it is scored, so the verifier judges hint + completion as one answer)."""
 
-    The hint is the first ``fraction`` of the example's reference solution
-    (``example.meta['solution']``, else ``str(example.answer)``), cut at a
-    character boundary, preceded by ``prefix``; tokens are appended after the
-    rendered prompt (so they open the assistant turn and carry no loss).
+    ids: List[int]
+    text: str
+
+
+def make_hint_fn(examples: Sequence[Any], tokenizer: Any, solution: Optional[Callable[[Any], str]] = None) -> Callable[[int, float], Hint]:
+    """``fn(dataset index, fraction) -> Hint``: the first ``fraction`` of a worked solution.
+
+    Args:
+        examples: the training examples (indexed by dataset index).
+        tokenizer: the policy's tokenizer.
+        solution: ``fn(example) -> worked solution text`` (the task's
+            :meth:`rlpost.tasks.base.Task.reference_solution`); default
+            ``example.meta['solution']`` else ``str(example.answer)``.
+
+    The prefix is cut at a character boundary (``round(len * fraction)``
+    characters; an empty hint for 0). SEELE (arXiv:2509.06923) scores the model's
+    continuation together with the hint, so :func:`rlpost.samplers.driver.collect_rollouts`
+    prepends :attr:`Hint.text` to each completion before scoring.
     """
 
-    def fn(i: int, fraction: float) -> List[int]:
-        ex = examples[int(i)]
-        sol = str((getattr(ex, "meta", {}) or {}).get("solution") or ex.answer)
+    def default_solution(ex: Any) -> str:
+        return str((getattr(ex, "meta", {}) or {}).get("solution") or ex.answer)
+
+    sol_of = solution or default_solution
+
+    def fn(i: int, fraction: float) -> Hint:
+        sol = sol_of(examples[int(i)])
         k = int(round(len(sol) * max(0.0, min(1.0, fraction))))
         if k <= 0:
-            return []
-        return list(tokenizer.encode(prefix + sol[:k], add_special_tokens=False))
+            return Hint([], "")
+        text = sol[:k]
+        return Hint(list(tokenizer.encode(text, add_special_tokens=False)), text)
 
     return fn

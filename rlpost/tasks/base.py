@@ -93,6 +93,15 @@ class Task(ABC):
         """
         return Example(index=example.index, question=example.question, answer=answer, meta=dict(example.meta))
 
+    def reference_solution(self, example: Example) -> str:
+        """A worked solution of ``example`` ending in its answer (SEELE's hints are prefixes of it).
+
+        ``example.meta['solution']`` when the data carries one, else the bare
+        gold answer. Subclasses that can write a worked solution override this.
+        """
+        sol = (example.meta or {}).get("solution")
+        return str(sol) if sol else str(example.answer)
+
     def user_message(self, example: Example) -> str:
         """The user turn: question plus the answer-format instruction.
 

@@ -241,7 +241,9 @@ class FileTask(Task):
                     f"{where}: row {i} field {self.cfg.answer_field!r} = {str(raw)[-80:]!r} has no gold answer in "
                     f"gold_format={self.gold_format!r}; set task.gold_format (raw, gsm8k, boxed, auto)"
                 )
-            meta = {k: v for k, v in row.items() if k in ("id", "url", "level", "type", "subject", "unique_id")}
+            meta = {k: v for k, v in row.items() if k in ("id", "url", "level", "type", "subject", "unique_id", "solution")}
+            if "solution" not in meta and self.gold_format == "gsm8k" and isinstance(raw, str):
+                meta["solution"] = raw  # GSM8K's answer field is the worked solution ending "#### <answer>"
             out.append(Example(index=i, question=str(q), answer=gold, meta=meta))
         return out
 

@@ -34,7 +34,9 @@ class ReasoningGymTask(Task):
         import reasoning_gym
 
         self._rg = reasoning_gym
-        params = dict(cfg.params or {})
+        params = _plain(cfg.params or {})
+        if cfg.dataset == "composite":
+            params["datasets"] = _dataset_specs(params.get("datasets"))
         # reasoning-gym seeds item i with (seed + i), so datasets built from nearby
         # seeds overlap. Draw one pool, keep distinct questions, and hold out the
         # first eval_size of them: the splits are disjoint by construction.
@@ -59,7 +61,9 @@ class ReasoningGymTask(Task):
         self._train_examples = [self._example(i, e) for i, e in enumerate(rest)]
 
     def _example(self, i: int, entry: dict) -> Example:
-        return Example(index=i, question=entry["question"], answer=entry["answer"], meta={"entry": entry})
+        # the domain of an item is its source dataset (what selector=domain_mixture balances)
+        domain = (entry.get("metadata") or {}).get("source_dataset", self.cfg.dataset)
+        return Example(index=i, question=entry["question"], answer=entry["answer"], meta={"entry": entry, "domain": domain})
 
     def train_examples(self) -> List[Example]:
         """Training split (up to ``train_size`` distinct questions)."""
@@ -79,6 +83,17 @@ class ReasoningGymTask(Task):
         entry["answer"] = answer
         return Example(index=example.index, question=example.question, answer=answer, meta={**example.meta, "entry": entry})
 
+    def reference_solution(self, example: Example) -> str:
+        """A worked solution: ``"<expression> = <answer>"`` for datasets whose entries carry the
+        expression (``basic_arithmetic``, ``chain_sum``, ...), the format the default task's
+        system prompt asks for; else the entry's ``metadata['solution']``; else the bare answer.
+        """
+        entry = example.meta.get("entry") or {}
+        md = entry.get("metadata") or {}
+        if md.get("expression"):
+            return f"{md['expression']} = {example.answer}"
+        return str(md.get("solution") or example.answer)
+
     def score(self, response: str, example: Example) -> float:
         """The dataset's own ``score_answer`` on the extracted answer (0 when none).
 
@@ -93,3 +108,34 @@ class ReasoningGymTask(Task):
         if reward_cfg is not None and getattr(reward_cfg, "binarize", False):
             return 1.0 if s >= 1.0 else 0.0
         return s
+
+
+def _plain(params: Any) -> dict:
+    """``task.params`` as plain Python containers (OmegaConf nodes converted)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return dict(OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else params)
+
+
+def _dataset_specs(datasets: Any) -> list:
+    """reasoning-gym ``DatasetSpec`` objects from ``task.params.datasets`` of a composite task.
+
+    Each item is ``{name, weight, config}`` (config optional). The domain of an
+    item is its dataset's name.
+
+    Raises:
+        ConfigError: missing or malformed list.
+    """
+    from reasoning_gym.composite import DatasetSpec
+
+    if not datasets or not isinstance(datasets, list):
+        raise ConfigError(
+            "task.dataset=composite needs task.params.datasets: a list of {name, weight, config}, e.g. "
+            "[{name: basic_arithmetic, weight: 1, config: {}}, {name: chain_sum, weight: 1, config: {}}]"
+        )
+    out = []
+    for k, d in enumerate(datasets):
+        if not isinstance(d, dict) or "name" not in d:
+            raise ConfigError(f"task.params.datasets[{k}] = {d!r} needs a 'name' (and optional 'weight', 'config')")
+        out.append(DatasetSpec(name=str(d["name"]), weight=float(d.get("weight", 1.0)), config=dict(d.get("config") or {})))
+    return out
