@@ -141,7 +141,7 @@ def fit_irt_difficulty(h: Sequence[float], acc: Sequence[float], n: Sequence[flo
 
 @SELECTORS.register(
     "seele",
-    paper="SEELE: hint-length control by item response theory for RLVR (seed entry 9)",
+    paper="Staying in the Sweet Spot: Responsive Reasoning Evolution via Capability-Adaptive Hint Scaffolding (SEELE, arXiv:2509.06923)",
     description="Uniform prompts, each with a hint (prefix of its reference solution) sized by a per-prompt IRT fit to hit a target accuracy.",
 )
 class SeeleSelector(UniformSelector):
