@@ -238,6 +238,9 @@ def test_domain_mixture_keeps_effective_ratio_on_target():
     c = stream(sel, p, 40, n=4)
     assert c[:20].sum() > 1.5 * c[20:].sum()  # over-sample the low-signal domain
     assert sel.realised["a"] == pytest.approx(0.5, abs=0.2)
+    m = sel.metrics()
+    assert m["selector/quota_a"] + m["selector/quota_b"] == 10 and m["selector/quota_a"] > m["selector/quota_b"]
+    assert m["selector/effective_a"] < m["selector/effective_b"]
 
 
 def test_seele_irt_fit_and_hint_rule():

@@ -101,8 +101,13 @@ class DomainMixtureSelector(Selector):
             for d in self.by_domain:
                 self.realised[d] = self.ema * self.realised.get(d, self.targets.get(d, 0)) + (1 - self.ema) * e.get(d, 0) / tot
 
-    def metrics(self) -> Dict[str, float]:  # noqa: D102
-        return {f"selector/realised_{d}": v for d, v in self.realised.items()}
+    def metrics(self) -> Dict[str, float]:
+        """``selector/realised_<d>`` (EMA share of effective groups), ``selector/effective_<d>``
+        (EMA effective share within the domain) and ``selector/quota_<d>`` (next step's prompts)."""
+        out = {f"selector/realised_{d}": v for d, v in self.realised.items()}
+        out.update({f"selector/effective_{d}": v for d, v in self.eff.items()})
+        out.update({f"selector/quota_{d}": float(q) for d, q in self.quotas().items()})
+        return out
 
     def state_dict(self) -> Dict[str, Any]:  # noqa: D102
         return {**super().state_dict(), "eff": dict(self.eff), "realised": dict(self.realised), "labels": list(self.labels)}
