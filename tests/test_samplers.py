@@ -209,3 +209,49 @@ def test_reward_samplers_need_a_scorer():
 def test_group_reward_stats():
     cnt, mean, var = group_reward_stats(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]), 2)
     assert cnt.tolist() == [2, 2] and mean.tolist() == [0.5, 1.0] and var.tolist() == [0.25, 0.0]
+
+
+class EchoEngine(FakeEngine):
+    """FakeEngine whose second response token names the prompt: token ``10 + prompt[0] % 6``
+    (letters g..l, which the random tokens 4..9 = a..f never produce)."""
+
+    def generate(self, prompts, params):
+        g = super().generate(prompts, params)
+        for b, pr in enumerate(prompts):
+            if int(g.response_mask[b].sum()) >= 2:
+                g.response_ids[b, 1] = 10 + int(pr[0]) % 6
+        g.texts = [self.tokenizer.decode(r[m > 0].tolist()) for r, m in zip(g.response_ids, g.response_mask)]
+        return g
+
+
+@pytest.mark.parametrize(
+    "name,kw",
+    [("group", {}), ("vigor", {"n_init": 2, "increment": 2}), ("dars", {}), ("pilot_commit", {}),
+     ("ar3po", {"n_stage": 2}), ("tree", {"n_roots": 2, "entropy": "surprisal"})],
+)
+def test_every_row_keeps_its_prompt_reward_and_text_through_the_driver(name, kw):
+    # multi-round samplers merge several engine calls: after the merge, each row's reward must
+    # be the verifier's score of that row's own text, and its prompt the one that produced it
+    from rlpost.samplers.driver import collect_rollouts
+    from rlpost.selectors import SELECTORS
+
+    p = {100 + i: q for i, q in enumerate([0.0, 0.3, 0.5, 0.8, 1.0, 0.5])}
+    eng = EchoEngine(p)
+    sel = SELECTORS.get("uniform")(6, 6, seed=0)
+    scored = []
+
+    def score(idx, texts):
+        scored.append(len(texts))
+        return [correct(t) for t in texts]
+
+    for step in range(3):
+        out = collect_rollouts(sel, make(name, 4, **kw), eng, PARAMS, step=step, encode=lambda i: [100 + i, 7], score=score)
+        g = out.result.generation
+        assert out.rewards.tolist() == [correct(t) for t in g.texts]
+        # a text (tree: root prefix + branch suffix) holds only the echo letter of its own prompt
+        echoes = [(set(t) & set("ghijkl"), chr(ord("g") + (100 + int(i)) % 6)) for i, t in zip(out.row_prompt_index, g.texts)]
+        assert all(found <= {want} for found, want in echoes) and any(found for found, _ in echoes)
+        for r in range(g.response_ids.shape[0]):  # prompt rows start with the prompt they are labelled with
+            assert int(g.prompt_ids[r][g.prompt_mask[r] > 0][0]) == 100 + int(out.row_prompt_index[r])
+        assert out.metrics["rollout/spent"] >= len(set(out.result.group_index.tolist()))
+        out.update_selector(sel)
