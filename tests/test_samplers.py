@@ -37,6 +37,11 @@ def test_apportion_sums_and_caps():
     assert sum(apportion([0.3, 0.3, 0.4], 7)) == 7
     assert apportion([1, 100], 10, cap=[10, 3]) == [7, 3]
     assert apportion([0, 0], 5) == [0, 0]
+    # largest remainder: shares 1.64 / 2.36 round to 2 / 2 (the larger weight does not take the leftover)
+    assert apportion([1 / 0.6, 1 / 0.42], 4) == [2, 2]
+    assert apportion([0.5, 0.3, 0.2], 4) == [2, 1, 1]  # 2.0 / 1.2 / 0.8
+    assert apportion([1, 1, 1], 2) == [1, 1, 0]  # ties go to the lower index
+    assert apportion([5, 1, 1], 9, cap=[2, 10, 10]) == [2, 4, 3]
 
 
 def test_vigor_tops_up_high_variance_prompts_within_budget():

@@ -46,6 +46,7 @@ def test_composite_task_labels_domains_for_domain_mixture(compose):
     sel = SELECTORS.get("domain_mixture")(len(ex), 8, seed=0)
     sel.attach(examples=ex)
     assert sel.quotas() == {"basic_arithmetic": 4, "chain_sum": 4}
+    assert set(sel.eff) == {"basic_arithmetic", "chain_sum"}  # no placeholder domain left from before attach
     picked = sel.select(0)
     assert sorted(ex[i].meta["domain"] for i in picked) == ["basic_arithmetic"] * 4 + ["chain_sum"] * 4
     with pytest.raises(ConfigError, match="task.params.datasets"):

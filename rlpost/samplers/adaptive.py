@@ -53,11 +53,16 @@ def apportion(weights: Sequence[float], total: int, cap: Optional[Sequence[int]]
         share = np.where(free, w, 0.0)
         share = share / share.sum() * left
         add = np.minimum(np.floor(share).astype(np.int64), capv - out)
-        if add.sum() == 0:  # hand out one unit to the largest remainder
-            j = int(np.argmax(np.where(free, share, -1.0)))
-            add[j] = 1
         out += add
         left -= int(add.sum())
+        # the units the floors left go one each to the largest fractional remainders
+        # (ties: lower index); units a cap refuses are handed out in the next pass
+        rem = np.where(free & (out < capv), share - np.floor(share), -1.0)
+        for j in np.argsort(-rem, kind="stable"):
+            if left == 0 or rem[j] < 0:
+                break
+            out[j] += 1
+            left -= 1
     return out.tolist()
 
 

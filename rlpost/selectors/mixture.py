@@ -63,8 +63,9 @@ class DomainMixtureSelector(Selector):
         t = {d: float(self.targets_cfg.get(d, 0.0 if self.targets_cfg else 1.0)) for d in names}
         tot = sum(t.values()) or 1.0
         self.targets = {d: v / tot for d, v in t.items()}
-        for d in names:
-            self.eff.setdefault(d, 1.0)
+        # domains that no longer exist (the placeholder 'default' before attach) are dropped
+        self.eff = {d: self.eff.get(d, 1.0) for d in names}
+        self.realised = {d: v for d, v in getattr(self, "realised", {}).items() if d in self.by_domain}
 
     def attach(self, **resources: Any) -> None:  # noqa: D102 - takes examples
         ex = resources.get("examples")
