@@ -151,6 +151,13 @@ def test_tree_branches_share_prefix_and_carry_loss_only_on_suffix():
         assert pre[1] in sevens
 
 
+def test_tree_default_roots():
+    from rlpost.samplers.tree import default_roots
+
+    assert [default_roots(n) for n in (2, 3, 4, 8, 12, 16)] == [1, 1, 2, 2, 3, 4]
+    assert make("tree", 4).n_roots == 2 and make("tree", 4, n_roots=1).n_roots == 1
+
+
 def test_tree_prunes_branches_identical_to_root():
     eng = FakeEngine({1: 1.0}, resp_len=4)
     s = make("tree", 4, n_roots=1, entropy="surprisal", prune_lookahead=1)

@@ -68,6 +68,19 @@ def _decode(engine: Any, ids: List[int], fallback: str) -> str:
     return tok.decode(ids, skip_special_tokens=True)
 
 
+def default_roots(n_samples: int) -> int:
+    """Roots per prompt when ``n_roots`` is not given: ``n_samples // 4``, at least 2 once
+    ``n_samples >= 4`` (else 1).
+
+    Our choice, from a measurement: with 4 rollouts per prompt and a single root, every
+    branch inherits the root's opening tokens (forks fell ~17 tokens deep on the real
+    model), so groups almost never differ in reward (95% zero-variance, held-out 41% after
+    20 GRPO steps); two roots gave 79% zero-variance and 65% (uniform group sampling: 74%).
+    """
+    n = int(n_samples)
+    return max(2, n // 4) if n >= 4 else 1
+
+
 @SAMPLERS.register(
     "tree",
     paper="LATR: Lookahead Tree-Based Rollouts (seed entries 108/209); DATPO sentence-entropy tree rollouts (seed entry 18)",
@@ -92,7 +105,8 @@ class TreeSampler(Sampler):
 
     Args:
         n_samples: rows per prompt before pruning (roots + branches).
-        n_roots: roots per prompt (default ``max(1, n_samples // 4)``).
+        n_roots: roots per prompt (default :func:`default_roots`: ``n_samples // 4``,
+            at least 2 when ``n_samples >= 4``).
         fork_unit: ``token`` | ``sentence``.
         min_prefix: earliest fork position (tokens of shared prefix).
         prune_lookahead: L of the pruning rule (0 = off).
@@ -112,7 +126,7 @@ class TreeSampler(Sampler):
         entropy: str = "model",
     ) -> None:
         super().__init__(n_samples)
-        self.n_roots = int(n_roots) if n_roots else max(1, n_samples // 4)
+        self.n_roots = int(n_roots) if n_roots else default_roots(n_samples)
         if self.n_roots >= n_samples and n_samples > 1:
             raise ValueError("tree: n_roots must be smaller than n_samples (the rest are branches)")
         if fork_unit not in ("token", "sentence"):
