@@ -160,6 +160,7 @@ class Run:
         from rlpost.rewards import RewardFunction
         from rlpost.rollout import build_engine
         from rlpost.samplers import build_sampler
+        from rlpost.samplers.base import check_allocation
         from rlpost.selectors import build_selector
         from rlpost.tasks import build_task
 
@@ -172,12 +173,14 @@ class Run:
         self.task = build_task(cfg.task)
         self.train_examples = self.task.train_examples()
         self.eval_examples = self.task.eval_examples()
-        self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
-        self.trainer = self._build_trainer()
-        self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        # selector and sampler first: their config errors stop the run before the model loads
         self.selector = build_selector(cfg.selector, len(self.train_examples), cfg.seed, cfg.algo.n_samples_per_prompt)
         self.selector.attach(examples=self.train_examples, prompt_entropy=self.prompt_entropy)
         self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
+        check_allocation(self.selector, self.sampler, cfg.selector.name, cfg.sampler.name)
+        self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
+        self.trainer = self._build_trainer()
+        self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens)
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None

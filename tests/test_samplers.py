@@ -267,3 +267,34 @@ def test_every_row_keeps_its_prompt_reward_and_text_through_the_driver(name, kw)
             assert int(g.prompt_ids[r][g.prompt_mask[r] > 0][0]) == 100 + int(out.row_prompt_index[r])
         assert out.metrics["rollout/spent"] >= len(set(out.result.group_index.tolist()))
         out.update_selector(sel)
+
+
+def test_sampler_params_and_allocation_are_checked_at_config_time():
+    from types import SimpleNamespace
+
+    from rlpost.errors import ConfigError
+    from rlpost.samplers.base import build_sampler, check_allocation
+    from rlpost.selectors import SELECTORS
+
+    with pytest.raises(ConfigError, match="takes no parameters"):
+        build_sampler(SimpleNamespace(name="group", params={"bogus": 1}), 4)
+    with pytest.raises(ConfigError, match="n_roots=-1 must be >= 1"):
+        build_sampler(SimpleNamespace(name="tree", params={"n_roots": -1}), 4)
+    with pytest.raises(ConfigError, match="n_roots must be smaller"):
+        build_sampler(SimpleNamespace(name="tree", params={"n_roots": 99}), 4)
+    with pytest.raises(ValueError, match="finite"):
+        apportion([float("inf"), 1.0], 4)
+    cures = SELECTORS.get("cures")(8, 2, seed=0, n_samples=4)
+    with pytest.raises(ConfigError, match="sampler=vigor ignores that budget.*sampler=group"):
+        check_allocation(cures, make("vigor", 4), "cures", "vigor")
+    check_allocation(cures, make("group", 4), "cures", "group")  # honours it
+    check_allocation(cures, make("dars", 4), "cures", "dars")
+    check_allocation(SELECTORS.get("cures")(8, 2, seed=0, allocate=False), make("vigor", 4), "cures", "vigor")
+
+
+def test_sampler_metrics_of_several_rounds_average_means_and_sum_counts():
+    from rlpost.samplers.driver import _merge_round_metrics
+
+    m = _merge_round_metrics({"sampler/mean_fork_pos": [20.0, 10.0], "sampler/branches_pruned": [1.0, 2.0],
+                              "sampler/temperature_mean": [1.0, 0.5]})
+    assert m == {"sampler/mean_fork_pos": 15.0, "sampler/branches_pruned": 3.0, "sampler/temperature_mean": 0.75}

@@ -367,3 +367,32 @@ def test_dynamic_filter_falls_back_when_every_round_is_filtered():
     out = collect_rollouts(sel, SAMPLERS.get("group")(4), eng, PARAMS, step=0, encode=enc, score=score)
     assert out.metrics["rollout/filter_exhausted"] == 1.0 and len(out.prompt_indices) == 2
     assert out.metrics["rollout/rounds"] == 3 and out.metrics["rollout/spent"] == 3 * 3 * 4
+
+
+def test_selector_config_errors_and_domain_targets():
+    from types import SimpleNamespace
+
+    from rlpost.errors import ConfigError
+    from rlpost.selectors.base import build_selector
+    from rlpost.tasks.base import Example
+
+    with pytest.raises(ConfigError, match="takes no parameters"):
+        build_selector(SimpleNamespace(name="uniform", params={"foo": 1}, prompts_per_step=2), 8, 0)
+    with pytest.raises(ConfigError, match="target must be in"):
+        build_selector(SimpleNamespace(name="seele", params={"target": 1.5}, prompts_per_step=2), 8, 0)
+    ex = [Example(index=i, question="q", answer="1", meta={"domain": "ab"[i % 2]}) for i in range(8)]
+    sel = SELECTORS.get("domain_mixture")(8, 2, seed=0, targets={"chainsum": 1})
+    with pytest.raises(ConfigError, match=r"\['chainsum'\].*\['a', 'b'\]"):
+        sel.attach(examples=ex)
+    # explicit domains win over the examples' labels
+    sel = SELECTORS.get("domain_mixture")(8, 2, seed=0, domains=["x"] * 4 + ["y"] * 4)
+    sel.attach(examples=ex)
+    assert sel.labels == ["x"] * 4 + ["y"] * 4
+
+
+def test_driver_refuses_an_empty_selection():
+    eng, enc, score = driver_env([0.5] * 4)
+    sel = SELECTORS.get("uniform")(4, 2, seed=0)
+    sel.select = lambda step: []
+    with pytest.raises(ValueError, match="chose no prompts"):
+        collect_rollouts(sel, SAMPLERS.get("group")(2), eng, PARAMS, step=0, encode=enc, score=score)

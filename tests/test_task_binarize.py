@@ -51,3 +51,11 @@ def test_composite_task_labels_domains_for_domain_mixture(compose):
     assert sorted(ex[i].meta["domain"] for i in picked) == ["basic_arithmetic"] * 4 + ["chain_sum"] * 4
     with pytest.raises(ConfigError, match="task.params.datasets"):
         build_task(compose(["task=arithmetic_mix", "task.params.datasets=[]"]).task)
+
+
+def test_composite_errors_name_the_datasets(compose):
+    from rlpost.errors import ConfigError
+    from rlpost.tasks import build_task
+
+    with pytest.raises(ConfigError, match="task.params.datasets of the composite task.*chain_sum \\(weight 0.0"):
+        build_task(compose(["task=arithmetic_mix", "task.params.datasets=[{name:chain_sum,weight:0}]"]).task)

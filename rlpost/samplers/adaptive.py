@@ -39,9 +39,16 @@ def apportion(weights: Sequence[float], total: int, cap: Optional[Sequence[int]]
         cap: optional per-entry maxima; units that do not fit go to the others.
 
     Returns:
-        counts summing to ``min(total, sum(cap))`` (``total`` without caps).
+        counts summing to ``total`` when the entries with positive weight can hold
+        it (their caps allow), else to what they can hold: a zero-weight entry
+        never gets a unit.
+
+    Raises:
+        ValueError: a weight is NaN or infinite.
     """
     w = np.clip(np.asarray(weights, dtype=np.float64), 0, None)
+    if not np.isfinite(w).all():
+        raise ValueError(f"apportion: weights must be finite, got {w.tolist()}")
     n = len(w)
     out = np.zeros(n, dtype=np.int64)
     capv = np.full(n, np.iinfo(np.int64).max) if cap is None else np.asarray(cap, dtype=np.int64)
@@ -179,6 +186,8 @@ class DarsSampler(Sampler):
         extra_per_stage: rollouts per stage for ``fixed``.
         correct_threshold: reward counted as a success.
     """
+
+    uses_rollout_counts = True
 
     def __init__(
         self,

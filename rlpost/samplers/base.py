@@ -210,9 +210,21 @@ def group_reward_stats(rewards: torch.Tensor, group_index: torch.Tensor, n_group
 
 
 class Sampler:
-    """Base class. ``n_samples``: rollouts per prompt (the group size)."""
+    """Base class. ``n_samples``: rollouts per prompt (the group size).
+
+    ``uses_rollout_counts``: whether :meth:`sample` honours a selector's per-prompt
+    rollout budget (``ctx.rollout_counts``, CurES); see :func:`check_allocation`.
+
+    Raises:
+        ValueError: ``n_samples < 1``.
+        TypeError: parameters this sampler does not take.
+    """
+
+    uses_rollout_counts = False
 
     def __init__(self, n_samples: int, **params: Any) -> None:
+        if params:
+            raise TypeError(f"{type(self).__name__} takes no parameters {sorted(params)}")
         if n_samples < 1:
             raise ValueError("n_samples must be >= 1")
         self.n_samples = n_samples
@@ -247,6 +259,8 @@ class GroupSampler(Sampler):
     ``i`` gets that many rollouts instead.
     """
 
+    uses_rollout_counts = True
+
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see base
         return generate_groups(engine, prompts, self.counts(len(prompts), ctx), step_params(params, ctx, 0))
 
@@ -255,8 +269,10 @@ class GroupSampler(Sampler):
 class SingleSampler(GroupSampler):
     """One rollout per prompt, whatever ``algo.n_samples_per_prompt`` says."""
 
+    uses_rollout_counts = False
+
     def __init__(self, n_samples: int = 1, **params: Any) -> None:
-        super().__init__(1)
+        super().__init__(1, **params)
 
     def counts(self, n_prompts, ctx):  # noqa: D102 - always one
         return [1] * n_prompts
@@ -273,5 +289,22 @@ def build_sampler(cfg: Any, n_samples: int) -> Sampler:
     cls = SAMPLERS.get(cfg.name)
     try:
         return cls(n_samples, **dict(cfg.params or {}))
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"sampler={cfg.name}: bad sampler.params {dict(cfg.params or {})}: {e}") from None
+
+
+def check_allocation(selector: Any, sampler: Sampler, selector_name: str, sampler_name: str) -> None:
+    """Refuse a selector that allocates rollouts per prompt with a sampler that would ignore it.
+
+    Raises:
+        ConfigError: ``selector.allocates_rollouts`` (CurES) and the sampler's
+            ``uses_rollout_counts`` is False; the message lists the samplers that honour it.
+    """
+    from rlpost.errors import ConfigError
+
+    if getattr(selector, "allocates_rollouts", False) and not sampler.uses_rollout_counts:
+        ok = [n for n in SAMPLERS.names() if getattr(SAMPLERS.get(n), "uses_rollout_counts", False)]
+        raise ConfigError(
+            f"selector={selector_name} allocates rollouts per prompt, but sampler={sampler_name} ignores that budget; "
+            f"use sampler={' or sampler='.join(ok)}, or set selector.params.allocate=false"
+        )

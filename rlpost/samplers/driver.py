@@ -78,7 +78,7 @@ def collect_rollouts(
     step: int,
     encode: Callable[[int], List[int]],
     score: Optional[Callable[[List[int], List[str]], List[float]]] = None,
-    hint: Optional[Callable[[int, float], List[int]]] = None,
+    hint: Optional[Callable[[int, float], Any]] = None,
     seed: int = 0,
 ) -> StepRollouts:
     """Select prompts and produce the step's scored rollouts.
@@ -111,6 +111,8 @@ def collect_rollouts(
     target = selector.prompts_per_step
     max_rounds = getattr(selector, "max_rounds", 1) if selector.filters_groups else 1
     idx = list(selector.select(step))
+    if not idx:
+        raise ValueError(f"selector {type(selector).__name__} chose no prompts at step {step}; check selector.params")
     skipped_by_selector = int(getattr(selector, "skipped", 0))
     all_idx: List[int] = []
     kept_parts: List[SampleResult] = []
@@ -119,7 +121,7 @@ def collect_rollouts(
     rounds = 0
     n_kept = 0
     dropped = 0
-    smetrics: Dict[str, float] = {}
+    smetrics: Dict[str, List[float]] = {}
     fallback = None
     while idx:
         prompts = [list(encode(i)) for i in idx]
@@ -147,7 +149,7 @@ def collect_rollouts(
         res = sampler.sample(engine, prompts, step_params(params, ctx, 97 * rounds), ctx)
         spent += res.rollouts_spent
         for k, v in res.metrics.items():
-            smetrics[k] = smetrics.get(k, 0.0) + float(v)
+            smetrics.setdefault(k, []).append(float(v))
         pos = res.positions()
         if res.rewards is None and score is not None:
             res.rewards = torch.tensor(score_hinted([int(g) for g in pos], res.generation.texts), dtype=torch.float32)
@@ -198,13 +200,25 @@ def collect_rollouts(
     merged.rollouts_spent = spent
     out = StepRollouts(merged, [all_idx[p] for p in used], merged.rewards, observed)
     out = selector.postprocess(out, step)
-    out.metrics = {**smetrics, **rollout_metrics(out, spent, rounds, skipped_by_selector + dropped + int(smetrics.get("sampler/prompts_skipped", 0)))}
+    merged_metrics = _merge_round_metrics(smetrics)
+    skipped = skipped_by_selector + dropped + int(merged_metrics.get("sampler/prompts_skipped", 0))
+    out.metrics = {**merged_metrics, **rollout_metrics(out, spent, rounds, skipped)}
     if selector.filters_groups:
         out.metrics["rollout/filter_exhausted"] = exhausted
     try:
         out.metrics.update(selector.metrics())
     except Exception:  # pragma: no cover - metrics must never break a step
         pass
+    return out
+
+
+def _merge_round_metrics(per_round: Dict[str, List[float]]) -> Dict[str, float]:
+    """One value per sampler metric over a step's rounds: means, fractions and rates
+    (``mean``/``frac``/``rate``/``avg`` in the name) are averaged, counts summed."""
+    out: Dict[str, float] = {}
+    for k, vs in per_round.items():
+        averaged = any(w in k.rsplit("/", 1)[-1] for w in ("mean", "frac", "rate", "avg"))
+        out[k] = sum(vs) / len(vs) if averaged else sum(vs)
     return out
 
 

@@ -36,6 +36,8 @@ class AdaptiveTemperatureSampler(Sampler):
         entropy_pivot: quantile of log-entropy used as the centre.
     """
 
+    uses_rollout_counts = True
+
     def __init__(self, n_samples: int, tau: float = 0.05, entropy_pivot: float = 0.5) -> None:
         super().__init__(n_samples)
         self.tau = float(tau)

@@ -126,6 +126,8 @@ class TreeSampler(Sampler):
         entropy: str = "model",
     ) -> None:
         super().__init__(n_samples)
+        if n_roots is not None and int(n_roots) < 1:
+            raise ValueError(f"tree: n_roots={n_roots} must be >= 1 (or unset for the default)")
         self.n_roots = int(n_roots) if n_roots else default_roots(n_samples)
         if self.n_roots >= n_samples and n_samples > 1:
             raise ValueError("tree: n_roots must be smaller than n_samples (the rest are branches)")

@@ -168,6 +168,8 @@ class UniformSelector(Selector):
     """Epoch-wise shuffled order without replacement; reshuffles after each pass."""
 
     def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, **params: Any) -> None:
+        if params:
+            raise TypeError(f"{type(self).__name__} takes no parameters {sorted(params)}")
         super().__init__(num_prompts, prompts_per_step, seed)
         self.order: List[int] = []
         self.pos = 0
@@ -212,5 +214,5 @@ def build_selector(cfg: Any, num_prompts: int, seed: int, n_samples: Optional[in
         params.setdefault("n_samples", int(n_samples))
     try:
         return cls(num_prompts, cfg.prompts_per_step, seed, **params)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"selector={cfg.name}: bad selector.params {params}: {e}") from None

@@ -260,6 +260,11 @@ class CuresSelector(BetaSelector):
         self.n_samples, self.allocate = int(n_samples), bool(allocate)
         self.min_rollouts, self.floor, self.decay_rate = int(min_rollouts), float(floor), float(decay)
 
+    @property
+    def allocates_rollouts(self) -> bool:
+        """Whether :meth:`rollout_counts` returns per-prompt budgets (``allocate``)."""
+        return self.allocate
+
     def weights(self) -> np.ndarray:
         """``[N]`` normalised prompt sampling probabilities."""
         m = self.mean

@@ -33,6 +33,9 @@ class DomainMixtureSelector(Selector):
         domains: per-prompt labels (overrides examples).
         ema: smoothing of the per-domain effective share.
         floor: lowest effective share used in the correction.
+
+    Raises:
+        ValueError / ConfigError (at attach): ``targets`` names an unknown domain.
     """
 
     def __init__(
@@ -50,9 +53,10 @@ class DomainMixtureSelector(Selector):
         self.ema, self.floor = float(ema), float(floor)
         self.eff: Dict[str, float] = {}
         self.realised: Dict[str, float] = {}
-        self._set_domains(list(domains) if domains is not None else ["default"] * num_prompts)
+        self.fixed_domains = domains is not None
+        self._set_domains(list(domains) if domains is not None else ["default"] * num_prompts, check=self.fixed_domains)
 
-    def _set_domains(self, labels: List[str]) -> None:
+    def _set_domains(self, labels: List[str], check: bool = True) -> None:
         if len(labels) != self.num_prompts:
             raise ValueError("domain_mixture needs one domain label per prompt")
         self.labels = [str(x) for x in labels]
@@ -60,6 +64,12 @@ class DomainMixtureSelector(Selector):
         for i, d in enumerate(self.labels):
             self.by_domain.setdefault(d, []).append(i)
         names = sorted(self.by_domain)
+        unknown = sorted(set(map(str, self.targets_cfg)) - set(names))
+        if check and unknown:
+            raise ValueError(
+                f"domain_mixture: selector.params.targets names domains {unknown} that the data does not have; "
+                f"its domains are {names}"
+            )
         t = {d: float(self.targets_cfg.get(d, 0.0 if self.targets_cfg else 1.0)) for d in names}
         tot = sum(t.values()) or 1.0
         self.targets = {d: v / tot for d, v in t.items()}
@@ -67,10 +77,20 @@ class DomainMixtureSelector(Selector):
         self.eff = {d: self.eff.get(d, 1.0) for d in names}
         self.realised = {d: v for d, v in getattr(self, "realised", {}).items() if d in self.by_domain}
 
-    def attach(self, **resources: Any) -> None:  # noqa: D102 - takes examples
+    def attach(self, **resources: Any) -> None:
+        """Take the domains from ``examples`` (``meta['domain']``) unless ``domains`` was given.
+
+        Raises:
+            ConfigError: ``targets`` names a domain the examples do not have.
+        """
+        from rlpost.errors import ConfigError
+
         ex = resources.get("examples")
-        if ex is not None and len(ex) == self.num_prompts:
-            self._set_domains([str((getattr(e, "meta", {}) or {}).get("domain", "default")) for e in ex])
+        if ex is not None and len(ex) == self.num_prompts and not self.fixed_domains:
+            try:
+                self._set_domains([str((getattr(e, "meta", {}) or {}).get("domain", "default")) for e in ex])
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def quotas(self) -> Dict[str, int]:
         """Prompts per domain for the next step."""
@@ -104,7 +124,11 @@ class DomainMixtureSelector(Selector):
 
     def metrics(self) -> Dict[str, float]:
         """``selector/realised_<d>`` (EMA share of effective groups), ``selector/effective_<d>``
-        (EMA effective share within the domain) and ``selector/quota_<d>`` (next step's prompts)."""
+        (EMA effective share within the domain) and ``selector/quota_<d>`` (prompts per step).
+
+        The driver reads these before the step's rewards update the selector, so
+        a step logs the quotas it used and the shares from the steps before it.
+        """
         out = {f"selector/realised_{d}": v for d, v in self.realised.items()}
         out.update({f"selector/effective_{d}": v for d, v in self.eff.items()})
         out.update({f"selector/quota_{d}": float(q) for d, q in self.quotas().items()})
@@ -179,6 +203,10 @@ class SeeleSelector(UniformSelector):
         prior_b: prior mean of ``b_x`` (start hint = prior_b + logit(target) / a).
         prior_sd: prior standard deviation of ``b_x``.
         max_hint: largest hint fraction.
+        threshold: reward at or above which a rollout counts as a success.
+
+    Raises:
+        ValueError: ``target`` outside (0, 1).
     """
 
     saved_state = ("obs", "last_hint")

@@ -45,6 +45,13 @@ class ReasoningGymTask(Task):
             self._pool = reasoning_gym.create_dataset(cfg.dataset, size=pool_size, seed=cfg.data_seed, **params)
         except (KeyError, ValueError, TypeError, AssertionError) as e:
             names = ", ".join(sorted(reasoning_gym.factory.DATASETS)[:20])
+            if cfg.dataset == "composite":
+                specs = "; ".join(f"{d.name} (weight {d.weight}, config {d.config})" for d in params["datasets"])
+                raise ConfigError(
+                    f"task.params.datasets of the composite task was refused by reasoning-gym "
+                    f"({type(e).__name__}: {e}); the datasets were: {specs}. Each needs a valid reasoning-gym "
+                    f"name (e.g. {names}, ...), a positive weight and that dataset's own config keys"
+                ) from None
             raise ConfigError(
                 f"task.dataset={cfg.dataset!r} with task.params={params} is not a valid reasoning-gym dataset "
                 f"({type(e).__name__}: {e}). Some valid datasets: {names}, ..."
