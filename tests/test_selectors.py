@@ -253,6 +253,8 @@ def test_seele_irt_fit_and_hint_rule():
     assert h > 0.3
     sel.update([0], [[1.0] * 8])
     assert sel.hint_fractions([0])[0] < h
+    sel.hint_fractions([1, 2])  # unseen prompts: the prior's hint; the metric is this step's mean
+    assert sel.metrics()["selector/hint_mean"] == pytest.approx(0.3)
 
 
 PARAMS = SamplingParams(max_new_tokens=6, seed=3)

@@ -241,6 +241,7 @@ class SeeleSelector(UniformSelector):
 
     def hint_fractions(self, prompt_indices: List[int]) -> Optional[List[float]]:  # noqa: D102 - see class
         out = [self.hint_for(i) for i in prompt_indices]
+        self.step_hints = list(out)
         for i, h in zip(prompt_indices, out):
             self.last_hint[int(i)] = h
         return out
@@ -252,8 +253,9 @@ class SeeleSelector(UniformSelector):
                 continue
             append_history(self.obs, int(i), [self.last_hint.get(int(i), 0.0), success_rate(r, self.threshold), float(len(r))])
 
-    def metrics(self) -> Dict[str, float]:  # noqa: D102
-        h = list(self.last_hint.values())
+    def metrics(self) -> Dict[str, float]:
+        """``selector/hint_mean``: mean hint fraction of this step's prompts (0 before any)."""
+        h = getattr(self, "step_hints", [])
         return {"selector/hint_mean": float(np.mean(h)) if h else 0.0}
 
 
