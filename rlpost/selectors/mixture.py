@@ -75,7 +75,7 @@ class DomainMixtureSelector(Selector):
         self.targets = {d: v / tot for d, v in t.items()}
         # domains that no longer exist (the placeholder 'default' before attach) are dropped
         self.eff = {d: self.eff.get(d, 1.0) for d in names}
-        self.realised = {d: v for d, v in getattr(self, "realised", {}).items() if d in self.by_domain}
+        self.realised = {d: v for d, v in self.realised.items() if d in self.by_domain}
 
     def attach(self, **resources: Any) -> None:
         """Take the domains from ``examples`` (``meta['domain']``) unless ``domains`` was given.
@@ -277,18 +277,16 @@ def make_hint_fn(examples: Sequence[Any], tokenizer: Any, solution: Optional[Cal
         tokenizer: the policy's tokenizer.
         solution: ``fn(example) -> worked solution text`` (the task's
             :meth:`rlpost.tasks.base.Task.reference_solution`); default
-            ``example.meta['solution']`` else ``str(example.answer)``.
+            :func:`rlpost.tasks.base.stored_solution`.
 
     The prefix is cut at a character boundary (``round(len * fraction)``
     characters; an empty hint for 0). SEELE (arXiv:2509.06923) scores the model's
     continuation together with the hint, so :func:`rlpost.samplers.driver.collect_rollouts`
     prepends :attr:`Hint.text` to each completion before scoring.
     """
+    from rlpost.tasks.base import stored_solution
 
-    def default_solution(ex: Any) -> str:
-        return str((getattr(ex, "meta", {}) or {}).get("solution") or ex.answer)
-
-    sol_of = solution or default_solution
+    sol_of = solution or stored_solution
 
     def fn(i: int, fraction: float) -> Hint:
         sol = sol_of(examples[int(i)])

@@ -96,11 +96,10 @@ class Task(ABC):
     def reference_solution(self, example: Example) -> str:
         """A worked solution of ``example`` ending in its answer (SEELE's hints are prefixes of it).
 
-        ``example.meta['solution']`` when the data carries one, else the bare
-        gold answer. Subclasses that can write a worked solution override this.
+        :func:`stored_solution` (the data's own solution, else the bare gold
+        answer). Subclasses that can write a worked solution override this.
         """
-        sol = (example.meta or {}).get("solution")
-        return str(sol) if sol else str(example.answer)
+        return stored_solution(example)
 
     def user_message(self, example: Example) -> str:
         """The user turn: question plus the answer-format instruction.
@@ -126,6 +125,12 @@ class Task(ABC):
             return list(ids)
         text = "\n".join(m["content"] for m in msgs) + "\n"
         return tokenizer(text)["input_ids"]
+
+
+def stored_solution(example: Example) -> str:
+    """``example.meta['solution']`` when the data carries one, else ``str(example.answer)``."""
+    sol = (getattr(example, "meta", None) or {}).get("solution")
+    return str(sol) if sol else str(example.answer)
 
 
 def build_task(cfg: Any) -> Task:
