@@ -100,13 +100,6 @@ class Collected:
     weights_step: int = -1  # RL steps completed by the engine weights of this collect
 
 
-def _row_oldest(token_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` smallest of ``token_values`` ``[B, R]`` over each row's ``mask`` (the row's oldest token; -1 if empty)."""
-    big = torch.iinfo(token_values.dtype).max
-    m = torch.where(mask > 0, token_values, torch.full_like(token_values, big)).min(-1).values
-    return torch.where(m == big, torch.full_like(m, -1), m)
-
-
 def format_graph(cfg: DictConfig) -> str:
     """Human-readable run graph."""
     lines = []
@@ -322,84 +315,61 @@ class Run:
         return self.learn(self.collect(self.step + 1, self.trainer.version, self.step))
 
     def collect(self, step: int, version: int, weights_step: int) -> "Collected":
-        """Producer half of step ``step``: select -> rollout -> reward (and the selector's update).
+        """Producer half of step ``step``: select -> rollout -> score (each rollout once) -> selector update.
+
+        Every producer (the sampler driver, the partial-rollout producer; the
+        async executor calls this method from its thread) returns the same
+        scored :class:`rlpost.samplers.driver.StepRollouts`, scored by one
+        :class:`rlpost.rewards.StepScorer`; the selector learns from exactly the
+        rewards the batch trains on.
 
         Args:
             step: the RL step these rollouts are for (seeds derive from it).
             version: trainer version (optimizer steps) of the engine's weights.
             weights_step: RL steps completed by those weights (staleness unit).
         """
-        cfg = self.cfg
-        t_step = time.perf_counter()
-
-        # select + rollout (selector hints / budgets / refills / replay live in the driver)
+        from rlpost.rewards import StepScorer
         from rlpost.samplers.driver import collect_rollouts
         from rlpost.selectors.mixture import make_hint_fn
 
-        t0 = time.perf_counter()
-
-        def score(indices: List[int], texts: List[str]) -> List[float]:
-            ex = [self.train_examples[int(i)] for i in indices]
-            lens = torch.tensor([len(self.tokenizer(t)["input_ids"]) for t in texts])
-            return self.reward_fn(texts, ex, lens)[0].tolist()
-
+        t_step = time.perf_counter()
+        scorer = StepScorer(self.reward_fn, self.train_examples)
         if self.partial is not None:
-            step_out = self._partial_rollouts(step, version, weights_step, score)
+            out = self._partial_rollouts(step, version, weights_step, scorer)
         else:
-            step_out = collect_rollouts(
-                self.selector, self.sampler, self.engine, self.sampling_params(step), step=step,
-                encode=self.prompt_ids, score=score, hint=make_hint_fn(self.train_examples, self.tokenizer, self.task.reference_solution),
-                seed=step_seed(cfg.seed, step, "sampler"),
+            out = collect_rollouts(
+                self.selector, self.sampler, self.engine, self.sampling_params(step), step=step, encode=self.prompt_ids,
+                score=scorer, hint=make_hint_fn(self.train_examples, self.tokenizer, self.task.reference_solution),
+                seed=step_seed(self.cfg.seed, step, "sampler"),
             )
-        sres = step_out.result
-        gen = sres.generation
-        t_rollout = time.perf_counter() - t0
-        gi = sres.group_index
-        pidx = step_out.row_prompt_index
-        examples = [self.train_examples[int(i)] for i in pidx]
-        extras = {"temperatures": gen.temperatures, "policy_step": torch.full((len(gi),), weights_step), **sres.extras}
-        pversion = torch.full((len(gi),), version, dtype=torch.long)
-        if "token_version" in extras:  # partial rollouts: a row is as old as its oldest token
-            pversion = _row_oldest(extras["token_version"], gen.response_mask)
-        batch = RolloutBatch(
-            prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
-            response_mask=gen.response_mask, rollout_logprobs=gen.rollout_logprobs, group_index=gi,
-            prompt_index=pidx, policy_version=pversion,
-            response_texts=gen.texts, answers=[e.answer for e in examples], meta=[{} for _ in examples],
-            extras=extras,
-        )
+        out.finish(scorer.metrics()).update_selector(self.selector)
+        examples = [self.train_examples[int(i)] for i in out.row_prompt_index]
+        batch = out.to_batch([e.answer for e in examples], version, weights_step)
+        t_rollout = time.perf_counter() - t_step - scorer.seconds
+        return Collected(step, batch, examples, out.group_rewards(), out.reward_metrics, out, t_step, t_rollout,
+                         scorer.seconds, weights_step)
 
-        # reward
-        t0 = time.perf_counter()
-        lengths = batch.response_mask.sum(-1)
-        rewards, rm = self.reward_fn(gen.texts, examples, lengths)
-        batch.rewards = rewards
-        t_reward = time.perf_counter() - t0
-        n_groups = int(gi.max()) + 1 if len(gi) else 0
-        per_prompt = [[float(x) for x in rewards[gi == g]] for g in range(n_groups)]
-        step_out.update_selector(self.selector)
-        return Collected(step, batch, examples, per_prompt, rm, step_out, t_step, t_rollout, t_reward, weights_step)
-
-    def _partial_rollouts(self, step: int, version: int, weights_step: int, score) -> Any:
+    def _partial_rollouts(self, step: int, version: int, weights_step: int, score: Any) -> Any:
         """The step's rollouts through the partial-rollout producer (APRIL arXiv:2509.18521; CoPRIS).
 
         Returns the same :class:`rlpost.samplers.driver.StepRollouts` as
         :func:`rlpost.samplers.driver.collect_rollouts` (rows grouped by prompt,
-        compact group ids, rewards scored the same way, the same ``rollout/...``
-        metrics) plus ``partial/...`` metrics and, in ``result.extras``, the
-        per-token ``token_version`` / ``token_policy_step`` ``[B, R]`` (-1 on
-        padding) and the per-row ``policy_step`` of the oldest token ``[B]``.
-        The stitched per-token behaviour log-probs become ``rollout_logprobs``.
+        compact group ids, every row scored once by ``score`` with its generated
+        token count, the same ``rollout/...`` metrics) plus ``partial/...``
+        metrics and, in ``result.extras``, the per-token ``token_version`` /
+        ``token_policy_step`` ``[B, R]`` (-1 on padding) and the per-row
+        ``policy_step`` of the oldest token ``[B]``. The stitched per-token
+        behaviour log-probs become ``rollout_logprobs``.
         """
         from rlpost.rollout.base import GenerationResult
-        from rlpost.samplers.base import SampleResult
-        from rlpost.samplers.driver import StepRollouts, rollout_metrics
+        from rlpost.samplers.base import SampleResult, SamplerContext, score_rows
+        from rlpost.samplers.driver import StepRollouts, rollout_metrics, row_oldest
 
         skipped = [0]
 
         def select() -> List[int]:
             out = list(self.selector.select(step))
-            skipped[0] += int(getattr(self.selector, "skipped", 0))
+            skipped[0] += int(self.selector.skipped)
             return out
 
         ps = self.partial.produce(int(self.cfg.selector.prompts_per_step), select, self.prompt_ids, self.engine,
@@ -414,10 +384,12 @@ class Run:
         temps = sb.temperatures if sb.temperatures is not None else float(self.cfg.rollout.temperature) * sb.response_mask
         gen = GenerationResult(sb.prompt_ids, sb.prompt_mask, sb.response_ids, sb.response_mask, sb.rollout_logprobs,
                                temps, sb.finished, texts)
-        rewards = torch.tensor(score(ps.prompt_index, texts), dtype=torch.float32)
         extras = {"token_version": sb.token_version, "token_policy_step": ps.token_step,
-                  "policy_step": _row_oldest(ps.token_step, sb.response_mask)}
-        res = SampleResult(gen, gi, ps.new_groups * self.partial.group_size, extras, {}, rewards)
+                  "policy_step": row_oldest(ps.token_step, sb.response_mask)}
+        res = SampleResult(gen, gi, ps.new_groups * self.partial.group_size, extras, {})
+        # rows are positions in prompt_indices (one group per prompt position)
+        score_rows(SamplerContext(score=lambda rows, t, n: score([prompt_indices[r] for r in rows], t, n)), res)
+        rewards = res.rewards
         observed = [(prompt_indices[g], rewards[gi == g].tolist()) for g in range(len(gmap))]
         out = StepRollouts(res, prompt_indices, rewards, observed)
         out.metrics = {**rollout_metrics(out, res.rollouts_spent, ps.rounds, skipped[0]), **ps.metrics}

@@ -6,7 +6,8 @@ import pytest
 from fake_engine import FakeEngine, correct
 from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS, SamplerContext
-from rlpost.samplers.adaptive import DarsSampler, PilotCommitSampler, apportion
+from rlpost.apportion import apportion
+from rlpost.samplers.adaptive import DarsSampler, PilotCommitSampler
 from rlpost.samplers.base import group_reward_stats
 
 

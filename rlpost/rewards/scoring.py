@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,33 +30,100 @@ def _score_one(args: Tuple[str, Any]) -> Tuple[str, float, bool]:
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
-    """DAPO's soft overlong punishment (arXiv:2503.14476, Eq. 13).
+    """DAPO's soft overlong punishment (DAPO: An Open-Source LLM Reinforcement Learning System at
+    Scale, arXiv:2503.14476, Eq. 13): the only implementation in rlpost.
 
-    0 for ``len <= max_len - buffer``; ``-penalty * (len - (max_len - buffer)) / buffer``
-    inside the buffer window; ``-penalty`` beyond ``max_len``.
+    With ``L_max = max_len`` and ``L_cache = buffer`` (both in tokens): 0 when
+    ``L <= L_max - L_cache``; ``((L_max - L_cache) - L) / L_cache * penalty``
+    (linear from 0 down to ``-penalty``) inside the window; ``-penalty`` beyond
+    ``L_max``. The paper's setting is ``L_max = 20480``, ``L_cache = 4096``: the
+    last 20% of the response budget (:func:`resolve_overlong_buffer` turns a
+    fraction into tokens).
 
     Args:
-        lengths: ``[B]`` response lengths in tokens.
-        max_len: the generation limit; buffer: window width (> 0).
+        lengths: ``[B]`` response lengths in generated tokens.
+        max_len: the generation limit ``L_max`` (``rollout.max_new_tokens``).
+        buffer: the window ``L_cache`` in tokens; ``<= 0`` turns the penalty off.
+        penalty: magnitude at the limit (the paper uses 1).
     Returns:
-        ``[B]`` float penalties (<= 0).
+        ``[B]`` float32 penalties (<= 0).
+    Raises:
+        ValueError: ``buffer > max_len``.
     """
     if buffer <= 0:
         return torch.zeros(lengths.shape, dtype=torch.float32)
+    if buffer > max_len:
+        raise ValueError(f"overlong buffer must be in (0, max_len={max_len}] tokens, got {buffer}")
     start = max_len - buffer
     over = (lengths.float() - start).clamp(min=0.0)
     return -penalty * torch.clamp(over / buffer, max=1.0)
 
 
+def resolve_overlong_buffer(buffer: float, max_len: int) -> int:
+    """The overlong window in tokens: ``buffer >= 1`` is tokens, ``0 < buffer < 1`` a share of ``max_len``.
+
+    DAPO (arXiv:2503.14476) punishes the last 4096 of 20480 tokens, i.e. a
+    share of 0.2; the share is rounded to the nearest token, at least 1.
+
+    Raises:
+        ValueError: a negative buffer, a whole-token buffer that is not an
+            integer, or a share without ``max_len``.
+    """
+    b = float(buffer or 0)
+    if b < 0:
+        raise ValueError(f"overlong buffer must be >= 0, got {buffer}")
+    if b == 0:
+        return 0
+    if b < 1:
+        if max_len <= 0:
+            raise ValueError(f"an overlong buffer given as a share ({buffer}) needs max_len (rollout.max_new_tokens)")
+        return max(1, int(round(b * max_len)))
+    if b != int(b):
+        raise ValueError(f"an overlong buffer >= 1 is a token count and must be an integer, got {buffer}")
+    return int(b)
+
+
+#: reward components, in the order they are summed (:meth:`RewardFunction.score`)
+REWARD_COMPONENTS = ("correct", "format", "overlong", "length")
+
+
+@dataclass
+class Rewards:
+    """Scored responses: the total reward and its parts.
+
+    Attributes:
+        total: ``[B]`` float32 reward that training and selectors use:
+            ``correct + format + overlong + length``.
+        components: ``{"correct", "format", "overlong", "length"} -> [B]`` float32
+            (format, overlong and length already weighted / signed).
+        metrics: ``reward/...`` values of this call (means, verifier failure counts).
+        format_ok: ``[B]`` float32 1/0 format flags (monitoring; their weighted
+            share is the ``format`` component), or None.
+    """
+
+    total: torch.Tensor
+    components: Dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: Dict[str, float] = field(default_factory=dict)
+    format_ok: Optional[torch.Tensor] = None
+
+
 class RewardFunction:
-    """Scores batches of responses for one task.
+    """Scores batches of responses for one task: the one owner of every reward term.
+
+    Correctness (the task's verifier), the format bonus, DAPO's soft overlong
+    punishment and the per-token length penalty are all computed here, from
+    the responses' generated token counts; nothing downstream reshapes rewards.
 
     Args:
         task: a :class:`rlpost.tasks.Task` (its ``score`` may raise or hang).
         timeout_s: time allowed per response.
         format_weight: weight of ``task.format_ok`` added to correctness.
-        overlong_buffer, overlong_penalty, max_len: DAPO soft overlong shaping.
-        length_penalty: subtracted per response token.
+        overlong_buffer: DAPO's window ``L_cache``: tokens when >= 1, a share of
+            ``max_len`` when in (0, 1) (DAPO, arXiv:2503.14476: 4096 of 20480 = 0.2);
+            0 = off. Resolved to tokens at construction (``self.overlong_buffer``).
+        overlong_penalty: DAPO's penalty at the limit (the paper: 1).
+        max_len: the generation limit ``L_max`` in tokens (``rollout.max_new_tokens``).
+        length_penalty: subtracted per generated response token.
         isolate: run the verifier in a worker process (True) or in-process
             (False: no hang protection, for debugging).
         majority_vote: TTRL pseudo-labels (Zuo et al., "TTRL: Test-Time
@@ -64,7 +132,16 @@ class RewardFunction:
             (``task.answer_key``); the most frequent answer becomes the label and
             each response is scored against it by the task's verifier. Gold
             answers are only used for the monitoring metrics
-            ``reward/ttrl_label_accuracy`` and ``reward/gold_correct_mean``.
+            ``reward/ttrl_label_accuracy`` and ``reward/gold_correct_mean``
+            (a second verifier call per response).
+
+    Attributes:
+        verifier_calls: responses handed to the verifier so far (a counter for
+            tests and ``reward/verifier_calls``).
+
+    Raises:
+        ValueError: a bad overlong buffer (:func:`resolve_overlong_buffer`, or
+            larger than ``max_len``).
     """
 
     def __init__(
@@ -72,7 +149,7 @@ class RewardFunction:
         task: Any,
         timeout_s: float = 5.0,
         format_weight: float = 0.0,
-        overlong_buffer: int = 0,
+        overlong_buffer: float = 0,
         overlong_penalty: float = 1.0,
         max_len: int = 0,
         length_penalty: float = 0.0,
@@ -82,16 +159,19 @@ class RewardFunction:
         self.task = task
         self.timeout_s = float(timeout_s)
         self.format_weight = format_weight
-        self.overlong_buffer = overlong_buffer
+        self.overlong_buffer = resolve_overlong_buffer(overlong_buffer, max_len)
+        if self.overlong_buffer > 0 and max_len > 0 and self.overlong_buffer > max_len:
+            raise ValueError(f"overlong buffer {self.overlong_buffer} tokens exceeds max_len={max_len}")
         self.overlong_pen = overlong_penalty
         self.max_len = max_len
         self.length_penalty = length_penalty
         self.isolate = isolate
         self.majority_vote = majority_vote
+        self.verifier_calls = 0
         self._pool: Optional[Any] = None
 
     @classmethod
-    def from_config(cls, task: Any, reward_cfg: Any, max_len: int = 0) -> "RewardFunction":
+    def from_config(cls, task: Any, reward_cfg: Any, max_len: int = 0, preset_shaping: Optional[Dict[str, Any]] = None) -> "RewardFunction":
         """Build from a ``task.reward`` node (:class:`rlpost.config.schema.RewardConfig`).
 
         Args:
@@ -99,18 +179,39 @@ class RewardFunction:
             reward_cfg: ``cfg.task.reward``.
             max_len: generation limit in tokens (``rollout.max_new_tokens``), the
                 end of DAPO's overlong window.
+            preset_shaping: the overlong shaping an algorithm preset asks for
+                (``overlong_buffer`` / ``overlong_penalty`` of ``algo.adv_params``,
+                e.g. ``algo=dapo``'s share 0.2); applied here, never by the estimator.
+
+        Raises:
+            rlpost.errors.ConfigError: both the task and the preset set an
+                overlong window (the punishment would count twice), or a bad window.
         """
+        from rlpost.errors import ConfigError
+
         g = lambda k, d: getattr(reward_cfg, k, d) if reward_cfg is not None else d  # noqa: E731
-        return cls(
-            task,
-            timeout_s=g("timeout_s", 5.0),
-            format_weight=g("format_weight", 0.0),
-            overlong_buffer=g("overlong_buffer", 0),
-            overlong_penalty=g("overlong_penalty", 1.0),
-            max_len=max_len,
-            length_penalty=g("length_penalty", 0.0),
-            majority_vote=bool(g("majority_vote", False)),
-        )
+        buf, pen = g("overlong_buffer", 0), g("overlong_penalty", 1.0)
+        ps = {k: v for k, v in dict(preset_shaping or {}).items() if k in ("overlong_buffer", "overlong_penalty")}
+        if float(ps.get("overlong_buffer", 0) or 0) > 0:
+            if float(buf or 0) > 0:
+                raise ConfigError(
+                    f"task.reward.overlong_buffer={buf} and algo.adv_params.overlong_buffer={ps['overlong_buffer']} "
+                    f"both ask for DAPO's overlong punishment, which would then count twice. Fix: set one of them to 0.")
+            buf, pen = ps["overlong_buffer"], ps.get("overlong_penalty", 1.0)
+        try:
+            return cls(
+                task,
+                timeout_s=g("timeout_s", 5.0),
+                format_weight=g("format_weight", 0.0),
+                overlong_buffer=buf,
+                overlong_penalty=pen,
+                max_len=max_len,
+                length_penalty=g("length_penalty", 0.0),
+                majority_vote=bool(g("majority_vote", False)),
+            )
+        except ValueError as e:
+            raise ConfigError(f"task.reward: {e}. Fix: an overlong_buffer in (0, 1) (share of rollout.max_new_tokens) "
+                              f"or a whole number of tokens <= rollout.max_new_tokens.") from None
 
     def _ensure_pool(self) -> Any:
         global _WORKER_TASK
@@ -138,6 +239,7 @@ class RewardFunction:
         """
         global _WORKER_TASK
         n = len(responses)
+        self.verifier_calls += n
         scores = [0.0] * n
         fmts = [False] * n
         errors = timeouts = 0
@@ -178,14 +280,23 @@ class RewardFunction:
     def __call__(
         self, responses: Sequence[str], examples: Sequence[Any], lengths: torch.Tensor
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
-        """Shaped rewards ``[B]`` and metrics for a batch.
+        """``(total [B], metrics)`` of :meth:`score` (the same numbers, without the components)."""
+        r = self.score(responses, examples, lengths)
+        return r.total, r.metrics
 
-        ``reward = correctness + format_weight * format_ok + overlong_penalty
+    def score(self, responses: Sequence[str], examples: Sequence[Any], lengths: torch.Tensor) -> Rewards:
+        """Shaped rewards of a batch, with their components.
+
+        ``reward = correctness + format_weight * format_ok + overlong_penalty(length)
         - length_penalty * length``.
 
         Args:
-            responses: decoded responses, examples: their :class:`Example`\\ s,
-            lengths: ``[B]`` response lengths in tokens.
+            responses: decoded responses (what the verifier judges).
+            examples: their :class:`rlpost.tasks.Example`\\ s.
+            lengths: ``[B]`` response lengths in generated tokens (the rollout's
+                response mask summed, plus a tree branch's shared prefix).
+        Returns:
+            :class:`Rewards` (float32 ``[B]`` total and components, ``reward/...`` metrics).
         """
         extra: Dict[str, float] = {}
         if self.majority_vote:
@@ -193,12 +304,16 @@ class RewardFunction:
         else:
             scores, fmts, counts = self.correctness(responses, examples)
         corr = torch.tensor(scores, dtype=torch.float32)
-        fmt = torch.tensor([float(f) for f in fmts])
-        r = corr + self.format_weight * fmt
-        if self.overlong_buffer > 0 and self.max_len > 0:
-            r = r + overlong_penalty(lengths, self.max_len, self.overlong_buffer, self.overlong_pen)
-        if self.length_penalty:
-            r = r - self.length_penalty * lengths.float()
+        fmt = torch.tensor([float(f) for f in fmts], dtype=torch.float32)
+        lengths = torch.as_tensor(lengths).reshape(-1)
+        parts = {
+            "correct": corr,
+            "format": self.format_weight * fmt,
+            "overlong": (overlong_penalty(lengths, self.max_len, self.overlong_buffer, self.overlong_pen)
+                         if self.overlong_buffer > 0 and self.max_len > 0 else torch.zeros(len(corr))),
+            "length": -float(self.length_penalty) * lengths.float() if self.length_penalty else torch.zeros(len(corr)),
+        }
+        total = parts["correct"] + parts["format"] + parts["overlong"] + parts["length"]
         metrics = {
             "reward/correct_mean": float(corr.mean()) if len(corr) else 0.0,
             "reward/format_mean": float(fmt.mean()) if len(fmt) else 0.0,
@@ -206,7 +321,7 @@ class RewardFunction:
             "reward/verifier_timeouts": float(counts["timeouts"]),
             **extra,
         }
-        return r, metrics
+        return Rewards(total.float(), {k: v.float() for k, v in parts.items()}, metrics, fmt)
 
     def _ttrl_correctness(
         self, responses: Sequence[str], examples: Sequence[Any]
@@ -243,3 +358,61 @@ class RewardFunction:
             "reward/gold_correct_mean": float(sum(gold) / len(gold)) if gold else 0.0,
         }
         return scores, fmts, counts, extra
+
+
+class StepScorer:
+    """The one scorer of one step's rollouts (issue: produce and score exactly once).
+
+    Wraps the run's :class:`RewardFunction` with the training examples, so a
+    sampler or producer scores rows by dataset index. Every call scores fresh
+    responses; nothing is ever scored twice, and the totals it returns are the
+    rewards training uses. Per-step metrics are accumulated over calls (a
+    sampler may score several rounds): verifier errors, timeouts and calls are
+    summed, TTRL's label metrics averaged over scored responses.
+
+    Args:
+        reward_fn: the run's :class:`RewardFunction`.
+        examples: the training split (dataset index -> :class:`rlpost.tasks.Example`).
+    """
+
+    def __init__(self, reward_fn: RewardFunction, examples: Sequence[Any]) -> None:
+        self.reward_fn = reward_fn
+        self.examples = examples
+        self.calls = 0
+        self.seconds = 0.0  # wall time spent scoring (``time/reward_s``)
+        self._sums: Dict[str, float] = {}
+        self._n = 0
+
+    def __call__(self, prompt_indices: Sequence[int], texts: Sequence[str], lengths: torch.Tensor) -> Rewards:
+        """Score ``texts[i]`` (answering dataset prompt ``prompt_indices[i]``, ``lengths[i]`` generated tokens).
+
+        Returns:
+            :class:`Rewards` of the call.
+        Raises:
+            ValueError: the three arguments differ in length.
+        """
+        n = len(texts)
+        if len(prompt_indices) != n or int(torch.as_tensor(lengths).numel()) != n:
+            raise ValueError(f"score: {len(prompt_indices)} indices, {n} texts, {torch.as_tensor(lengths).numel()} lengths")
+        if n == 0:
+            z = torch.zeros(0)
+            return Rewards(z, {k: z for k in REWARD_COMPONENTS}, {})
+        before, t0 = self.reward_fn.verifier_calls, time.perf_counter()
+        out = self.reward_fn.score(list(texts), [self.examples[int(i)] for i in prompt_indices], lengths)
+        self.seconds += time.perf_counter() - t0
+        self.calls += self.reward_fn.verifier_calls - before
+        self._n += n
+        for k, v in out.metrics.items():
+            if k in ("reward/verifier_errors", "reward/verifier_timeouts"):
+                self._sums[k] = self._sums.get(k, 0.0) + v
+            elif k.startswith("reward/ttrl_") or k == "reward/gold_correct_mean":
+                self._sums[k] = self._sums.get(k, 0.0) + v * n
+        return out
+
+    def metrics(self) -> Dict[str, float]:
+        """``reward/verifier_calls``, ``reward/verifier_errors``, ``reward/verifier_timeouts`` (sums over
+        the step's calls) and TTRL's label metrics (means over scored responses)."""
+        m = {"reward/verifier_calls": float(self.calls), "reward/verifier_errors": 0.0, "reward/verifier_timeouts": 0.0}
+        for k, v in self._sums.items():
+            m[k] = v if k in m else v / max(1, self._n)
+        return m

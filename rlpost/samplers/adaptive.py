@@ -1,7 +1,8 @@
 """Reward-adaptive samplers: extra rounds of rollouts decided from rewards seen so far.
 
-All of them need :attr:`SamplerContext.score` and return the rewards they saw in
-:attr:`SampleResult.rewards`, so the caller need not score twice. Group sizes
+All of them need :attr:`SamplerContext.score`, score every row they generate
+exactly once (:func:`rlpost.samplers.base.score_rows`) and return those rewards
+in :attr:`SampleResult.rewards`; the driver never scores them again. Group sizes
 become unequal; the group estimators in :mod:`rlpost.algos` handle that through
 ``group_index``.
 """
@@ -14,8 +15,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from rlpost.apportion import apportion
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import (
+    REWARD_EXTRAS,
     SAMPLERS,
     SampleResult,
     Sampler,
@@ -28,49 +31,6 @@ from rlpost.samplers.base import (
     select_rows,
     step_params,
 )
-
-
-def apportion(weights: Sequence[float], total: int, cap: Optional[Sequence[int]] = None) -> List[int]:
-    """Split ``total`` integer units in proportion to ``weights`` (largest remainder).
-
-    Args:
-        weights: non-negative weights; all-zero weights give all-zero counts.
-        total: units to hand out (>= 0).
-        cap: optional per-entry maxima; units that do not fit go to the others.
-
-    Returns:
-        counts summing to ``total`` when the entries with positive weight can hold
-        it (their caps allow), else to what they can hold: a zero-weight entry
-        never gets a unit.
-
-    Raises:
-        ValueError: a weight is NaN or infinite.
-    """
-    w = np.clip(np.asarray(weights, dtype=np.float64), 0, None)
-    if not np.isfinite(w).all():
-        raise ValueError(f"apportion: weights must be finite, got {w.tolist()}")
-    n = len(w)
-    out = np.zeros(n, dtype=np.int64)
-    capv = np.full(n, np.iinfo(np.int64).max) if cap is None else np.asarray(cap, dtype=np.int64)
-    left = int(total)
-    while left > 0:
-        free = (out < capv) & (w > 0)
-        if not free.any():
-            break
-        share = np.where(free, w, 0.0)
-        share = share / share.sum() * left
-        add = np.minimum(np.floor(share).astype(np.int64), capv - out)
-        out += add
-        left -= int(add.sum())
-        # the units the floors left go one each to the largest fractional remainders
-        # (ties: lower index); units a cap refuses are handed out in the next pass
-        rem = np.where(free & (out < capv), share - np.floor(share), -1.0)
-        for j in np.argsort(-rem, kind="stable"):
-            if left == 0 or rem[j] < 0:
-                break
-            out[j] += 1
-            left -= 1
-    return out.tolist()
 
 
 def _binary_counts(rewards: torch.Tensor, gi: torch.Tensor, n: int, thr: float):
@@ -133,7 +93,7 @@ class VigorSampler(Sampler):
         P = len(prompts)
         budget = self.budget_per_prompt * P
         first = generate_groups(engine, prompts, [min(self.n_init, self.budget_per_prompt)] * P, step_params(params, ctx, 0))
-        first.rewards = score_rows(ctx, first.group_index, first.generation.texts)
+        score_rows(ctx, first)
         parts = [first]
         spent = first.rollouts_spent
         rng = np.random.default_rng(ctx.seed + 17)
@@ -151,7 +111,7 @@ class VigorSampler(Sampler):
             extra = generate_groups(
                 engine, [prompts[i] for i in pos], [self.increment] * len(pos), step_params(params, ctx, rounds), pos
             )
-            extra.rewards = score_rows(ctx, extra.group_index, extra.generation.texts)
+            score_rows(ctx, extra)
             parts.append(extra)
             spent += extra.rollouts_spent
         out = merge_results(parts, pad_id_of(engine))
@@ -217,7 +177,7 @@ class DarsSampler(Sampler):
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
         P = len(prompts)
         base = generate_groups(engine, prompts, self.counts(P, ctx), step_params(params, ctx, 0))
-        base.rewards = score_rows(ctx, base.group_index, base.generation.texts)
+        score_rows(ctx, base)
         parts = [base]
         hard_prompts = 0
         for stage in range(1, self.stages + 1):
@@ -241,7 +201,7 @@ class DarsSampler(Sampler):
             if not pos:
                 break
             extra = generate_groups(engine, [prompts[i] for i in pos], add, step_params(params, ctx, stage), pos)
-            extra.rewards = score_rows(ctx, extra.group_index, extra.generation.texts)
+            score_rows(ctx, extra)
             parts.append(extra)
         out = merge_results(parts, pad_id_of(engine))
         out.metrics = {"sampler/hard_prompts": float(hard_prompts)}
@@ -298,7 +258,7 @@ class PilotCommitSampler(Sampler):
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
         P = len(prompts)
         pilot = generate_groups(engine, prompts, [self.pilot_n] * P, step_params(params, ctx, 0))
-        pilot.rewards = score_rows(ctx, pilot.group_index, pilot.generation.texts)
+        score_rows(ctx, pilot)
         cnt, succ = _binary_counts(pilot.rewards, pilot.group_index, P, self.correct_threshold)
         info = self.informativeness(succ, cnt)
         keep = info >= self.skip_threshold
@@ -312,13 +272,14 @@ class PilotCommitSampler(Sampler):
                 generation=select_rows(pilot.generation, rows),
                 group_index=pilot.group_index[rows],
                 rollouts_spent=0,
+                extras={k: v[rows] for k, v in pilot.extras.items()},
                 rewards=pilot.rewards[rows],
             )
             parts.append(kept)
         pos = [i for i in range(P) if add[i] > 0]
         if pos:
             commit = generate_groups(engine, [prompts[i] for i in pos], [add[i] for i in pos], step_params(params, ctx, 1), pos)
-            commit.rewards = score_rows(ctx, commit.group_index, commit.generation.texts)
+            score_rows(ctx, commit)
             spent += commit.rollouts_spent
             parts.append(commit)
         if not parts:  # every prompt skipped: keep the pilot so the step still has a batch
@@ -409,7 +370,7 @@ class Ar3poSampler(Sampler):
                     break
             add = [int(min(self.n_stage, self.n_samples - cur_cnt[i])) for i in active]
             res = generate_groups(engine, [prompts[i] for i in active], add, step_params(params, ctx, stage), active)
-            res.rewards = score_rows(ctx, res.group_index, res.generation.texts)
+            score_rows(ctx, res)
             parts.append(res)
             stage += 1
         out = merge_results(parts, pad)
@@ -430,6 +391,7 @@ class Ar3poSampler(Sampler):
                     "lps": gen.rollout_logprobs[r][m].tolist(),
                     "text": gen.texts[r],
                     "reward": float(rw[r]),
+                    "parts": {k: float(out.extras[k][r]) for k in REWARD_EXTRAS if k in out.extras},
                     "step": int(ctx.step),
                 }
             elif self.reuse and key in self.cache and mine:
@@ -437,7 +399,10 @@ class Ar3poSampler(Sampler):
                 if ctx.step - c["step"] <= self.max_age and c["step"] < ctx.step:
                     r = mine[-1]
                     replace[r] = _cached_row(gen, r, c["ids"], c["lps"], c["text"])
-                    rw[r] = c["reward"]
+                    rw[r] = c["reward"]  # the cached response keeps the reward it was scored with
+                    for k, v in c.get("parts", {}).items():
+                        if k in out.extras:
+                            out.extras[k][r] = v
                     age[r] = float(ctx.step - c["step"])
                     reused += 1
         if replace:

@@ -38,8 +38,9 @@ class SampleResult:
             ``RolloutBatch.extras``.
         metrics: sampler metrics (``sampler/...``).
         rewards: ``[B]`` float rewards when the sampler already scored every row
-            through ``ctx.score`` (callers may reuse them instead of scoring again),
-            else None.
+            through :func:`score_rows` (the driver then never scores them again),
+            else None (the driver scores every row once). A sampler scores all of
+            its rows or none. The reward components sit in ``extras['reward_<part>']``.
         prompt_position: ``[B]`` long position of each row's prompt when
             ``group_index`` is a finer grouping than "same prompt" (3PO's
             per-parameter-sample groups); None means ``group_index`` is it.
@@ -63,10 +64,11 @@ class SamplerContext:
     """What a sampler may use besides the engine.
 
     Attributes:
-        score: ``fn(rows: list[int] prompt positions, texts: list[str]) -> list[float]``
-            rewards of fresh responses, ``rows[i]`` being the position (in the
-            step's prompt list) of the prompt that ``texts[i]`` answers; None when
-            unavailable (samplers that need it raise ``ValueError``).
+        score: ``fn(rows: list[int] prompt positions, texts: list[str], lengths: [n] generated
+            tokens) -> rlpost.rewards.Rewards``: the step's one reward function,
+            ``rows[i]`` being the position (in the step's prompt list) of the prompt
+            that ``texts[i]`` answers; None when unavailable (samplers that need it
+            raise ``ValueError``). Call it through :func:`score_rows`, once per row.
         step: the RL step.
         seed: base seed for this step's sampling (each engine call derives its own).
         prompt_indices: dataset index of each prompt of the step (parallel to the
@@ -76,7 +78,7 @@ class SamplerContext:
             allocates the rollout budget (CurES); None means ``n_samples`` each.
     """
 
-    score: Optional[Callable[[List[int], List[str]], List[float]]] = None
+    score: Optional[Callable[[List[int], List[str], torch.Tensor], Any]] = None
     step: int = 0
     seed: int = 0
     prompt_indices: Optional[List[int]] = None
@@ -185,15 +187,42 @@ def generate_groups(
     return SampleResult(generation=gen, group_index=torch.tensor(gi, dtype=torch.long), rollouts_spent=len(rows))
 
 
-def score_rows(ctx: SamplerContext, group_index: torch.Tensor, texts: List[str]) -> torch.Tensor:
-    """``[B]`` rewards of ``texts`` through ``ctx.score``.
+#: per-row reward extras :func:`score_rows` writes (the components, then the format flag)
+REWARD_EXTRAS = ("reward_correct", "reward_format", "reward_overlong", "reward_length", "format_ok")
 
+
+def response_lengths(res: SampleResult) -> torch.Tensor:
+    """``[B]`` long generated-token length of each row's whole response.
+
+    The response mask summed, plus ``extras['shared_prefix_len']`` when present
+    (a tree branch's response is its parent's prefix + its own suffix, and the
+    verifier judges both). A hint (SEELE) is part of the prompt, not counted.
+    """
+    n = res.generation.response_mask.sum(-1).long()
+    pre = res.extras.get("shared_prefix_len")
+    return n + pre.long() if pre is not None else n
+
+
+def score_rows(ctx: SamplerContext, res: SampleResult) -> torch.Tensor:
+    """Score every row of ``res`` once through ``ctx.score``; sets and returns ``res.rewards``.
+
+    The reward components go to ``res.extras['reward_<part>']`` (``[B]``), so
+    they travel with their rows through merging, filtering and replay.
+
+    Returns:
+        ``[B]`` float32 rewards (``res.rewards``).
     Raises:
         ValueError: the context has no scorer (the sampler needs rewards).
     """
     if ctx.score is None:
         raise ValueError("this sampler decides on rewards and needs SamplerContext.score")
-    return torch.tensor(ctx.score(group_index.tolist(), list(texts)), dtype=torch.float32)
+    out = ctx.score([int(p) for p in res.positions().tolist()], list(res.generation.texts), response_lengths(res))
+    res.rewards = out.total.float()
+    for k, v in out.components.items():
+        res.extras[f"reward_{k}"] = v.float()
+    if out.format_ok is not None:
+        res.extras["format_ok"] = out.format_ok.float()
+    return res.rewards
 
 
 def group_reward_stats(rewards: torch.Tensor, group_index: torch.Tensor, n_groups: int):

@@ -1,11 +1,14 @@
-"""One step of prompt selection + rollout: the glue the runner calls.
+"""One step of prompt selection + rollout + scoring: the producer contract the runner consumes.
 
-:func:`collect_rollouts` asks the selector for prompts, applies the selector's
-per-prompt hints and rollout budgets, runs the sampler, scores the rollouts,
-drops and refills groups for filtering selectors (DAPO dynamic sampling), lets
-the selector edit the scored batch (POPO replay), and computes the rollout
-accounting metrics (rollouts spent, prompts skipped, zero-variance share,
-effective batch size).
+:func:`collect_rollouts` asks the selector for prompts, applies the roles the
+selector declares (:class:`rlpost.selectors.base.Role`: hints, rollout budgets,
+group filtering with refills, batch replay), runs the sampler, scores every
+generated row exactly once through the step's one scorer (unless the sampler
+already did, for its own rounds), and computes the rollout accounting metrics
+(rollouts spent, prompts skipped, zero-variance share, effective batch size).
+The result, :class:`StepRollouts`, is the one scored object every producer
+(this driver, :meth:`rlpost.runner.Run._partial_rollouts`, the async
+executor's producer thread) hands to the learner.
 """
 
 from __future__ import annotations
@@ -16,21 +19,30 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlpost.rollout.base import RolloutEngine, SamplingParams
-from rlpost.samplers.base import SampleResult, SamplerContext, Sampler, merge_results, pad_id_of, select_rows, step_params
+from rlpost.samplers.base import (
+    SampleResult, SamplerContext, Sampler, merge_results, pad_id_of, score_rows, select_rows, step_params,
+)
+from rlpost.selectors.base import Role
 
 
 @dataclass
 class StepRollouts:
-    """The scored rollouts of one step.
+    """The scored rollouts of one step: what every producer hands the learner.
 
     Attributes:
         result: the sampler's output restricted to the batch; ``result.positions()``
-            index ``prompt_indices``; ``group_index`` holds compact group ids.
+            index ``prompt_indices``; ``group_index`` holds compact group ids;
+            ``result.extras`` holds the reward components per row
+            (``reward_correct``, ``reward_format``, ``reward_overlong``,
+            ``reward_length``, summing to ``rewards``) and ``format_ok``.
         prompt_indices: dataset index of each prompt position.
-        rewards: ``[B]`` float rewards of the batch rows, or None without a scorer.
+        rewards: ``[B]`` float32 rewards of the batch rows: exactly the numbers
+            training uses and the selector learns from.
         observed: ``(dataset index, rewards)`` of every group scored this step,
-            including groups dropped by a filter: what ``selector.update`` should get.
-        metrics: ``rollout/...``, ``sampler/...`` and ``selector/...`` values.
+            including groups dropped by a filter: what ``selector.update`` gets.
+        metrics: ``rollout/...``, ``sampler/...``, ``selector/...`` and ``partial/...`` values.
+        reward_metrics: ``reward/...`` values (batch means of the components, the
+            scorer's verifier-call and failure counts); see :meth:`finish`.
     """
 
     result: SampleResult
@@ -38,6 +50,7 @@ class StepRollouts:
     rewards: Optional[torch.Tensor]
     observed: List[Tuple[int, List[float]]] = field(default_factory=list)
     metrics: Dict[str, float] = field(default_factory=dict)
+    reward_metrics: Dict[str, float] = field(default_factory=dict)
 
     @property
     def row_prompt_index(self) -> torch.Tensor:
@@ -45,10 +58,70 @@ class StepRollouts:
         idx = torch.tensor(self.prompt_indices, dtype=torch.long)
         return idx[self.result.positions()]
 
+    def group_rewards(self) -> List[List[float]]:
+        """Rewards of each batch group (compact group id order): the per-group statistics' input."""
+        gi = self.result.group_index
+        n = int(gi.max()) + 1 if len(gi) else 0
+        return [[float(x) for x in self.rewards[gi == g]] for g in range(n)]
+
+    def group_stats(self) -> Dict[str, torch.Tensor]:
+        """Per batch group: ``count``, ``mean``, ``std`` (population) float64 ``[G]`` of :attr:`rewards`."""
+        from rlpost.samplers.base import group_reward_stats
+
+        gi = self.result.group_index
+        n = int(gi.max()) + 1 if len(gi) else 0
+        cnt, mean, var = group_reward_stats(self.rewards, gi, n)
+        return {"count": cnt, "mean": mean, "std": var.sqrt()}
+
+    def finish(self, scorer_metrics: Dict[str, float]) -> "StepRollouts":
+        """Set :attr:`reward_metrics`: batch means of ``reward_correct`` / ``format_ok``
+        (``reward/correct_mean``, ``reward/format_mean``) plus ``scorer_metrics``; returns self."""
+        ex = self.result.extras
+        rm: Dict[str, float] = {}
+        if "reward_correct" in ex and len(ex["reward_correct"]):
+            rm["reward/correct_mean"] = float(ex["reward_correct"].mean())
+        if "format_ok" in ex and len(ex["format_ok"]):
+            rm["reward/format_mean"] = float(ex["format_ok"].mean())
+        self.reward_metrics = {**rm, **scorer_metrics}
+        return self
+
+    def to_batch(self, answers: List[Any], version: int, weights_step: int) -> Any:
+        """The learner's :class:`rlpost.batch.RolloutBatch` of these rollouts.
+
+        Args:
+            answers: gold answer of each row (``[B]``, row order).
+            version: trainer version (optimizer steps) of the engine weights;
+                ``policy_version [B]``, or each row's oldest token's version when
+                ``extras['token_version']`` is present (partial rollouts).
+            weights_step: RL steps completed by those weights (``extras['policy_step']``
+                unless the producer set it per row).
+        """
+        from rlpost.batch import RolloutBatch
+
+        res, gen = self.result, self.result.generation
+        gi = res.group_index
+        extras = {"temperatures": gen.temperatures, "policy_step": torch.full((len(gi),), weights_step), **res.extras}
+        pversion = torch.full((len(gi),), version, dtype=torch.long)
+        if "token_version" in extras:  # partial rollouts: a row is as old as its oldest token
+            pversion = row_oldest(extras["token_version"], gen.response_mask)
+        return RolloutBatch(
+            prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
+            response_mask=gen.response_mask, rollout_logprobs=gen.rollout_logprobs, group_index=gi,
+            prompt_index=self.row_prompt_index, policy_version=pversion, response_texts=gen.texts,
+            answers=list(answers), meta=[{} for _ in answers], extras=extras, rewards=self.rewards,
+        )
+
     def update_selector(self, selector: Any) -> None:
         """Feed :attr:`observed` to ``selector.update`` (no-op when nothing was scored)."""
         if self.observed:
             selector.update([i for i, _ in self.observed], [r for _, r in self.observed])
+
+
+def row_oldest(token_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` smallest of ``token_values`` ``[B, R]`` over each row's ``mask`` (the row's oldest token; -1 if empty)."""
+    big = torch.iinfo(token_values.dtype).max
+    m = torch.where(mask > 0, token_values, torch.full_like(token_values, big)).min(-1).values
+    return torch.where(m == big, torch.full_like(m, -1), m)
 
 
 def _groups(res: SampleResult) -> Dict[int, List[int]]:
@@ -77,7 +150,7 @@ def collect_rollouts(
     *,
     step: int,
     encode: Callable[[int], List[int]],
-    score: Optional[Callable[[List[int], List[str]], List[float]]] = None,
+    score: Callable[[List[int], List[str], torch.Tensor], Any],
     hint: Optional[Callable[[int, float], Any]] = None,
     seed: int = 0,
 ) -> StepRollouts:
@@ -90,9 +163,9 @@ def collect_rollouts(
         params: sampling parameters (``seed`` set for reproducible rollouts).
         step: the RL step.
         encode: ``fn(dataset index) -> prompt token ids``.
-        score: ``fn(dataset indices, texts) -> rewards`` (one per text); without
-            it nothing is scored (filtering selectors and reward-driven samplers
-            then fail).
+        score: the step's one scorer, ``fn(dataset indices, texts, lengths [n] generated
+            tokens) -> rlpost.rewards.Rewards`` (:class:`rlpost.rewards.StepScorer`).
+            Each generated row is passed to it exactly once.
         hint: ``fn(dataset index, fraction) -> Hint`` (:class:`rlpost.selectors.mixture.Hint`)
             for selectors that give hints (SEELE); ignored when None. Its ids are
             appended to the prompt (no loss on them); its text is put in front of
@@ -104,16 +177,15 @@ def collect_rollouts(
         ``out.update_selector(selector)``.
 
     Raises:
-        ValueError: a filtering selector without ``score``.
+        ValueError: the selector chose no prompts.
     """
-    if selector.filters_groups and score is None:
-        raise ValueError(f"selector {type(selector).__name__} filters groups by reward and needs a scorer")
+    filters = selector.plays(Role.FILTER)
     target = selector.prompts_per_step
-    max_rounds = getattr(selector, "max_rounds", 1) if selector.filters_groups else 1
+    max_rounds = selector.max_rounds if filters else 1
     idx = list(selector.select(step))
     if not idx:
         raise ValueError(f"selector {type(selector).__name__} chose no prompts at step {step}; check selector.params")
-    skipped_by_selector = int(getattr(selector, "skipped", 0))
+    skipped_by_selector = int(selector.skipped)
     all_idx: List[int] = []
     kept_parts: List[SampleResult] = []
     observed: List[Tuple[int, List[float]]] = []
@@ -125,7 +197,7 @@ def collect_rollouts(
     fallback = None
     while idx:
         prompts = [list(encode(i)) for i in idx]
-        fr = selector.hint_fractions(idx)
+        fr = selector.hint_fractions(idx) if selector.plays(Role.HINT) else None
         hint_text: Optional[List[str]] = None
         if fr is not None and hint is not None:
             hints = [hint(i, f) if f > 0 else None for i, f in zip(idx, fr)]
@@ -133,40 +205,40 @@ def collect_rollouts(
             hint_text = [h.text if h is not None else "" for h in hints]
         cur = list(idx)
 
-        def score_hinted(rows: List[int], texts: List[str], cur: List[int] = cur, ht: Optional[List[str]] = hint_text) -> List[float]:
-            # a hinted completion is judged together with its hint (SEELE)
+        def score_hinted(rows: List[int], texts: List[str], lengths: torch.Tensor, cur: List[int] = cur,
+                         ht: Optional[List[str]] = hint_text) -> Any:
+            # a hinted completion is judged together with its hint (SEELE); the hint is not generated
             if ht is not None:
                 texts = [ht[r] + t for r, t in zip(rows, texts)]
-            return score([cur[r] for r in rows], texts)
+            return score([cur[r] for r in rows], texts, lengths)
 
         ctx = SamplerContext(
-            score=score_hinted if score is not None else None,
+            score=score_hinted,
             step=step,
             seed=seed + 7919 * rounds,
             prompt_indices=cur,
-            rollout_counts=selector.rollout_counts(cur),
+            rollout_counts=selector.rollout_counts(cur) if selector.plays(Role.ALLOCATE) else None,
         )
         res = sampler.sample(engine, prompts, step_params(params, ctx, 97 * rounds), ctx)
         spent += res.rollouts_spent
         for k, v in res.metrics.items():
             smetrics.setdefault(k, []).append(float(v))
         pos = res.positions()
-        if res.rewards is None and score is not None:
-            res.rewards = torch.tensor(score_hinted([int(g) for g in pos], res.generation.texts), dtype=torch.float32)
+        if res.rewards is None:  # the sampler did not score its rows: score each once now
+            score_rows(ctx, res)
         if hint_text is not None:  # the batch's texts are whole answers: hint + completion
             res.generation.texts = [hint_text[int(g)] + t for g, t in zip(pos, res.generation.texts)]
         keep_rows: List[int] = []
         for g, rows in _groups(res).items():
-            r = res.rewards[rows].tolist() if res.rewards is not None else []
-            if res.rewards is not None:
-                observed.append((cur[int(pos[rows[0]])], r))
-            if selector.filters_groups and (n_kept >= target or not selector.keep_group(r)):
+            r = res.rewards[rows].tolist()
+            observed.append((cur[int(pos[rows[0]])], r))
+            if filters and (n_kept >= target or not selector.keep_group(r)):
                 dropped += 1 if n_kept < target else 0
                 continue
             n_kept += 1
             keep_rows.extend(rows)
         keep_rows.sort()
-        if selector.filters_groups and not keep_rows and not kept_parts:
+        if filters and not keep_rows and not kept_parts:
             # remember the first groups of this round in case every round is filtered out
             fallback_rows = sorted(r for g, rows in list(_groups(res).items())[:target] for r in rows)
             fallback = (res, fallback_rows, len(all_idx), len(cur))
@@ -175,7 +247,7 @@ def collect_rollouts(
         if keep_rows:
             kept_parts.append(_compact(res, keep_rows, {p: base + p for p in range(len(cur))}))
         rounds += 1
-        if not selector.filters_groups or n_kept >= target or rounds >= max_rounds:
+        if not filters or n_kept >= target or rounds >= max_rounds:
             break
         idx = list(selector.refill(target - n_kept))
     exhausted = 0.0
@@ -199,11 +271,12 @@ def collect_rollouts(
         merged.prompt_position = None
     merged.rollouts_spent = spent
     out = StepRollouts(merged, [all_idx[p] for p in used], merged.rewards, observed)
-    out = selector.postprocess(out, step)
+    if selector.plays(Role.REPLAY):
+        out = selector.postprocess(out, step)
     merged_metrics = _merge_round_metrics(smetrics)
     skipped = skipped_by_selector + dropped + int(merged_metrics.get("sampler/prompts_skipped", 0))
     out.metrics = {**merged_metrics, **rollout_metrics(out, spent, rounds, skipped)}
-    if selector.filters_groups:
+    if filters:
         out.metrics["rollout/filter_exhausted"] = exhausted
     try:
         out.metrics.update(selector.metrics())

@@ -8,7 +8,8 @@ selects exactly the same prompts.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import enum
+from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -78,6 +79,36 @@ def unpack_state(saved: Any, like: Any) -> Any:
     return {int(k): copy.deepcopy(v) for k, v in dict(saved).items()}
 
 
+class Role(str, enum.Enum):
+    """What a selector does besides choosing prompts (:meth:`Selector.select`, every selector's role).
+
+    A selector declares its extra roles in :attr:`Selector.roles`; the rollout
+    driver (:func:`rlpost.samplers.driver.collect_rollouts`) calls a role's
+    methods only when it is declared, and the partial-rollout producer refuses
+    selectors with any extra role. Each role has its methods on the base class:
+
+    * ``FILTER`` (group filtering): :meth:`Selector.keep_group`, :meth:`Selector.refill`,
+      :attr:`Selector.max_rounds` (DAPO's dynamic sampling).
+    * ``ALLOCATE`` (rollout allocation): :meth:`Selector.rollout_counts` (CurES).
+    * ``HINT`` (hints): :meth:`Selector.hint_fractions` (SEELE).
+    * ``REPLAY`` (batch replay): :meth:`Selector.postprocess` (POPO).
+    """
+
+    FILTER = "group filtering"
+    ALLOCATE = "rollout allocation"
+    HINT = "hints"
+    REPLAY = "batch replay"
+
+
+#: methods a selector overrides for each role (checked when a subclass is defined)
+ROLE_METHODS: Dict[Role, Tuple[str, ...]] = {
+    Role.FILTER: ("keep_group", "refill"),
+    Role.ALLOCATE: ("rollout_counts",),
+    Role.HINT: ("hint_fractions",),
+    Role.REPLAY: ("postprocess",),
+}
+
+
 class Selector:
     """Base class.
 
@@ -86,23 +117,33 @@ class Selector:
         prompts_per_step: prompts to return from :meth:`select`.
         seed: seed of the selector's own random generator.
 
-    Optional hooks (defaults do nothing), read by
-    :func:`rlpost.samplers.driver.collect_rollouts`:
+    Roles: every selector chooses prompts (:meth:`select`, :meth:`update`).
+    Extra roles are declared in :attr:`roles` (see :class:`Role`); the methods
+    of an undeclared role keep their base defaults, and defining a subclass that
+    overrides a role's method without declaring the role (or the reverse) is a
+    ``TypeError``. An instance may narrow its class's roles in ``__init__``
+    (CurES with ``allocate=false``).
 
-    * :attr:`filters_groups` / :meth:`keep_group` / :meth:`refill`: drop groups
-      after their rewards are known and ask for replacement prompts (DAPO's
-      dynamic sampling).
-    * :meth:`rollout_counts`: per-prompt rollout budget (CurES).
-    * :meth:`hint_fractions`: per-prompt hint length (SEELE).
-    * :meth:`postprocess`: edit the step's rollouts after scoring (POPO replay).
-    * :meth:`attach`: receive run resources (examples, a prompt-entropy function).
+    Raises:
+        ValueError: an empty split or ``prompts_per_step < 1``.
     """
 
-    #: drop groups :meth:`keep_group` rejects and refill the batch
-    filters_groups: bool = False
+    #: the extra roles this selector plays (see :class:`Role`)
+    roles: ClassVar[FrozenSet[Role]] = frozenset()
+    #: generation rounds per step at most (the ``FILTER`` role's refills)
+    max_rounds: int = 1
     #: attributes that :meth:`state_dict` saves and :meth:`load_state_dict` restores
     #: (NumPy arrays, or dicts keyed by prompt index; see :func:`pack_state`)
     saved_state: Tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        for role, methods in ROLE_METHODS.items():
+            overridden = [m for m in methods if getattr(cls, m) is not getattr(Selector, m)]
+            if overridden and role not in cls.roles:
+                raise TypeError(f"{cls.__name__} overrides {overridden} but does not declare Role.{role.name} in roles")
+            if role in cls.roles and len(overridden) < len(methods):
+                raise TypeError(f"{cls.__name__} declares Role.{role.name} but does not define {list(methods)}")
 
     def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, **params: Any) -> None:
         if num_prompts <= 0:
@@ -114,24 +155,32 @@ class Selector:
         self.rng = np.random.default_rng(seed)
         self.skipped = 0  # prompts considered and skipped during the last select()
 
+    def plays(self, role: Role) -> bool:
+        """Whether this selector plays ``role`` (declared in :attr:`roles`)."""
+        return role in self.roles
+
+    # --- Role.FILTER
     def keep_group(self, rewards: Sequence[float]) -> bool:
-        """Whether a scored group enters the batch (only read when :attr:`filters_groups`)."""
+        """``FILTER``: whether a scored group enters the batch."""
         return True
 
     def refill(self, n: int) -> List[int]:
-        """``n`` more candidate prompts for the current step (only with :attr:`filters_groups`)."""
+        """``FILTER``: ``n`` more candidate prompts for the current step (distinct from the step's others)."""
         return []
 
+    # --- Role.ALLOCATE
     def rollout_counts(self, prompt_indices: List[int]) -> Optional[List[int]]:
-        """Rollouts per selected prompt, or None for the sampler's default."""
+        """``ALLOCATE``: rollouts per selected prompt, or None for the sampler's default."""
         return None
 
+    # --- Role.HINT
     def hint_fractions(self, prompt_indices: List[int]) -> Optional[List[float]]:
-        """Share in [0, 1] of each prompt's reference solution given as a hint, or None."""
+        """``HINT``: share in [0, 1] of each prompt's reference solution given as a hint, or None."""
         return None
 
+    # --- Role.REPLAY
     def postprocess(self, out: Any, step: int) -> Any:
-        """Edit the scored step rollouts (a ``StepRollouts``) before training; default unchanged."""
+        """``REPLAY``: edit the scored step rollouts (a ``StepRollouts``) before training; default unchanged."""
         return out
 
     def attach(self, **resources: Any) -> None:
@@ -175,14 +224,44 @@ class UniformSelector(Selector):
         self.pos = 0
 
     def select(self, step: int) -> List[int]:
+        """The next ``prompts_per_step`` prompts of the shuffled order, all distinct.
+
+        A step that crosses the end of a pass takes the rest of the pass, then
+        the first prompts of a fresh shuffle that are not in the step already
+        (the ones skipped stay at the front of the new pass, so each pass still
+        covers every prompt once). With ``prompts_per_step > num_prompts`` a step
+        cannot be distinct; prompts then repeat across passes.
+        """
+        return self._take(self.prompts_per_step)
+
+    def _take(self, n: int, exclude: Sequence[int] = (), allow_repeats: bool = True) -> List[int]:
+        """``n`` prompts of the shuffled passes, distinct from each other and from ``exclude``.
+
+        When every prompt of the split is taken: with ``allow_repeats`` the
+        passes continue (repeats are unavoidable), else fewer than ``n`` are returned.
+        """
         out: List[int] = []
-        while len(out) < self.prompts_per_step:
+        taken = set(int(i) for i in exclude)
+        while len(out) < n:
             if self.pos >= len(self.order):
                 self.order = self.rng.permutation(self.num_prompts).tolist()
                 self.pos = 0
-            take = self.order[self.pos : self.pos + self.prompts_per_step - len(out)]
+            rest = self.order[self.pos :]
+            fresh = [i for i in rest if i not in taken]
+            if not fresh:  # every prompt of this pass is already taken: start a new pass
+                if len(taken) >= self.num_prompts:
+                    if not allow_repeats:
+                        break
+                    taken = set()  # more prompts per step than the split holds: repeats are unavoidable
+                self.pos = len(self.order)
+                continue
+            take = fresh[: n - len(out)]
+            # move the taken prompts to the front of what is left of the pass, keeping the others' order
+            chosen = set(take)
+            self.order[self.pos :] = take + [i for i in rest if i not in chosen]
             self.pos += len(take)
             out.extend(take)
+            taken.update(take)
         return out
 
     def state_dict(self) -> Dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from rlpost.selectors.base import SELECTORS, Selector, success_counts
+from rlpost.selectors.base import SELECTORS, Role, Selector, success_counts
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
@@ -244,6 +244,8 @@ class CuresSelector(BetaSelector):
         decay: retention of a prompt's old evidence when re-observed.
     """
 
+    roles = frozenset({Role.ALLOCATE})
+
     def __init__(
         self,
         num_prompts: int,
@@ -259,11 +261,8 @@ class CuresSelector(BetaSelector):
         super().__init__(num_prompts, prompts_per_step, seed, **beta)
         self.n_samples, self.allocate = int(n_samples), bool(allocate)
         self.min_rollouts, self.floor, self.decay_rate = int(min_rollouts), float(floor), float(decay)
-
-    @property
-    def allocates_rollouts(self) -> bool:
-        """Whether :meth:`rollout_counts` returns per-prompt budgets (``allocate``)."""
-        return self.allocate
+        if not self.allocate:  # prompt choice only: the sampler's own group size
+            self.roles = frozenset()
 
     def weights(self) -> np.ndarray:
         """``[N]`` normalised prompt sampling probabilities."""
@@ -276,9 +275,7 @@ class CuresSelector(BetaSelector):
         return self.rng.choice(self.num_prompts, size=k, replace=False, p=self.weights()).tolist()
 
     def rollout_counts(self, prompt_indices: List[int]) -> Optional[List[int]]:  # noqa: D102 - see class
-        if not self.allocate:
-            return None
-        from rlpost.samplers.adaptive import apportion
+        from rlpost.apportion import apportion
 
         k = len(prompt_indices)
         m = self.mean[np.asarray(prompt_indices, dtype=np.int64)]

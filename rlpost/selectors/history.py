@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlpost.selectors.base import SELECTORS, Selector, UniformSelector, append_history, is_zero_variance, success_rate
+from rlpost.selectors.base import SELECTORS, Role, Selector, UniformSelector, append_history, is_zero_variance, success_rate
 
 
 @SELECTORS.register(
@@ -30,7 +30,7 @@ class DynamicFilterSelector(UniformSelector):
         max_rounds: generation rounds per step at most.
     """
 
-    filters_groups = True
+    roles = frozenset({Role.FILTER})
 
     def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, oversample: float = 1.5, max_rounds: int = 4) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
@@ -38,22 +38,19 @@ class DynamicFilterSelector(UniformSelector):
         self.max_rounds = max(1, int(max_rounds))
         self.dropped = 0
         self.seen_groups = 0
-
-    def _draw(self, n: int) -> List[int]:
-        keep = self.prompts_per_step
-        self.prompts_per_step = n
-        try:
-            return UniformSelector.select(self, 0)
-        finally:
-            self.prompts_per_step = keep
+        self.step_prompts: List[int] = []
 
     def select(self, step: int) -> List[int]:  # noqa: D102 - see class
         self.dropped = 0
         self.seen_groups = 0
-        return self._draw(math.ceil(self.oversample * self.prompts_per_step))
+        self.step_prompts = self._take(math.ceil(self.oversample * self.prompts_per_step))
+        return list(self.step_prompts)
 
-    def refill(self, n: int) -> List[int]:  # noqa: D102 - see class
-        return self._draw(max(1, math.ceil(self.oversample * n)))
+    def refill(self, n: int) -> List[int]:
+        """Up to ``ceil(oversample * n)`` candidates not yet tried this step (none once the split is used up)."""
+        more = self._take(max(1, math.ceil(self.oversample * n)), exclude=self.step_prompts, allow_repeats=False)
+        self.step_prompts += more
+        return more
 
     def keep_group(self, rewards: Sequence[float]) -> bool:  # noqa: D102 - see class
         self.seen_groups += 1

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlpost.selectors.base import SELECTORS, Selector, UniformSelector, append_history, is_zero_variance, success_rate
+from rlpost.selectors.base import SELECTORS, Role, Selector, UniformSelector, append_history, is_zero_variance, success_rate
 
 
 @SELECTORS.register(
@@ -94,7 +94,7 @@ class DomainMixtureSelector(Selector):
 
     def quotas(self) -> Dict[str, int]:
         """Prompts per domain for the next step."""
-        from rlpost.samplers.adaptive import apportion
+        from rlpost.apportion import apportion
 
         names = [d for d in sorted(self.by_domain) if self.targets.get(d, 0) > 0]
         w = [self.targets[d] / max(self.eff[d], self.floor) for d in names]
@@ -209,6 +209,7 @@ class SeeleSelector(UniformSelector):
         ValueError: ``target`` outside (0, 1).
     """
 
+    roles = frozenset({Role.HINT})
     saved_state = ("obs", "last_hint")
 
     def __init__(
@@ -231,6 +232,7 @@ class SeeleSelector(UniformSelector):
         self.threshold = float(threshold)
         self.obs: Dict[int, List[List[float]]] = {}
         self.last_hint: Dict[int, float] = {}
+        self.step_hints: List[float] = []
 
     def hint_for(self, i: int) -> float:
         """Hint fraction for prompt ``i`` from its current IRT fit."""
@@ -255,7 +257,7 @@ class SeeleSelector(UniformSelector):
 
     def metrics(self) -> Dict[str, float]:
         """``selector/hint_mean``: mean hint fraction of this step's prompts (0 before any)."""
-        h = getattr(self, "step_hints", [])
+        h = self.step_hints
         return {"selector/hint_mean": float(np.mean(h)) if h else 0.0}
 
 

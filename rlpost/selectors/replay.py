@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from rlpost.selectors.base import SELECTORS, UniformSelector, is_zero_variance
+from rlpost.selectors.base import SELECTORS, Role, UniformSelector, is_zero_variance
 
 
 @SELECTORS.register(
@@ -38,6 +38,8 @@ class PopoSelector(UniformSelector):
         recency_tau: recency scale of the priority, in steps.
         max_replays: times one buffered group may be reused.
     """
+
+    roles = frozenset({Role.REPLAY})
 
     def __init__(
         self,
@@ -74,6 +76,9 @@ class PopoSelector(UniformSelector):
         in_batch = {out.prompt_indices[int(pos[rows[0]])] for rows in groups.values()}
         fresh_effective = []
         pieces, gi, pp, rewards, age = [], [], [], [], []
+        # per-row extras that travel with replayed groups (reward components, shared prefix lengths)
+        row_keys = sorted(k for k, v in res.extras.items() if v.dim() == 1 and k != "replay_age")
+        row_extras: List[Dict[str, torch.Tensor]] = []
         new_prompts = list(out.prompt_indices)
         for g, rows in sorted(groups.items()):
             r = rw[rows].tolist()
@@ -88,6 +93,7 @@ class PopoSelector(UniformSelector):
                 pp += [int(pos[x]) for x in rows]
                 rewards += r
                 age += [0.0] * len(rows)
+                row_extras.append({k: res.extras[k][rows] for k in row_keys})
                 if not is_zero_variance(r):
                     fresh_effective.append((out.prompt_indices[int(pos[rows[0]])], rows, r))
             else:
@@ -100,10 +106,13 @@ class PopoSelector(UniformSelector):
                 pp += [len(new_prompts) - 1] * n
                 rewards += use["rewards"]
                 age += [float(step - use["step"])] * n
+                row_extras.append(use.get("extras", {}))
                 self.replayed += 1
         for p, rows, r in fresh_effective:
             t = torch.tensor(r)
-            self.buffer.append({"prompt": p, "gen": select_rows(res.generation, rows), "rewards": r, "step": step, "uses": 0, "quality": float(t.std(unbiased=False))})
+            self.buffer.append({"prompt": p, "gen": select_rows(res.generation, rows), "rewards": r, "step": step, "uses": 0,
+                                "quality": float(t.std(unbiased=False)),
+                                "extras": {k: res.extras[k][rows].clone() for k in row_keys}})
         self.buffer.sort(key=lambda e: -self.priority(e, step))
         del self.buffer[self.buffer_size :]
         if self.replayed == 0:
@@ -111,6 +120,10 @@ class PopoSelector(UniformSelector):
             return out
         gen = concat_generations(pieces, int(getattr(res.generation, "pad_id", 0) or 0))
         extras = {"replay_age": torch.tensor(age)}
+        for k in row_keys:  # a key a buffered group lacks (saved before it existed) reads 0
+            like = res.extras[k]
+            extras[k] = torch.cat([e[k] if k in e else torch.zeros(len(p.texts), dtype=like.dtype)
+                                   for e, p in zip(row_extras, pieces)])
         used = sorted(set(pp))
         remap = {p: j for j, p in enumerate(used)}
         out.result = SampleResult(
