@@ -50,7 +50,6 @@ from rlpost.errors import ConfigError
 
 EXECUTORS = ("sync", "async")
 PARTIAL_SAMPLERS = ("group", "single")
-_SELECTOR_HOOKS = ("refill", "keep_group", "rollout_counts", "hint_fractions", "postprocess")
 
 
 def build_executor(cfg: Any, run: Any) -> "SyncExecutor":
@@ -111,18 +110,14 @@ def check_partial(cfg: Any) -> None:
                           f"so sampler={sampler} would be ignored. Fix: sampler=group (or single), or "
                           f"executor.partial_rollout=false.")
     import rlpost.selectors  # noqa: F401  (registers)
-    from rlpost.selectors.base import SELECTORS, Selector
+    from rlpost.selectors.base import SELECTORS
 
-    def extra_hooks(c: Any) -> List[str]:
-        hooks = [h for h in _SELECTOR_HOOKS if getattr(c, h) is not getattr(Selector, h)]
-        return (["filters_groups"] if c.filters_groups else []) + hooks
-
-    what = extra_hooks(SELECTORS.get(cfg.selector.name))
-    if what:
-        plain = ", ".join(e.name for e in SELECTORS if not extra_hooks(e.obj))
+    roles = sorted(r.value for r in SELECTORS.get(cfg.selector.name).roles)  # declared roles beyond prompt choice
+    if roles:
+        plain = ", ".join(e.name for e in SELECTORS if not e.obj.roles)
         raise ConfigError(f"executor.partial_rollout=true takes prompts from selector.select only; "
-                          f"selector={cfg.selector.name} also acts between generation and training "
-                          f"({', '.join(what)}), which the carry-over buffer does not do. Fix: a plain selector "
+                          f"selector={cfg.selector.name} also does {', '.join(roles)} between generation and training, "
+                          f"which the carry-over buffer does not do. Fix: a selector that only chooses prompts "
                           f"({plain}), or executor.partial_rollout=false.")
 
 

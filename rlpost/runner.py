@@ -171,10 +171,14 @@ class Run:
         self.selector.attach(examples=self.train_examples, prompt_entropy=self.prompt_entropy)
         self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
         check_allocation(self.selector, self.sampler, cfg.selector.name, cfg.sampler.name)
+        from rlpost.algos.stages import check_sampler
+
+        check_sampler(cfg.algo, cfg.sampler.name)  # per-token temperature: the sampler's only
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
         self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
-        self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens)
+        self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
+                                                    preset_shaping=cfg.algo.adv_params)  # e.g. algo=dapo's overlong window
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         from rlpost.algos.stages import AlgoState, algo_requirements
@@ -307,8 +311,7 @@ class Run:
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             stop=list(r.stop), seed=step_seed(self.cfg.seed, step),
-            temperature_hook=self.algo_state.temperature_hook(r.temperature),
-        )
+        )  # per-token temperature is the sampler's (sampler=adaptive_temperature), never set here
 
     def train_step(self) -> Dict[str, Any]:
         """Run every stage once (synchronously); returns the step's metrics."""

@@ -68,3 +68,24 @@ class FakeEngine(RolloutEngine):
 def correct(text: str) -> float:
     """Reward of the fake task: 1 when the response starts with '1'."""
     return 1.0 if text.startswith("1") else 0.0
+
+
+def scorer(fn=None, calls=None):
+    """The driver's scorer contract (``(indices, texts, lengths) -> Rewards``) around ``fn(indices, texts) -> floats``.
+
+    ``fn`` defaults to :func:`correct` of each text; every call appends its
+    number of texts to ``calls`` when given (to count scorings).
+    """
+    from rlpost.rewards import Rewards
+
+    fn = fn or (lambda idx, texts: [correct(t) for t in texts])
+
+    def score(idx, texts, lengths):
+        assert len(idx) == len(texts) == len(lengths)
+        if calls is not None:
+            calls.append(len(texts))
+        total = torch.tensor([float(x) for x in fn(list(idx), list(texts))], dtype=torch.float32)
+        z = torch.zeros_like(total)
+        return Rewards(total, {"correct": total, "format": z, "overlong": z, "length": z}, {}, z)
+
+    return score

@@ -7,7 +7,8 @@ import torch
 
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.registries import ADV_ESTIMATORS
-from rlpost.algos.shaping import BetaBaselineTracker, overlong_penalty
+from rlpost.algos.shaping import BetaBaselineTracker
+from rlpost.rewards import RewardFunction, overlong_penalty
 
 
 def inp(rewards, lengths, groups, R=None, **kw):
@@ -146,12 +147,19 @@ def test_mssr_entropy_shaping_is_bounded_and_keeps_sign():
         compute_advantages("mssr", inp([1.0], [1], [0]))
 
 
-def test_dapo_overlong_shaping_via_adv_params():
+def test_dapo_overlong_shaping_via_adv_params_is_applied_once_by_the_reward_function():
     # max_len 10, buffer 4: L<=6 -> 0, L=8 -> -(8-6)/4 = -0.5, L=10 -> -1
     assert torch.allclose(overlong_penalty(torch.tensor([5, 8, 10, 11]), 10, 4), torch.tensor([0.0, -0.5, -1.0, -1.0]))
-    x = inp([1, 1], [5, 8], [0, 0], R=10)
+    # the preset's share 0.4 of max_len 10 is a 4-token window, applied by the reward function ...
+    rf = RewardFunction.from_config(None, None, max_len=10, preset_shaping={"overlong_buffer": 0.4, "overlong_penalty": 1.0})
+    assert rf.overlong_buffer == 4
+    shaped = torch.tensor([1.0, 1.0]) + overlong_penalty(torch.tensor([5, 8]), 10, rf.overlong_buffer)
+    x = inp(shaped.tolist(), [5, 8], [0, 0], R=10)
     a = seq_adv(compute_advantages("grpo", x, norm_by_std=False, overlong_buffer=0.4, max_len=10), x)
     assert torch.allclose(a, torch.tensor([0.25, -0.25]))
+    # ... and never again by the estimator: the shaping keys change nothing there
+    plain = seq_adv(compute_advantages("grpo", x, norm_by_std=False), x)
+    assert torch.equal(a, plain)
 
 
 def test_beta_tracker_posterior_mean():
@@ -182,7 +190,8 @@ def test_reinforce_no_baseline():
 def test_stage_requirements_and_reference_answers():
     from omegaconf import OmegaConf
 
-    from rlpost.algos.stages import AlgoState, algo_requirements, reference_response
+    from rlpost.algos.stages import AlgoState, algo_requirements, check_sampler, reference_response
+    from rlpost.errors import ConfigError
     from rlpost.config.schema import AlgoConfig
 
     def req(**kw):
@@ -194,13 +203,17 @@ def test_stage_requirements_and_reference_answers():
     assert req(adv_estimator="mssr").entropy and req(adv_estimator="mssr").beta_baseline
     assert req(adv_estimator="remax").baseline_rollout
     assert req(loss="sft").reference_responses
-    r = req(loss="hapo", loss_params={"temperature_tau": 0.05})
-    assert r.temperature_tau == 0.05 and r.entropy
     assert not any([req().entropy, req().baseline_rollout, req().reference_responses])
-    st = AlgoState(r)
-    hook = st.temperature_hook(0.7)
-    assert torch.allclose(hook(torch.randn(2, 5), 0), torch.full((2,), 0.7))  # no statistics yet
-    assert AlgoState(req()).temperature_hook(1.0) is None
+    assert AlgoState(req()).state_dict() == {"tracker": None}
+    # per-token temperature has one owner, the sampler: HAPO needs sampler=adaptive_temperature,
+    # and the algorithm may not set a temperature range of its own
+    check_sampler(OmegaConf.structured(AlgoConfig(loss="hapo")), "adaptive_temperature")
+    check_sampler(OmegaConf.structured(AlgoConfig()), "group")
+    with pytest.raises(ConfigError, match="sampler=adaptive_temperature"):
+        check_sampler(OmegaConf.structured(AlgoConfig(loss="hapo")), "group")
+    with pytest.raises(ConfigError, match="sampler.params.tau=0.05"):
+        check_sampler(OmegaConf.structured(AlgoConfig(loss="hapo", loss_params={"temperature_tau": 0.05})),
+                      "adaptive_temperature")
     assert reference_response(42, "tags") == "<answer>42</answer>"
     assert reference_response("x", "boxed") == "\\boxed{x}"
 

@@ -280,10 +280,10 @@ def test_partial_rollout_config_errors(compose):
         (("executor=async", *on, "executor.over_provision=0.5"), "over_provision"),
         (("executor=async", *on, "executor.partial_chunk_tokens=0"), "partial_chunk_tokens"),
         (("executor=sync", *on, "sampler=tree"), "sampler=tree"),
-        (("executor=async", *on, "selector=dynamic_filter"), "filters_groups"),
-        (("executor=async", *on, "selector=cures"), "rollout_counts"),
-        (("executor=async", *on, "selector=seele"), "hint_fractions"),
-        (("executor=async", *on, "selector=popo"), "postprocess"),
+        (("executor=async", *on, "selector=dynamic_filter"), "group filtering"),
+        (("executor=async", *on, "selector=cures"), "rollout allocation"),
+        (("executor=async", *on, "selector=seele"), "hints"),
+        (("executor=async", *on, "selector=popo"), "batch replay"),
     ]
     for extra, msg in cases:
         bad = compose(tiny_overrides(*extra))

@@ -285,7 +285,7 @@ def _assert_same_metrics(a_dir: Path, b_dir: Path, steps: int) -> None:
 
 @pytest.mark.parametrize("algo,extra", [
     ("mssr", ("algo.n_samples_per_prompt=1",)),  # per-prompt Beta tracker -> baselines of steps 3-4
-    ("hapo", ()),  # entropy statistics of step 2 -> adaptive temperatures of step 3's rollouts
+    ("hapo", ("sampler=adaptive_temperature",)),  # sampler's entropy statistics of step 2 -> step 3's temperatures
 ])
 def test_algo_state_survives_resume(compose, tmp_path, monkeypatch, algo, extra):
     """Stop after the step-2 checkpoint, resume=auto: the same metrics as an uninterrupted run.
@@ -307,8 +307,9 @@ def test_algo_state_survives_resume(compose, tmp_path, monkeypatch, algo, extra)
         # one epoch over the 8 prompts, one reward each: alpha + beta = rho (1 + 1) + 1 = 2.8
         assert sorted(int(k) for k in tracked) == list(range(8))
         assert all(a + b == pytest.approx(2.8) for a, b in tracked.values())
-    else:
-        stats = algo_state["entropy_stats"]
+    else:  # the per-token temperature's statistics belong to the sampler that owns it
+        assert "entropy_stats" not in algo_state
+        stats = torch.load(ckpt, weights_only=False)["sampler"]["stats"]
         assert set(stats) == {"pivot", "rms", "scale_pos", "scale_neg"} and stats["rms"] > 0
     _train(compose, tmp_path, *over, "resume=auto", name="stopped")
     _assert_same_metrics(straight, tmp_path / "stopped", 4)

@@ -3,7 +3,7 @@
 import torch
 import pytest
 
-from fake_engine import FakeEngine, correct
+from fake_engine import FakeEngine, correct, scorer
 from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS, SamplerContext
 from rlpost.apportion import apportion
@@ -12,7 +12,7 @@ from rlpost.samplers.base import group_reward_stats
 
 
 def ctx_for(prompts, step=0, indices=None):
-    return SamplerContext(score=lambda rows, texts: [correct(t) for t in texts], step=step, seed=0, prompt_indices=indices)
+    return SamplerContext(score=scorer(), step=step, seed=0, prompt_indices=indices)
 
 
 PARAMS = SamplingParams(max_new_tokens=6, seed=5)
@@ -253,9 +253,7 @@ def test_every_row_keeps_its_prompt_reward_and_text_through_the_driver(name, kw)
     sel = SELECTORS.get("uniform")(6, 6, seed=0)
     scored = []
 
-    def score(idx, texts):
-        scored.append(len(texts))
-        return [correct(t) for t in texts]
+    score = scorer(calls=scored)
 
     for step in range(3):
         out = collect_rollouts(sel, make(name, 4, **kw), eng, PARAMS, step=step, encode=lambda i: [100 + i, 7], score=score)

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from fake_engine import FakeEngine, correct
+from fake_engine import FakeEngine, correct, scorer
 from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS
 from rlpost.samplers.driver import collect_rollouts
 from rlpost.selectors import SELECTORS, build_selector
-from rlpost.selectors.base import append_history, pack_state, success_rate, unpack_state
+from rlpost.selectors.base import Role, append_history, pack_state, success_rate, unpack_state
 from rlpost.selectors.mixture import Hint, fit_irt_difficulty, make_hint_fn
 
 
@@ -19,7 +19,7 @@ def stream(sel, p, steps, n=8, seed=0):
     counts = np.zeros(len(p))
     for t in range(steps):
         idx = sel.select(t)
-        assert len(idx) == sel.prompts_per_step or (sel.filters_groups and len(idx) > sel.prompts_per_step)
+        assert len(idx) == sel.prompts_per_step or (sel.plays(Role.FILTER) and len(idx) > sel.prompts_per_step)
         counts[idx] += 1
         sel.update(idx, [(rng.random(n) < p[i]).astype(float).tolist() for i in idx])
     return counts
@@ -262,7 +262,7 @@ PARAMS = SamplingParams(max_new_tokens=6, seed=3)
 
 def driver_env(p):
     eng = FakeEngine({i + 100: pi for i, pi in enumerate(p)})
-    return eng, (lambda i: [i + 100, 7]), (lambda idx, texts: [correct(t) for t in texts])
+    return eng, (lambda i: [i + 100, 7]), scorer()
 
 
 def test_dynamic_filter_never_returns_zero_variance_group_while_candidates_remain():

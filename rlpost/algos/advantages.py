@@ -619,30 +619,18 @@ def mssr_advantage(
 def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> AdvantageOutput:
     """Run the registered estimator ``name`` on ``inp`` with its ``params``.
 
-    Reward shaping that belongs to an algorithm preset is applied first, from
-    keys in ``params`` that are not the estimator's own: ``overlong_buffer``,
-    ``overlong_penalty`` and ``max_len`` give DAPO's soft overlong punishment
-    (:func:`rlpost.algos.shaping.overlong_penalty`, arXiv:2503.14476), added to
-    ``inp.rewards`` from each response's length. ``overlong_buffer`` in (0, 1)
-    is a fraction of ``max_len`` (DAPO: 4096 / 20480 = 0.2); ``max_len``
-    defaults to the padded response length.
+    ``inp.rewards`` are used as they are: all reward shaping (DAPO's soft
+    overlong punishment, arXiv:2503.14476, the length penalty) is done once, by
+    the reward function (:class:`rlpost.rewards.RewardFunction`). The shaping
+    keys a preset may put in ``algo.adv_params`` (``overlong_buffer``,
+    ``overlong_penalty``; ``max_len`` from the runner) are read by
+    :meth:`rlpost.rewards.RewardFunction.from_config` and dropped here.
 
     Raises:
         ConfigError: unknown estimator name.
         ValueError: from the estimator (e.g. GAE without values).
     """
-    from rlpost.algos.shaping import overlong_penalty
+    from rlpost.algos.validate import SHAPING_KEYS
 
-    params = dict(params)
-    buf = params.pop("overlong_buffer", 0) or 0
-    pen = params.pop("overlong_penalty", 1.0)
-    max_len = params.pop("max_len", None)
     fn = ADV_ESTIMATORS.get(name)
-    if buf:
-        lengths = inp.response_mask.float().sum(-1)
-        L = int(max_len) if max_len else int(inp.response_mask.shape[-1])
-        if 0 < float(buf) < 1:
-            buf = max(1, int(round(float(buf) * L)))
-        shaped = inp.rewards.float() + overlong_penalty(lengths, L, int(buf), float(pen))
-        inp = AdvantageInput(**{**inp.__dict__, "rewards": shaped})
-    return fn(inp, **params)
+    return fn(inp, **{k: v for k, v in params.items() if k not in SHAPING_KEYS})

@@ -1,8 +1,9 @@
-"""Reward shaping and per-prompt baselines used by algorithm presets.
+"""Per-prompt baselines used by algorithm presets.
 
-Pure functions of tensors, plus one small stateful tracker (a per-prompt Beta
-posterior) that single-rollout estimators read through
-``AdvantageInput.baseline_rewards``.
+One small stateful tracker (a per-prompt Beta posterior) that single-rollout
+estimators read through ``AdvantageInput.baseline_rewards``. Reward shaping
+(DAPO's overlong punishment, length penalties) is not here: the reward function
+(:mod:`rlpost.rewards`) owns it.
 """
 
 from __future__ import annotations
@@ -10,33 +11,6 @@ from __future__ import annotations
 from typing import Dict, Iterable, List
 
 import torch
-
-
-def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
-    """DAPO's soft overlong punishment (arXiv:2503.14476, Eq. 13).
-
-    With ``L_max = max_len`` and the buffer ``L_cache = buffer``:
-    0 when ``L <= L_max - L_cache``; ``penalty * ((L_max - L_cache) - L) / L_cache``
-    (linear from 0 down to ``-penalty``) inside the buffer; ``-penalty`` beyond
-    ``L_max``. The result is added to the task reward.
-
-    Args:
-        lengths: ``[B]`` response lengths in tokens.
-        max_len: the generation limit ``L_max`` (``rollout.max_new_tokens``).
-        buffer: the punishment window ``L_cache`` in tokens (> 0).
-        penalty: magnitude at the limit (the paper uses 1).
-    Returns:
-        ``[B]`` float penalties (<= 0).
-    Raises:
-        ValueError: ``buffer`` not in ``(0, max_len]``.
-    """
-    if buffer <= 0 or buffer > max_len:
-        raise ValueError(f"overlong buffer must be in (0, max_len={max_len}], got {buffer}")
-    L = lengths.float()
-    start = float(max_len - buffer)
-    inside = penalty * (start - L) / float(buffer)
-    out = torch.where(L <= start, torch.zeros_like(L), inside)
-    return torch.where(L > max_len, torch.full_like(L, -penalty), out)
 
 
 class BetaBaselineTracker:

@@ -11,19 +11,21 @@ advantages) and reads the flags of :func:`algo_requirements`:
   tagged ``needs_baseline_rollout`` (ReMax, arXiv:2310.10505);
 * a per-prompt Beta-posterior baseline for single-rollout MSSR;
 * reference answers in place of the sampled responses for losses tagged
-  ``needs_reference_responses`` (SFT);
-* HAPO's adaptive temperature hook (``algo.loss_params.temperature_tau > 0``),
-  built from the entropy statistics of the previous step.
+  ``needs_reference_responses`` (SFT).
+
+Per-token sampling temperature is not an algorithm concern: HAPO's adaptive
+temperature is owned by ``sampler=adaptive_temperature``
+(:class:`rlpost.samplers.temperature.AdaptiveTemperatureSampler`), which
+:func:`check_sampler` requires for ``algo=hapo``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from rlpost.algos.hapo import EntropyStats, entropy_hhat, make_temperature_hook
 from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
 from rlpost.algos.shaping import BetaBaselineTracker
 
@@ -37,61 +39,73 @@ class AlgoRequirements:
         baseline_rollout: a greedy rollout per prompt (ReMax).
         beta_baseline: a per-prompt Beta-posterior baseline (MSSR).
         reference_responses: train on reference answers instead of samples (SFT).
-        temperature_tau: HAPO's adaptive-temperature range (0 = off).
     """
 
     entropy: bool = False
     baseline_rollout: bool = False
     beta_baseline: bool = False
     reference_responses: bool = False
-    temperature_tau: float = 0.0
 
 
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
-    """Read the registry tags of ``algo.adv_estimator`` / ``algo.loss`` and HAPO's ``temperature_tau``."""
+    """Read the registry tags of ``algo.adv_estimator`` / ``algo.loss``."""
     adv, loss = algo_cfg.adv_estimator, algo_cfg.loss
-    lp = dict(algo_cfg.loss_params or {})
-    tau = float(lp.get("temperature_tau", 0.0) or 0.0)
     return AlgoRequirements(
-        entropy=bool(ADV_ESTIMATORS.tag(adv, "needs_entropy", False)) or tau > 0,
+        entropy=bool(ADV_ESTIMATORS.tag(adv, "needs_entropy", False)),
         baseline_rollout=bool(ADV_ESTIMATORS.tag(adv, "needs_baseline_rollout", False)),
         beta_baseline=adv == "mssr",
         reference_responses=bool(POLICY_LOSSES.tag(loss, "needs_reference_responses", False)),
-        temperature_tau=tau,
     )
 
 
+#: losses whose paper samples with a per-token temperature, and the sampler that owns it
+TEMPERATURE_SAMPLERS = {"hapo": "adaptive_temperature"}
+
+
+def check_sampler(algo_cfg: Any, sampler_name: str) -> None:
+    """Per-token temperature has one owner, the sampler: refuse conflicting settings.
+
+    HAPO ("From Uniform to Heterogeneous: Tailoring Policy Optimization to Every
+    Token's Nature", arXiv:2509.16591) samples with its Adaptive Temperature
+    Sampling, which ``sampler=adaptive_temperature`` implements (its ``tau``
+    is ``sampler.params.tau``). ``algo.loss=hapo`` with another sampler, or a
+    temperature range given to the algorithm (``algo.loss_params.temperature_tau``,
+    where it used to live), is a configuration error.
+
+    Raises:
+        rlpost.errors.ConfigError: either conflict, naming the fix.
+    """
+    from rlpost.errors import ConfigError
+
+    lp = dict(algo_cfg.loss_params or {})
+    if "temperature_tau" in lp:
+        raise ConfigError(f"algo.loss_params.temperature_tau={lp['temperature_tau']}: the per-token temperature is "
+                          f"owned by the sampler. Fix: sampler=adaptive_temperature "
+                          f"sampler.params.tau={lp['temperature_tau']} (and drop algo.loss_params.temperature_tau).")
+    want = TEMPERATURE_SAMPLERS.get(str(algo_cfg.loss))
+    if want is not None and sampler_name != want:
+        raise ConfigError(f"algo.loss={algo_cfg.loss} samples with per-token adaptive temperature, which "
+                          f"sampler={want} owns; sampler={sampler_name} would drop it. Fix: add sampler={want}.")
+
+
 class AlgoState:
-    """Cross-step state of the algorithm glue: MSSR's Beta tracker and HAPO's entropy statistics."""
+    """Cross-step state of the algorithm glue: MSSR's Beta tracker."""
 
     def __init__(self, req: AlgoRequirements) -> None:
         self.req = req
         self.tracker: Optional[BetaBaselineTracker] = BetaBaselineTracker() if req.beta_baseline else None
-        self.entropy_stats: Optional[EntropyStats] = None
-
-    def temperature_hook(self, base_temperature: float) -> Optional[Callable]:
-        """HAPO's hook for the next rollout (None when HAPO sampling is off)."""
-        if self.req.temperature_tau <= 0:
-            return None
-        return make_temperature_hook(base_temperature, self.entropy_stats, self.req.temperature_tau)
 
     def state_dict(self) -> Dict[str, Any]:
         """Serializable state for checkpoints (saved by :meth:`rlpost.runner.Run.checkpoint`).
 
-        ``{"tracker": BetaBaselineTracker.state_dict() or None, "entropy_stats":
-        the EntropyStats fields as a dict or None}`` (copies, not live objects).
+        ``{"tracker": BetaBaselineTracker.state_dict() or None}`` (a copy, not the live object).
         """
-        return {
-            "tracker": None if self.tracker is None else self.tracker.state_dict(),
-            "entropy_stats": None if self.entropy_stats is None else asdict(self.entropy_stats),
-        }
+        return {"tracker": None if self.tracker is None else self.tracker.state_dict()}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output (an old checkpoint's ``entropy_stats`` is ignored)."""
         if self.tracker is not None and sd.get("tracker"):
             self.tracker.load_state_dict(sd["tracker"])
-        if sd.get("entropy_stats"):
-            self.entropy_stats = EntropyStats(**sd["entropy_stats"])
 
 
 def reference_response(answer: Any, answer_format: str) -> str:
@@ -147,7 +161,7 @@ def prepare_algo_inputs(
         for SFT, replaces the batch's responses by the reference answers
         (``batch.answers``) with rollout log-probs 0; sets
         ``batch.extras['entropy']`` and ``batch.extras['baseline_rewards']``;
-        updates the MSSR tracker and HAPO's entropy statistics for the next step.
+        updates the MSSR tracker.
     Raises:
         ValueError: a needed input (greedy rollout, tokenizer) was not given.
     """
@@ -166,8 +180,6 @@ def prepare_algo_inputs(
     if req.entropy:
         _, ent = trainer.compute_logprobs(batch, with_entropy=True)
         batch.extras["entropy"] = ent
-        if req.temperature_tau > 0 and ent is not None:
-            _, state.entropy_stats = entropy_hhat(ent, batch.response_mask)
     if req.baseline_rollout:
         if greedy_rewards is None:
             raise ValueError("this estimator needs a greedy baseline rollout but the runner gave none")

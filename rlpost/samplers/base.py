@@ -326,13 +326,14 @@ def check_allocation(selector: Any, sampler: Sampler, selector_name: str, sample
     """Refuse a selector that allocates rollouts per prompt with a sampler that would ignore it.
 
     Raises:
-        ConfigError: ``selector.allocates_rollouts`` (CurES) and the sampler's
+        ConfigError: the selector plays ``Role.ALLOCATE`` (CurES) and the sampler's
             ``uses_rollout_counts`` is False; the message lists the samplers that honour it.
     """
     from rlpost.errors import ConfigError
+    from rlpost.selectors.base import Role
 
-    if getattr(selector, "allocates_rollouts", False) and not sampler.uses_rollout_counts:
-        ok = [n for n in SAMPLERS.names() if getattr(SAMPLERS.get(n), "uses_rollout_counts", False)]
+    if selector.plays(Role.ALLOCATE) and not sampler.uses_rollout_counts:
+        ok = [n for n in SAMPLERS.names() if SAMPLERS.get(n).uses_rollout_counts]
         raise ConfigError(
             f"selector={selector_name} allocates rollouts per prompt, but sampler={sampler_name} ignores that budget; "
             f"use sampler={' or sampler='.join(ok)}, or set selector.params.allocate=false"
