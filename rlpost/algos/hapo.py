@@ -15,8 +15,11 @@ redistribution, asymmetric adaptive clipping) lives in
 :mod:`rlpost.algos.advantages` (``hapo``) and :mod:`rlpost.algos.losses`
 (``hapo``). This module gives the sampling side: a per-token temperature
 ``T = T0 * (1 + tau * clip(h_hat, -1, 1))`` computed during generation from the
-next-token logits with the normalisation statistics of the previous training
-batch (the statistics of the step's own tokens are not known while sampling).
+next-token logits with the normalisation statistics of the previous step's
+rollouts (the statistics of the step's own tokens are not known while sampling).
+Its only user is ``sampler=adaptive_temperature``
+(:class:`rlpost.samplers.temperature.AdaptiveTemperatureSampler`), the one owner
+of per-token temperature.
 """
 
 from __future__ import annotations

@@ -545,10 +545,10 @@ def hapo_loss(
     Then the PPO clipped surrogate with those per-token ranges and dual-clip
     ``c = 3`` (as the authors' release). ``clip_alpha = adv_beta = 1`` are the
     authors' settings; base ``eps`` are DAPO's clip-higher 0.2 / 0.28.
-    ``temperature_tau`` is not used by the loss: it is the range of HAPO's
-    Adaptive Temperature Sampling, read by the trainer from
-    ``algo.loss_params`` to build :func:`rlpost.algos.hapo.make_temperature_hook`
-    (0 turns the sampling part off).
+    ``temperature_tau`` is not used by the loss: HAPO's Adaptive Temperature
+    Sampling belongs to ``sampler=adaptive_temperature`` (its ``tau``), and a
+    config that sets ``algo.loss_params.temperature_tau`` is refused
+    (:func:`rlpost.algos.stages.check_sampler`).
 
     Raises:
         ValueError: ``inp.entropy`` is None (HAPO needs the token entropies).
