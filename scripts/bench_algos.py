@@ -60,8 +60,6 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
     t0 = time.perf_counter()
     try:
         base = [f"algo={name}", f"steps={steps}", "logger=jsonl", "eval.at_end=false", "checkpoint.every=0"]
-        if name == "hapo":  # HAPO's adaptive temperature is the sampler's (rlpost.algos.stages.check_sampler)
-            base.append("sampler=adaptive_temperature")
         cfg = compose_config([*base, *overrides])
         if rollouts_per_step > 0:
             k = max(1, rollouts_per_step // int(cfg.algo.n_samples_per_prompt))

@@ -151,3 +151,16 @@ def test_uniform_still_covers_every_prompt_once_per_pass():
     seen = [i for step in range(50) for i in sel.select(step)]  # 200 draws = 20 passes
     counts = np.bincount(seen, minlength=10)
     assert counts.tolist() == [20] * 10
+
+
+def test_hapo_preset_composes_with_the_sampler_that_owns_per_token_temperature(compose):
+    from rlpost.algos.stages import check_sampler
+    from rlpost.errors import ConfigError
+
+    cfg = compose(tiny_overrides("algo=hapo"))
+    assert cfg.sampler.name == "adaptive_temperature" and "temperature_tau" not in cfg.algo.loss_params
+    check_sampler(cfg.algo, cfg.sampler.name)
+    assert compose(tiny_overrides("algo=grpo")).sampler.name == "group"
+    bad = compose(tiny_overrides("algo=hapo", "sampler=tree"))  # a named sampler is kept, then refused
+    with pytest.raises(ConfigError, match="sampler=adaptive_temperature"):
+        check_sampler(bad.algo, bad.sampler.name)

@@ -256,7 +256,10 @@ def test_every_row_keeps_its_prompt_reward_and_text_through_the_driver(name, kw)
     score = scorer(calls=scored)
 
     for step in range(3):
+        scored.clear()
         out = collect_rollouts(sel, make(name, 4, **kw), eng, PARAMS, step=step, encode=lambda i: [100 + i, 7], score=score)
+        # every generated row is scored exactly once (tree's pruned branches are never scored)
+        assert sum(scored) == out.metrics["rollout/spent"] - out.metrics.get("sampler/branches_pruned", 0)
         g = out.result.generation
         assert out.rewards.tolist() == [correct(t) for t in g.texts]
         # a text (tree: root prefix + branch suffix) holds only the echo letter of its own prompt

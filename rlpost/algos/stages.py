@@ -15,8 +15,10 @@ advantages) and reads the flags of :func:`algo_requirements`:
 
 Per-token sampling temperature is not an algorithm concern: HAPO's adaptive
 temperature is owned by ``sampler=adaptive_temperature``
-(:class:`rlpost.samplers.temperature.AdaptiveTemperatureSampler`), which
-:func:`check_sampler` requires for ``algo=hapo``.
+(:class:`rlpost.samplers.temperature.AdaptiveTemperatureSampler`): ``algo=hapo``
+composes with it (:data:`TEMPERATURE_SAMPLERS`, read by
+:func:`rlpost.config.compose.compose_config`) and :func:`check_sampler` refuses
+a conflicting sampler.
 """
 
 from __future__ import annotations

@@ -126,7 +126,24 @@ def compose_config(overrides: List[str], return_hydra_config: bool = False) -> D
         raise
     except Exception as e:  # Hydra raises several unrelated exception types
         raise friendly_error(e) from None
-    return cfg
+    return _with_preset_sampler(cfg, list(overrides), return_hydra_config)
+
+
+def _with_preset_sampler(cfg: DictConfig, overrides: List[str], return_hydra_config: bool) -> DictConfig:
+    """An algorithm that samples with a per-token temperature gets the sampler that owns it.
+
+    ``algo=hapo`` alone composes with ``sampler=adaptive_temperature``
+    (:data:`rlpost.algos.stages.TEMPERATURE_SAMPLERS`; Hydra cannot override a
+    sibling group from an ``algo`` preset). A sampler the user names is kept;
+    a conflicting one is refused by :func:`rlpost.algos.stages.check_sampler`.
+    """
+    from rlpost.algos.stages import TEMPERATURE_SAMPLERS
+
+    want = TEMPERATURE_SAMPLERS.get(str(cfg.algo.loss))
+    named = any(o.lstrip("+~").split("=", 1)[0] == "sampler" for o in overrides)
+    if want is None or named or cfg.sampler.name == want:
+        return cfg
+    return compose_config([*overrides, f"sampler={want}"], return_hydra_config)
 
 
 def expand_sweep(overrides: List[str]) -> List[List[str]]:

@@ -1,11 +1,12 @@
 """``sampler=adaptive_temperature``: HAPO's per-token adaptive temperature during rollout.
 
-The temperature rule itself lives with the algorithm in
-:func:`rlpost.algos.hapo.make_temperature_hook` (imported lazily). This sampler
+This sampler is the one owner of per-token temperature in rlpost (``algo=hapo``
+requires it; :func:`rlpost.algos.stages.check_sampler`). The temperature rule is
+:func:`rlpost.algos.hapo.make_temperature_hook` (imported lazily); the sampler
 supplies the normalisation statistics it needs: the log-entropy statistics of
 the previous step's rollouts, recorded from the very logits the hook sees while
-generating (so no extra forward pass), or set by the runner from the trainer's
-batch through :meth:`AdaptiveTemperatureSampler.set_entropy_stats`.
+generating (so no extra forward pass), saved in its :meth:`state_dict`.
+(:meth:`AdaptiveTemperatureSampler.set_entropy_stats` replaces them, for tests.)
 """
 
 from __future__ import annotations
