@@ -130,10 +130,11 @@ def step_seed(seed: int, step: int, salt: str = "rollout") -> int:
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """``auto`` -> cuda when available, else cpu; on CUDA the local rank's GPU, made current
+    (:func:`rlpost.trainer.launch.local_device`)."""
+    from rlpost.trainer.launch import local_device
+
+    return local_device(name)
 
 
 def is_main_process() -> bool:
