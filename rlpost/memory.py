@@ -235,10 +235,14 @@ def estimate(cfg: Any, shape: ModelShape, device_bytes: int, world_size: Optiona
     chunk = int(_get(t, "logprob_chunk_size", 64) or 64)
     act += 3 * 4 * mbs * min(chunk, s) * shape.vocab  # fp32 logits, log-softmax and its gradient for one chunk
     items["activations (one micro-batch)"] = act
+    if act_bytes == 2:
+        # torch.autocast caches the 16-bit cast of every fp32 weight it uses until the forward/backward ends
+        items["autocast 16-bit weight casts"] = 2 * P if stage < 3 else 2 * (P - shape.embed_params) // shape.layers
     trainer_resident = sum(v for k, v in items.items() if not k.startswith("activations") and "gradients" not in k
-                           and "gather" not in k)
+                           and "gather" not in k and "autocast" not in k)
     train_transient = items["activations (one micro-batch)"] + items["policy gradients (fp32)"] + \
-        items.get("critic gradients", 0) + items.get("ZeRO-3 gather (one layer)", 0)
+        items.get("critic gradients", 0) + items.get("ZeRO-3 gather (one layer)", 0) + \
+        items.get("autocast 16-bit weight casts", 0)
 
     vllm_share = vllm_need = 0
     rd = _get(prec, "rollout_dtype", "fp32")
