@@ -193,9 +193,10 @@ def layers_that_fit(device_bytes: int, shape: str, overrides: List[str]) -> int:
     from rlpost.memory import estimate, shape_from_config
 
     full = int(SHAPES[shape]["num_hidden_layers"])
+    cfg = rl_config(overrides)
     for n in range(full, 0, -1):
         s = shape_from_config(hf_config(shape, n).to_dict())
-        if not estimate(rl_config(overrides), s, device_bytes, world_size=1).problems():
+        if not estimate(cfg, s, device_bytes, world_size=1).problems():
             return n
     return 1
 
