@@ -292,7 +292,9 @@ class DeepSpeedTrainer(TorchTrainer):
     def _any(self, flag: bool) -> bool:
         import torch.distributed as dist
 
-        t = torch.tensor([1.0 if flag else 0.0])
+        # on the trainer's device: NCCL (the GPU backend) has no CPU tensors ("No backend type associated
+        # with device type cpu", seen on the H200 check); gloo on CPU takes CPU tensors
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
