@@ -179,6 +179,9 @@ class Run:
         self.selector.attach(examples=self.train_examples, prompt_entropy=self.prompt_entropy)
         self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
         check_allocation(self.selector, self.sampler, cfg.selector.name, cfg.sampler.name)
+        from rlpost.memory import preflight
+
+        preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
         self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)

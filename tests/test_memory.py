@@ -92,3 +92,25 @@ def test_preflight_skips_cpu_and_tiny(compose):
     from rlpost.memory import preflight
 
     assert preflight(compose(tiny_overrides()), torch.device("cpu")) is None
+
+
+def test_gpu_check_dry_run_runs_on_cpu(tmp_path):
+    """scripts/gpu_check.py --dry-run: plan, estimates and every part-hf check on a toy Qwen3, all PASS on CPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "gc.json"
+    p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--json", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "would use" in p.stdout and "Fix: precision=bf16" in p.stdout  # plan + flagship budget with its fix
+    recs = json.loads(out.read_text())
+    assert [r["check"] for r in recs] == ["hf_engine_generate", "torch_trainer_update", "weight_push_parity",
+                                         "sao_critic", "deepspeed_zero2"]
+    assert all(r["pass"] for r in recs)
+    parity = recs[2]
+    assert parity["after"] <= 0.05 and parity["before"] >= 5 * parity["after"]  # the push really moved the engine
