@@ -114,3 +114,21 @@ def test_gpu_check_dry_run_runs_on_cpu(tmp_path):
     assert all(r["pass"] for r in recs)
     parity = recs[2]
     assert parity["after"] <= 0.05 and parity["before"] >= 5 * parity["after"]  # the push really moved the engine
+
+
+@pytest.mark.parametrize("recipe,shape", [("sao_qwen3_8b", QWEN3_8B),
+                                          ("grpo_qwen2.5_7b", dict(model_type="qwen2", hidden_size=3584,
+                                                                   intermediate_size=18944, num_hidden_layers=28,
+                                                                   num_attention_heads=28, num_key_value_heads=4,
+                                                                   vocab_size=152064, max_position_embeddings=32768,
+                                                                   tie_word_embeddings=False))])
+def test_gpu_recipes_fit_one_8x80gb_node_and_the_bare_preset_does_not(compose, recipe, shape):
+    from rlpost.memory import estimate, shape_from_config
+
+    s = shape_from_config(shape)
+    cfg = compose([f"+recipe={recipe}", "logger=none"])
+    assert cfg.precision.name == "bf16" and cfg.rollout.max_model_len == 4096 and cfg.trainer.zero_stage == 3
+    assert estimate(cfg, s, 80 * GiB, world_size=8).problems() == []
+    bare = compose([f"algo={cfg.algo.name}", f"model={cfg.model.name}", "rollout=vllm", "trainer=deepspeed",
+                    "logger=none"])
+    assert estimate(bare, s, 80 * GiB, world_size=8).problems() != []
