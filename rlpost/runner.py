@@ -123,10 +123,11 @@ def step_seed(seed: int, step: int, salt: str = "rollout") -> int:
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """``auto`` -> cuda when available, else cpu; on CUDA the local rank's GPU, made current
+    (:func:`rlpost.trainer.launch.local_device`)."""
+    from rlpost.trainer.launch import local_device
+
+    return local_device(name)
 
 
 def is_main_process() -> bool:
@@ -177,6 +178,9 @@ class Run:
         # all reward shaping lives here (e.g. algo=dapo's overlong window); its config errors stop the run early too
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
                                                     preset_shaping=cfg.algo.adv_params)
+        from rlpost.memory import preflight
+
+        preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
         self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's rlpost, not an installed copy
 
 from conftest import tiny_overrides  # noqa: E402
 
@@ -40,12 +41,13 @@ def overrides(engine: str, stage: int = 2):
                           "trainer.micro_batch_size=2", "trainer.grad_clip=1.0", "algo.mini_batches=2", "steps=4")
 
 
-def make_trainer(engine: str, stage: int = 2, run_dir=None):
+def make_trainer(engine: str, stage: int = 2, run_dir=None, critic: bool = False):
     from rlpost.config.compose import compose_config
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
 
-    cfg = compose_config(overrides(engine, stage))
+    extra = ["algo.critic.enabled=true", "algo.critic.lr=1e-3"] if critic else []
+    cfg = compose_config(overrides(engine, stage) + extra)
     policy, _ = load_policy(ModelConfig(source="tiny"), seed=3)
     if engine == "deepspeed":
         from rlpost.trainer.deepspeed_engine import DeepSpeedTrainer
@@ -54,6 +56,19 @@ def make_trainer(engine: str, stage: int = 2, run_dir=None):
     from rlpost.trainer.torch_engine import TorchTrainer
 
     return TorchTrainer(policy, cfg, "cpu")
+
+
+def critic_batch():
+    """:func:`make_batch` with value targets (``returns``) and rollout-time ``values`` for a critic update."""
+    b = make_batch(2)
+    g = torch.Generator().manual_seed(5)
+    b.extras["returns"] = torch.randn(b.response_mask.shape, generator=g) * b.response_mask
+    b.extras["values"] = torch.zeros_like(b.response_mask)
+    return b
+
+
+def critic_weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.critic.state_dict().items()}
 
 
 def weights(trainer):
@@ -71,6 +86,14 @@ def main(out: Path) -> None:
         if is_main_process():
             torch.save(weights(t), out / f"zero{stage}.pt")
             torch.save(m, out / f"metrics_zero{stage}.pt")
+    # SAO/PPO critic inside its own ZeRO-3 engine: one critic update (weights gathered module by module)
+    from rlpost.trainer.deepspeed_engine import gathered_named_parameters
+
+    t = make_trainer("deepspeed", 3, critic=True)
+    cm = t.critic_update(critic_batch())
+    full = {n: p for n, p in gathered_named_parameters(t.critic)}
+    if is_main_process():
+        torch.save({"weights": full, "metrics": cm, "engine": type(t.critic_engine).__name__}, out / "critic_zero3.pt")
     # resume: step, checkpoint, step (continued) vs fresh trainer + load + step (resumed)
     t = make_trainer("deepspeed", 2, run_dir=out / "run")
     t.policy_update(batch, torch.Generator().manual_seed(0))

@@ -63,6 +63,25 @@ def test_two_process_zero_step_equals_torch_step(ds_out, torch_step, stage):
         assert m_ds[key] == pytest.approx(m_torch[key], rel=1e-4), key
 
 
+def test_critic_trains_inside_its_own_zero3_engine_like_torch(ds_out):
+    """SAO's critic is a DeepSpeed engine (partitioned AdamW state), and its two-process ZeRO-3 update equals
+    the torch critic update; the per-module gather returns the full weights."""
+    sys.path.insert(0, str(HERE))
+    from ds_worker import critic_batch, make_trainer
+
+    t = make_trainer("torch", critic=True)
+    w0 = {k: v.detach().clone() for k, v in t.critic.state_dict().items()}
+    m_torch = t.critic_update(critic_batch())
+    w_torch = {k: v.detach().clone() for k, v in t.critic.state_dict().items()}
+    got = torch.load(ds_out / "critic_zero3.pt")
+    assert got["engine"] == "DeepSpeedEngine"
+    assert got["weights"].keys() == w_torch.keys()
+    assert max((w_torch[k] - w0[k]).abs().max().item() for k in w0) > 1e-4  # the update moved the critic
+    for k in w_torch:
+        torch.testing.assert_close(got["weights"][k], w_torch[k], rtol=0, atol=1e-5, msg=k)
+    assert got["metrics"]["critic/value_loss"] == pytest.approx(m_torch["critic/value_loss"], rel=1e-5)
+
+
 def test_deepspeed_checkpoint_resumes_weights_and_optimizer_state(ds_out):
     cont = torch.load(ds_out / "continued.pt")
     res = torch.load(ds_out / "resumed.pt")

@@ -98,14 +98,8 @@ def test_missing_vllm_or_gpu_is_a_clear_error(compose, monkeypatch):
         build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
 
 
-def test_engine_drives_vllm_api_with_fakes(compose, monkeypatch, tmp_path):
-    """Against a fake ``vllm`` module: construction args, generate, in-memory sync, sleep/wake order."""
-    from rlpost.config.schema import ModelConfig
-    from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
-    from rlpost.rollout.base import SamplingParams
-
-    calls = []
+def _fake_vllm(monkeypatch, calls, version="0.33.0", reload_api=True):
+    """A fake ``vllm`` module recording every engine call; ``reload_api``: GPUModelRunner.reload_weights exists."""
 
     class FakeLLM:
         def __init__(self, **kw):
@@ -119,6 +113,13 @@ def test_engine_drives_vllm_api_with_fakes(compose, monkeypatch, tmp_path):
         def apply_model(self, fn):
             return [fn(self.model)]
 
+        def collective_rpc(self, method, args=(), kwargs=None):
+            kw = dict(kwargs or {})
+            calls.append(("rpc", method, [n for n, _ in kw.pop("weights_iterator")], kw))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
         def sleep(self, level=1):
             calls.append(("sleep", level))
 
@@ -126,20 +127,138 @@ def test_engine_drives_vllm_api_with_fakes(compose, monkeypatch, tmp_path):
             calls.append(("wake", tuple(tags or ())))
 
     fake = types.ModuleType("vllm")
+    fake.__version__ = version
     fake.LLM, fake.SamplingParams = FakeLLM, lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    runner_mod = types.ModuleType("vllm.v1.worker.gpu_model_runner")
+
+    class GPUModelRunner:
+        if reload_api:
+            def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+                pass
+
+    runner_mod.GPUModelRunner = GPUModelRunner
+    for name in ("vllm.v1", "vllm.v1.worker"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", runner_mod)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def _kinds(calls):
+    return [c[0] if c[0] not in ("wake", "rpc") else f"{c[0]}({c[1]!r},)" if c[0] == "rpc" else f"wake{c[1]}"
+            for c in calls]
+
+
+def test_engine_drives_vllm_api_with_fakes(compose, monkeypatch, tmp_path):
+    """bf16: construction args, generate, in-memory push through load_weights after waking only the weights."""
+    import os
+
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+    from rlpost.rollout.base import SamplingParams
+
+    calls = []
+    _fake_vllm(monkeypatch, calls)
     cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
     eng = build_engine(cfg, model, tok, torch.device("cpu"))
     init = calls[0][1]
     assert init["dtype"] == "bfloat16" and init["enable_sleep_mode"] and "quantization" not in init
+    assert init["max_model_len"] == 4096 and init["logprobs_mode"] == "processed_logprobs"
+    assert "distributed_executor_backend" not in init  # one process: vLLM's default executor
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert (tmp_path / "vllm_init" / "tiny" / "config.json").exists()
     g = eng.generate([[1, 2], [3]], SamplingParams(max_new_tokens=4, seed=1))
     assert g.rollout_logprobs[0].tolist() == [-0.5, -0.25]
     eng.sync_weights(model)
     eng.generate([[1]], SamplingParams(max_new_tokens=4))
-    kinds = [c[0] if c[0] != "wake" else f"wake{c[1]}" for c in calls[1:]]
-    assert kinds == ["generate", "sleep", "wake('weights',)", "load", "wake('kv_cache',)", "generate", "sleep"]
+    assert eng.push_method == "load_weights"
+    assert _kinds(calls[1:]) == ["generate", "sleep", "wake('weights',)", "load", "reset_prefix_cache",
+                                 "wake('kv_cache',)", "generate", "sleep"]
     loaded = calls[4][1]
     assert "model.layers.1.mlp.down_proj.weight" in loaded
+
+
+def test_fp8_push_goes_through_worker_reload(compose, monkeypatch, tmp_path):
+    """fp8: quantization=fp8 and every push is collective_rpc('reload_weights', is_checkpoint_format=True),
+    never model.load_weights on the processed fp8 model; a vLLM without that API is refused up front."""
+    from rlpost.config.schema import ModelConfig
+    from rlpost.errors import RlpostError
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+    from rlpost.rollout.base import SamplingParams
+
+    calls = []
+    _fake_vllm(monkeypatch, calls)
+    cfg = compose(tiny_overrides("rollout=vllm", "precision=rollout_fp8", f"model.cache_dir={tmp_path}"))
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
+    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    assert calls[0][1]["quantization"] == "fp8" and calls[0][1]["dtype"] == "bfloat16"
+    eng.generate([[1]], SamplingParams(max_new_tokens=2))
+    eng.sync_weights(model)
+    assert eng.push_method == "reload_weights"
+    assert _kinds(calls[1:]) == ["generate", "sleep", "wake('weights',)", "rpc('reload_weights',)",
+                                 "reset_prefix_cache"]
+    rpc = calls[4]
+    assert rpc[3] == {"is_checkpoint_format": True} and "model.layers.0.self_attn.q_proj.weight" in rpc[2]
+    assert not any(c[0] == "load" for c in calls)
+    calls.clear()
+    _fake_vllm(monkeypatch, calls, reload_api=False)
+    with pytest.raises(RlpostError, match="in-place reload"):
+        build_engine(cfg, model, tok, torch.device("cpu"))
+
+
+def test_torchrun_ranks_use_external_launcher_and_multiprocessing_is_refused(compose, monkeypatch, tmp_path):
+    from rlpost.config.schema import ModelConfig
+    from rlpost.errors import RlpostError
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+
+    calls = []
+    _fake_vllm(monkeypatch, calls, version="0.9.2")
+    cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}"))
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
+    with pytest.raises(RlpostError, match=r"vLLM >= 0\.10\.2"):  # too old: refused, no second engine
+        build_engine(cfg, model, tok, torch.device("cpu"))
+    assert not calls
+    _fake_vllm(monkeypatch, calls)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    build_engine(cfg, model, tok, torch.device("cpu"))
+    assert calls[0][1]["distributed_executor_backend"] == "external_launcher"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(RlpostError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1"):
+        build_engine(cfg, model, tok, torch.device("cpu"))
+
+
+def test_temperature_is_recorded_as_vllm_samples_it():
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.vllm import build_requests, extract_result, vllm_temperature
+
+    assert vllm_temperature(0.005) == 0.01  # vLLM's SamplingParams raises (0, 0.01) to 0.01
+    assert vllm_temperature(0.7) == 0.7 and vllm_temperature(0.3, greedy=True) == 0.0
+    with pytest.raises(ValueError, match="above 2"):
+        vllm_temperature(2.5)
+    _, kws = build_requests([[1]], SamplingParams(temperature=0.001))
+    assert kws[0]["temperature"] == 0.01
+    r = extract_result([_out([5], [-0.1], "stop")], [[1]], pad_id=0, temperature=0.001)
+    assert r.temperatures[0, 0].item() == pytest.approx(0.01)  # the trainer recomputes at 0.01, not 0.001
+
+
+def test_local_rank_sets_the_current_cuda_device(monkeypatch):
+    """Under torchrun, rank k places models on cuda:k and makes it current before any engine is built."""
+    from rlpost.errors import ConfigError
+    from rlpost.trainer.launch import local_device
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(d))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_device("auto") == torch.device("cuda", 3) and seen == [torch.device("cuda", 3)]
+    assert local_device("cpu") == torch.device("cpu") and len(seen) == 1
+    monkeypatch.setenv("LOCAL_RANK", "9")
+    with pytest.raises(ConfigError, match="LOCAL_RANK=9"):
+        local_device("cuda")

@@ -248,6 +248,9 @@ class RolloutConfig:
         stop: extra stop strings (the tokenizer's EOS always stops).
         batch_size: sequences generated together.
         gpu_memory_utilization, enforce_eager: vLLM settings.
+        max_model_len: vLLM's longest sequence (prompt + response) in tokens;
+            null: the model's own context (40k tokens for Qwen3-8B, whose KV
+            cache for one sequence then has to fit in vLLM's share).
     """
 
     engine: str = "hf"
@@ -259,6 +262,7 @@ class RolloutConfig:
     batch_size: int = 64
     gpu_memory_utilization: float = 0.4
     enforce_eager: bool = False
+    max_model_len: Optional[int] = None
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
     if cfg.rollout.engine == "vllm":
         from rlpost.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is optional and GPU-only
 
-        return VLLMRolloutEngine(cfg, policy, tokenizer)
+        # one engine per torchrun rank, on the rank's current device (external launcher)
+        return VLLMRolloutEngine(cfg, policy, tokenizer, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.rollout.engine != "hf":
         raise ConfigError(f"Unknown rollout engine rollout.engine={cfg.rollout.engine!r}. Valid choices: hf, vllm.")
     from rlpost.rollout.hf import HFRolloutEngine

@@ -18,20 +18,52 @@ Pieces, each testable without a GPU:
   their fused ``qkv_proj`` / ``gate_up_proj`` themselves; wrapper prefixes,
   rotary buffers and a tied ``lm_head`` dropped).
 
-Weight sync after each update is in memory: ``LLM.apply_model`` (vLLM >= 0.9)
-runs ``model.load_weights`` on every worker with the trainer's tensors; with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set here) the worker is in this process
-and the tensors are passed by reference, no disk round trip. Between rollouts
-the engine sleeps (``enable_sleep_mode``; ``LLM.sleep(level=1)`` offloads
-weights and frees the KV cache, ``wake_up(tags=["weights"])`` before loading new
-weights, then ``wake_up(tags=["kv_cache"])``), so the trainer gets the GPU memory
-back during the update.
+Weight sync after each update is in memory and goes through the worker, in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, enforced: the tensors are
+passed by reference, never serialised):
+
+* bf16/fp16/fp32 rollouts: ``LLM.apply_model(lambda m: m.load_weights(items))``
+  (vLLM >= 0.9; ``vllm/entrypoints/llm.py`` ``LLM.apply_model``), the plain
+  checkpoint-format loaders.
+* fp8 rollouts (``quantization="fp8"``): vLLM's fp8 method replaces each linear
+  weight after loading by a transposed fp8 tensor plus a scale
+  (``Fp8LinearMethod.process_weights_after_loading`` in
+  ``vllm/model_executor/layers/quantization/fp8.py``), so ``load_weights`` on
+  the processed model fails the QKV loader's shape check and would never
+  recompute the scales. The supported path is the worker's in-place reload,
+  ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
+  "is_checkpoint_format": True})`` (``Worker.reload_weights`` ->
+  ``GPUModelRunner.reload_weights(weights_iterator=None, weights_path=None,
+  is_checkpoint_format=True)`` in ``vllm/v1/worker/gpu_worker.py`` /
+  ``gpu_model_runner.py``), which restores checkpoint-format parameters, loads,
+  and re-runs the quantisation processing (new scales).
+
+Between rollouts the engine sleeps (``enable_sleep_mode``; ``LLM.sleep(level=1)``
+offloads weights and frees the KV cache, ``wake_up(tags=["weights"])`` before
+loading new weights, then ``wake_up(tags=["kv_cache"])``; ``Worker.sleep`` /
+``Worker.wake_up`` in ``vllm/v1/worker/gpu_worker.py``), so the trainer gets
+the GPU memory back during the update.
+
+Several processes (``trainer.num_procs > 1`` under torchrun): each rank's
+engine is built with ``distributed_executor_backend="external_launcher"``
+(vLLM's executor for engines launched by an outside launcher, one engine per
+torchrun process; ``vllm/v1/executor/uniproc_executor.py``
+``ExecutorWithExternalLauncher``; TRL's colocate mode does the same), after
+rlpost set the current CUDA device from ``LOCAL_RANK``
+(:func:`rlpost.trainer.launch.local_device`); the default single-process
+executor would put every rank's engine on GPU 0.
+
+Temperature: vLLM's ``SamplingParams.__post_init__`` raises a temperature in
+(0, 0.01) to 0.01 (``_MAX_TEMP``, ``vllm/sampling_params.py``), so
+:func:`vllm_temperature` records 0.01 as the temperature the tokens were drawn
+at (the trainer recomputes log-probs at the recorded value); above 2 is
+refused here with a clear error.
 
 Log-probs: vLLM reports raw-model log-probs by default; we request
 ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) so they are those of the
 distribution actually sampled from (after temperature / top-k / top-p), which is
-what the trainer recomputes. On older vLLM the engine argument is dropped and
-the metrics ``mismatch/*`` show the difference at temperature != 1.
+what the trainer recomputes. Older vLLM is refused at start (:data:`MIN_VLLM`)
+rather than silently reporting other log-probs.
 """
 
 from __future__ import annotations
@@ -79,20 +111,50 @@ def vllm_weight_items(state: Dict[str, torch.Tensor] | Iterable[Tuple[str, torch
         yield name, t.detach()
 
 
+VLLM_MIN_TEMPERATURE = 0.01  # vllm/sampling_params.py ``_MAX_TEMP``: SamplingParams raises (0, 0.01) to this
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def vllm_temperature(temperature: float, greedy: bool = False) -> float:
+    """The temperature vLLM actually samples at for a requested ``temperature``.
+
+    vLLM's ``SamplingParams.__post_init__`` silently raises a temperature in
+    ``(0, 0.01)`` to 0.01 (``vllm/sampling_params.py``, ``_MAX_TEMP``); rlpost
+    records that value so the trainer recomputes log-probs at the temperature the
+    tokens were really drawn at. Greedy (or temperature 0) returns 0.
+
+    Raises:
+        ValueError: a negative temperature, or one above 2 (beyond what rlpost
+            lets vLLM sample at; use rollout=hf for hotter sampling).
+    """
+    t = float(temperature)
+    if greedy or t == 0.0:
+        return 0.0
+    if t < 0:
+        raise ValueError(f"rollout temperature {t} is negative; use a temperature > 0 (or greedy).")
+    if t > VLLM_MAX_TEMPERATURE:
+        raise ValueError(f"rollout temperature {t} is above {VLLM_MAX_TEMPERATURE}, which rollout=vllm refuses. "
+                         "Fix: lower rollout.temperature, or use rollout=hf.")
+    return max(t, VLLM_MIN_TEMPERATURE)
+
+
 def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """vLLM requests for ``prompts`` under ``params``.
 
     Returns:
         ``(inputs, sampling_kwargs)``: one ``{"prompt_token_ids": [...]}`` dict
         (vLLM's ``TokensPrompt``) and one ``vllm.SamplingParams`` keyword dict per
-        prompt. ``max_tokens`` = ``max_new_tokens``; ``temperature`` 0 for greedy;
+        prompt. ``max_tokens`` = ``max_new_tokens``; ``temperature`` 0 for greedy,
+        else :func:`vllm_temperature` (0.01 for a requested 0 < T < 0.01, as vLLM
+        would clamp it anyway, so the request and the record agree);
         ``top_k`` -1 when off (vLLM's "all tokens"); ``logprobs=0`` (the sampled
         token's log-prob only); ``seed = params.seed + i`` for request ``i`` (None
         without a seed), so a group of identical prompts draws different samples
         and a rerun draws the same ones; ``stop`` strings kept in the output
         (``include_stop_str_in_output``) as the hf engine does.
     Raises:
-        ValueError: empty ``prompts``, an empty prompt, or a per-token
+        ValueError: empty ``prompts``, an empty prompt, a temperature vLLM cannot
+            sample at (see :func:`vllm_temperature`), or a per-token
             ``temperature_hook`` (vLLM samples each request at one temperature;
             use rollout=hf for HAPO's adaptive temperature).
     """
@@ -100,6 +162,7 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) -> 
         raise ValueError("generate() needs at least one prompt")
     if params.temperature_hook is not None:
         raise ValueError("rollout=vllm does not support per-token temperature hooks; use rollout=hf for this algo")
+    temp = vllm_temperature(params.temperature, params.greedy)
     inputs, kws = [], []
     for i, p in enumerate(prompts):
         if len(p) == 0:
@@ -108,7 +171,7 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) -> 
         kws.append({
             "n": 1,
             "max_tokens": int(params.max_new_tokens),
-            "temperature": 0.0 if params.greedy else float(params.temperature),
+            "temperature": temp,
             "top_p": 1.0 if params.greedy else float(params.top_p),
             "top_k": -1 if (params.greedy or not params.top_k) else int(params.top_k),
             "stop": list(params.stop) or None,
@@ -140,7 +203,8 @@ def extract_result(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], pad
         prompt ids/mask ``[B, P]`` (left-padded), response ids ``[B, R]`` (padded
         with ``pad_id``), response mask ``[B, R]`` (1 on generated tokens,
         including EOS), rollout log-probs ``[B, R]`` (0 on padding), per-token
-        temperatures ``[B, R]`` (1 for greedy, as the hf engine), finished ``[B]``.
+        temperatures ``[B, R]`` (1 for greedy, as the hf engine; else the
+        temperature vLLM sampled at, :func:`vllm_temperature`), finished ``[B]``.
     Raises:
         RlpostError: output count differs from the prompt count, or a log-prob is missing.
     """
@@ -153,7 +217,7 @@ def extract_result(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], pad
     mask = torch.zeros(B, R)
     lps = torch.zeros(B, R)
     temps = torch.zeros(B, R)
-    T = 1.0 if greedy else float(temperature)
+    T = 1.0 if greedy else vllm_temperature(temperature)
     for i, c in enumerate(comps):
         toks = list(c.token_ids)
         n = len(toks)
@@ -171,6 +235,17 @@ def extract_result(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], pad
                             texts=[c.text for c in comps])
 
 
+MIN_VLLM = (0, 10, 2)  # logprobs_mode="processed_logprobs" (vllm/config: ModelConfig.logprobs_mode) arrived in 0.10.2
+
+
+def _version_tuple(v: str) -> Tuple[int, ...]:
+    out = []
+    for part in re.split(r"[.+]", str(v))[:3]:
+        m = re.match(r"\d+", part)
+        out.append(int(m.group()) if m else 0)
+    return tuple(out)
+
+
 def _require_vllm_and_gpu():
     try:
         import vllm  # noqa: F401
@@ -179,9 +254,83 @@ def _require_vllm_and_gpu():
             f"rollout=vllm needs the vllm package ({e}). Fix: pip install vllm on a machine with an NVIDIA GPU, "
             "or use rollout=hf (CPU or GPU)."
         ) from None
+    ver = getattr(vllm, "__version__", None)
+    if ver is not None and _version_tuple(ver) < MIN_VLLM:
+        raise RlpostError(f"rollout=vllm needs vLLM >= {'.'.join(map(str, MIN_VLLM))} (processed log-probs); "
+                          f"this is vLLM {ver}. Fix: pip install -U vllm.")
     if not torch.cuda.is_available():
         raise RlpostError("rollout=vllm needs a CUDA GPU and none is visible. Fix: run on a GPU node, or use rollout=hf.")
     return vllm
+
+
+def in_process_worker_env() -> None:
+    """Make vLLM's engine core run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+    The weight push hands the trainer's tensors to the worker by reference; with
+    the engine core in a child process every push would serialise the whole model
+    (and ``apply_model``'s function cannot be pickled). A user's explicit ``1`` is
+    refused rather than overridden silently.
+
+    Raises:
+        RlpostError: ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to anything but 0.
+    """
+    v = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if v is not None and v.strip() not in ("0", "false", "False"):
+        raise RlpostError(f"VLLM_ENABLE_V1_MULTIPROCESSING={v} puts vLLM's worker in another process, where rlpost's "
+                          "in-memory weight push cannot reach it. Fix: unset it (rlpost sets it to 0).")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for ``cfg`` (pure; tested without vLLM).
+
+    ``dtype`` from ``precision.rollout_dtype`` (fp8 = bf16 activations with
+    ``quantization="fp8"``, dynamic scales); ``max_model_len`` from
+    ``rollout.max_model_len`` (null: the model's own limit, which for an 8B model's
+    40k-token context makes vLLM reserve KV cache for one such sequence);
+    ``gpu_memory_utilization`` and ``enforce_eager`` from ``rollout``; sleep mode on
+    (colocated); ``max_num_seqs`` = ``rollout.batch_size``. With ``world_size > 1``
+    (torchrun ranks), ``distributed_executor_backend="external_launcher"``: one
+    engine per rank on that rank's current device (vLLM's
+    ``ExecutorWithExternalLauncher``), every rank with the same engine seed (rlpost
+    seeds each request itself).
+
+    Raises:
+        RlpostError: an unsupported rollout dtype.
+    """
+    rd = cfg.precision.rollout_dtype
+    if rd not in VLLMRolloutEngine.DTYPES:
+        raise RlpostError(f"rollout=vllm supports precision.rollout_dtype in {sorted(VLLMRolloutEngine.DTYPES)}, "
+                          f"got {rd!r}. Fix: use rollout=hf for int8 / fp8_sim / fp4_sim.")
+    r = cfg.rollout
+    kw: Dict[str, Any] = dict(
+        model=str(model_dir), tokenizer=str(model_dir), dtype=VLLMRolloutEngine.DTYPES[rd], seed=int(cfg.seed),
+        gpu_memory_utilization=float(r.gpu_memory_utilization), enforce_eager=bool(r.enforce_eager),
+        enable_sleep_mode=True, max_num_seqs=int(r.batch_size), logprobs_mode="processed_logprobs",
+    )
+    mml = r.get("max_model_len") if hasattr(r, "get") else getattr(r, "max_model_len", None)
+    if mml:
+        kw["max_model_len"] = int(mml)
+    if rd == "fp8":
+        kw["quantization"] = "fp8"
+    if world_size > 1:
+        kw["distributed_executor_backend"] = "external_launcher"
+    return kw
+
+
+def _fp8_reload_supported() -> bool:
+    """True when this vLLM's ``GPUModelRunner.reload_weights`` takes ``weights_iterator`` and ``is_checkpoint_format``."""
+    import inspect
+
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception:  # noqa: BLE001 - any import failure means "not this API"
+        return False
+    fn = getattr(GPUModelRunner, "reload_weights", None)
+    if fn is None:
+        return False
+    params = inspect.signature(fn).parameters
+    return "weights_iterator" in params and "is_checkpoint_format" in params
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -189,43 +338,42 @@ class VLLMRolloutEngine(RolloutEngine):
 
     Args:
         cfg: run config (``rollout.*``: ``gpu_memory_utilization``,
-            ``enforce_eager``, ``batch_size``; ``precision.rollout_dtype``: fp32 |
-            bf16 | fp16 | fp8 (vLLM's ``quantization="fp8"``, dynamic scales);
-            ``model.cache_dir``; ``seed``).
+            ``max_model_len``, ``enforce_eager``, ``batch_size``;
+            ``precision.rollout_dtype``: fp32 | bf16 | fp16 | fp8 (vLLM's
+            ``quantization="fp8"``, dynamic scales); ``model.cache_dir``; ``seed``).
         policy: the trainer's policy; its initial weights are written once to
             ``<cache>/vllm_init/<name>`` for vLLM to start from, later updates
             are pushed in memory.
         tokenizer: the policy's tokenizer (pad id, saved beside the weights).
+        world_size: torchrun processes sharing this node (> 1: external launcher).
+    Attributes:
+        push_method: ``"load_weights"`` (``apply_model``) or ``"reload_weights"``
+            (``collective_rpc``, fp8), the function every :meth:`sync_weights` calls.
     Raises:
-        RlpostError: vLLM not installed or no GPU; an unsupported rollout dtype.
+        RlpostError: vLLM not installed, too old, or no GPU; an unsupported rollout
+            dtype; fp8 on a vLLM without the in-place reload API;
+            ``VLLM_ENABLE_V1_MULTIPROCESSING=1``.
     """
 
     DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 
-    def __init__(self, cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> None:
+    def __init__(self, cfg: Any, policy: torch.nn.Module, tokenizer: Any, world_size: int = 1) -> None:
         rd = cfg.precision.rollout_dtype
         if rd not in self.DTYPES:
             raise RlpostError(f"rollout=vllm supports precision.rollout_dtype in {sorted(self.DTYPES)}, got {rd!r}. "
                               "Fix: use rollout=hf for int8 / fp8_sim / fp4_sim.")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in-process: weights by reference
+        in_process_worker_env()
         vllm = _require_vllm_and_gpu()
+        self.push_method = "reload_weights" if rd == "fp8" else "load_weights"
+        if rd == "fp8" and not _fp8_reload_supported():
+            raise RlpostError("precision.rollout_dtype=fp8 needs vLLM's in-place reload (GPUModelRunner.reload_weights "
+                              "with weights_iterator / is_checkpoint_format), which this vLLM lacks. "
+                              "Fix: pip install -U vllm, or use precision=bf16.")
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.tie = bool(getattr(policy.config, "tie_word_embeddings", False))
         path = self._init_dir(cfg, policy, tokenizer)
-        kw: Dict[str, Any] = dict(
-            model=str(path), tokenizer=str(path), dtype=self.DTYPES[rd], seed=int(cfg.seed),
-            gpu_memory_utilization=float(cfg.rollout.gpu_memory_utilization), enforce_eager=bool(cfg.rollout.enforce_eager),
-            enable_sleep_mode=True, max_num_seqs=int(cfg.rollout.batch_size),
-            logprobs_mode="processed_logprobs",
-        )
-        if rd == "fp8":
-            kw["quantization"] = "fp8"
-        try:
-            self.llm = vllm.LLM(**kw)
-        except TypeError:  # vLLM < 0.10.2 has no logprobs_mode
-            kw.pop("logprobs_mode")
-            self.llm = vllm.LLM(**kw)
+        self.llm = vllm.LLM(**engine_kwargs(cfg, str(path), world_size))
         self._SamplingParams = vllm.SamplingParams
         self.sleeping: set = set()  # which of {"weights", "kv_cache"} are offloaded
 
@@ -240,15 +388,11 @@ class VLLMRolloutEngine(RolloutEngine):
         return path
 
     def _wake(self, tag: str) -> None:
-        """Wake ``weights`` or ``kv_cache`` if it sleeps (older vLLM without tags wakes both)."""
+        """Wake ``weights`` or ``kv_cache`` if it sleeps (``LLM.wake_up(tags=...)``, vLLM >= 0.8.5)."""
         if tag not in self.sleeping:
             return
-        try:
-            self.llm.wake_up(tags=[tag])
-            self.sleeping.discard(tag)
-        except TypeError:
-            self.llm.wake_up()
-            self.sleeping.clear()
+        self.llm.wake_up(tags=[tag])
+        self.sleeping.discard(tag)
 
     def generate(self, prompts: List[List[int]], params: SamplingParams) -> GenerationResult:
         """Sample one response per prompt (see :func:`build_requests` / :func:`extract_result`).
@@ -262,11 +406,26 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep()  # colocated: hand the GPU memory back to the trainer until the next rollout
         return extract_result(outs, prompts, self.pad_id, params.temperature, params.greedy)
 
-    def sync_weights(self, policy: torch.nn.Module) -> None:
-        """Push the trainer's current weights into vLLM in memory (``LLM.apply_model`` -> ``load_weights``)."""
+    def sync_weights(self, policy: torch.nn.Module | Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Push the trainer's current weights into vLLM in memory, after waking the weights (not the KV cache).
+
+        ``policy`` is a module or an iterable of ``(name, tensor)`` pairs (a ZeRO-3
+        trainer's one-layer-at-a-time gather). bf16/fp16/fp32:
+        ``LLM.apply_model(lambda m: m.load_weights(items))``; fp8:
+        ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
+        "is_checkpoint_format": True})`` so vLLM restores checkpoint-format
+        parameters, loads, and recomputes the fp8 weights and scales (module
+        docstring). The worker is in this process, so ``items`` travel by reference.
+        """
         self._wake("weights")
-        items = list(vllm_weight_items(policy.state_dict(), self.tie))
-        self.llm.apply_model(lambda model: model.load_weights(iter(items)))
+        state = policy.state_dict() if isinstance(policy, torch.nn.Module) else policy
+        items = vllm_weight_items(state, self.tie)
+        if self.push_method == "reload_weights":
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(items),
+                                                              "is_checkpoint_format": True})
+        else:
+            self.llm.apply_model(lambda model: model.load_weights(items))
+        self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' KV values
 
     def sleep(self) -> None:
         """Release the KV cache and offload weights so the trainer can use the GPU memory."""

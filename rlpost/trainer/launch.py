@@ -67,3 +67,33 @@ def relaunch(cfg: Any, overrides: List[str]) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.call(cmd, env=env)
+
+
+def local_device(requested: str = "auto") -> "torch.device":
+    """The device this process places models on, and (on CUDA) make it the current device.
+
+    Under torchrun/deepspeed (``LOCAL_RANK`` set) a CUDA run uses ``cuda:<LOCAL_RANK>``
+    and calls ``torch.cuda.set_device`` on it *before* any model or engine is
+    built: DeepSpeed, NCCL and vLLM's executor all place work on the current
+    device, which otherwise is GPU 0 for every rank. ``requested``: ``auto``
+    (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` (an explicit
+    index is kept as given).
+
+    Raises:
+        ConfigError: ``LOCAL_RANK`` names a GPU this node does not have.
+    """
+    import torch
+
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(requested)
+    if dev.type != "cuda":
+        return dev
+    if dev.index is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        n = torch.cuda.device_count()
+        if local >= n:
+            raise ConfigError(f"LOCAL_RANK={local} but this node has {n} GPU(s). Fix: set trainer.num_procs <= {n}.")
+        dev = torch.device("cuda", local)
+    torch.cuda.set_device(dev)
+    return dev

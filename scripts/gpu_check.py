@@ -1,0 +1,478 @@
+"""GPU check for the flagship path, in two parts, each printing PASS/FAIL lines with their thresholds.
+
+    python scripts/gpu_check.py --dry-run          # CPU: the plan, the memory estimates, every check on a tiny model
+    python scripts/gpu_check.py --part hf          # one NVIDIA GPU, no vLLM: torch + transformers (+ DeepSpeed)
+    python scripts/gpu_check.py --part vllm        # a GPU machine with vLLM installed
+
+Part ``hf`` needs only PyTorch, transformers, safetensors, tokenizers and the small
+wheels rlpost's config needs (hydra-core, omegaconf, antlr4-python3-runtime;
+DeepSpeed and pydantic for the DeepSpeed check, skipped when absent). No
+network, no dataset, no task package: models are random-initialised from real
+architectures' configs (Qwen3-8B's shape, :data:`SHAPES`), prompts are random
+token ids, and the tokenizer is a word-level ``tokenizers`` model over the
+vocabulary. It runs
+
+1. the memory budget (:mod:`rlpost.memory`) of the check's own configuration
+   against this GPU, and of the flagship ``algo=sao model=qwen3-8b`` on 8 x 80 GB;
+2. the hf rollout engine on the full 36-layer Qwen3-8B shape in bf16:
+   generation tokens/s;
+3. the torch trainer (bf16 autocast, fp32 master weights, AdamW) on the
+   Qwen3-8B shape with as many of its layers as the budget fits: update tokens/s,
+   MFU (6 x non-embedding params x tokens / time / 989 TFLOP/s, the H100/H200
+   datasheet's dense bf16 rate), peak memory beside the estimate;
+4. weight push parity: the engine's log-probs of a fixed response before and
+   after :meth:`sync_weights` against the trainer's (the push must move the
+   engine from the old to the new weights);
+5. SAO's critic (value model) on the GPU: value pass and a critic update;
+6. DeepSpeed ZeRO-2 (one process) on the same batch, when DeepSpeed imports.
+
+Part ``vllm`` builds rlpost's vLLM engine on a saved random Qwen3 model and checks
+that a push changes vLLM's log-probs to within tolerance of the trainer's, for
+bf16 and fp8 (the fp8 path is vLLM's worker reload), and prints tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+GiB = 1024 ** 3
+BF16_PEAK = 989e12  # dense bf16 FLOP/s, H100/H200 SXM datasheet
+
+# config.json fields of the real models (Hugging Face hub), enough to build them with random weights
+SHAPES: Dict[str, Dict[str, Any]] = {
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+    # the dry run's CPU stand-in: Qwen3's architecture at toy size
+    "qwen3-tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                       max_position_embeddings=2048, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+}
+
+RESULTS: List[Dict[str, Any]] = []
+
+
+def report(name: str, ok: bool, detail: str, **figures: Any) -> None:
+    """Print one PASS/FAIL line and keep it for the JSON summary."""
+    print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+    RESULTS.append({"check": name, "pass": bool(ok), "detail": detail, **figures})
+
+
+@contextlib.contextmanager
+def guard(name: str):
+    """Run one check; an exception is reported as its FAIL line and the next check still runs."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - a GPU check reports every failure and carries on
+        import traceback
+
+        traceback.print_exc()
+        report(name, False, f"raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def hf_config(shape: str, layers: Optional[int] = None):
+    from transformers import AutoConfig
+
+    kw = dict(SHAPES[shape])
+    mt = kw.pop("model_type")
+    if layers:
+        kw["num_hidden_layers"] = int(layers)
+    return AutoConfig.for_model(mt, **kw)
+
+
+def build_model(shape: str, layers: Optional[int], dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A random-initialised causal LM of ``shape`` (optionally with fewer layers), built directly on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config(shape, layers), dtype=dtype)
+    model.config.use_cache = True
+    return model
+
+
+def word_tokenizer(vocab: int):
+    """A real (word-level) fast tokenizer over ``vocab`` ids; id 0 is EOS/pad."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", pad_token="t0", unk_token="t1")
+
+
+def rl_config(overrides: List[str]):
+    from rlpost.config.compose import compose_config
+
+    return compose_config(["model=tiny", "logger=none", "algo=grpo", "algo.kl.coef=0", *overrides])
+
+
+def batch_from(gen, group: int = 4):
+    """A RolloutBatch from a GenerationResult with a fixed advantage per group (so the update moves weights)."""
+    from rlpost.batch import RolloutBatch
+
+    B = gen.response_ids.shape[0]
+    g = torch.Generator().manual_seed(1)
+    adv = torch.randn(B, generator=g)[:, None].expand_as(gen.response_mask) * gen.response_mask
+    return RolloutBatch(prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
+                        response_mask=gen.response_mask, rollout_logprobs=gen.rollout_logprobs,
+                        group_index=torch.arange(B) // group, prompt_index=torch.arange(B) // group,
+                        policy_version=torch.zeros(B, dtype=torch.long),
+                        extras={"advantages": adv, "temperatures": gen.temperatures})
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def masked_abs_mean(a: torch.Tensor, b: torch.Tensor, m: torch.Tensor) -> float:
+    return float(((a - b).abs() * m).sum() / m.sum().clamp(min=1))
+
+
+# --------------------------------------------------------------------------- plan and budget
+def budget_section(device_bytes: int, shape: str, layers: int, overrides: List[str]) -> Any:
+    from rlpost.memory import check, estimate, shape_from_config
+
+    print(f"\n== memory budget: {shape} with {layers} layers on this device ({device_bytes / GiB:.1f} GiB)")
+    s = shape_from_config(hf_config(shape, layers).to_dict())
+    b = estimate(rl_config(overrides), s, device_bytes, world_size=1)
+    print(b.table())
+    print(f"\n== memory budget: algo=sao model=qwen3-8b rollout=vllm trainer=deepspeed (8 x 80 GiB)")
+    full = shape_from_config(hf_config("qwen3-8b").to_dict())
+    flag = ["algo=sao", "rollout=vllm", "trainer=deepspeed", "trainer.num_procs=8"]
+    try:
+        check(rl_config(flag), full, 80 * GiB, world_size=8)
+        print("  fits as typed")
+    except Exception as e:  # noqa: BLE001 - the error text is the figure here
+        print(f"  as typed: {e}")
+    good = flag + ["precision=bf16", "trainer.zero_stage=3", "model.gradient_checkpointing=true",
+                   "trainer.micro_batch_size=4", "rollout.gpu_memory_utilization=0.3"]
+    print("  with " + " ".join(good[4:]) + ":")
+    print(estimate(rl_config(good), full, 80 * GiB, world_size=8).table())
+    return b
+
+
+def layers_that_fit(device_bytes: int, shape: str, overrides: List[str]) -> int:
+    """The most layers of ``shape`` whose trainer + hf-engine budget fits ``device_bytes`` (at least 1)."""
+    from rlpost.memory import estimate, shape_from_config
+
+    full = int(SHAPES[shape]["num_hidden_layers"])
+    cfg = rl_config(overrides)
+    for n in range(full, 0, -1):
+        s = shape_from_config(hf_config(shape, n).to_dict())
+        if not estimate(cfg, s, device_bytes, world_size=1).problems():
+            return n
+    return 1
+
+
+# --------------------------------------------------------------------------- part hf
+def part_hf(device: torch.device, shape: str, dry: bool) -> None:
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.hf import HFRolloutEngine
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    B, P, R = (8, 8, 8) if dry else (64, 128, 128)
+    mbs = 4 if dry else 8
+    overrides = ["precision=bf16", f"trainer.micro_batch_size={mbs}", "trainer.lr=1e-3", "trainer.grad_clip=0",
+                 "algo.mini_batches=1", "algo.ppo_epochs=1", f"rollout.batch_size={B}", f"rollout.max_new_tokens={R}",
+                 "trainer.logprob_chunk_size=128", "steps=10"]
+    dev_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 141 * GiB
+    n_layers = layers_that_fit(int(0.8 * dev_bytes), shape, overrides)  # 20% margin: the hf engine's copies
+    budget = budget_section(dev_bytes, shape, n_layers, overrides)
+    V = int(SHAPES[shape]["vocab_size"])
+    tok = word_tokenizer(V)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B)]
+    sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+
+    # 2. rollout throughput on the full shape (bf16 weights only)
+    with guard("hf_engine_generate"):
+        print(f"\n== hf engine: {shape} (all {SHAPES[shape]['num_hidden_layers']} layers), bf16, {B} prompts x {P} + {R} tokens")
+        reset_peak(device)
+        full = build_model(shape, None, torch.bfloat16, device)
+        eng = HFRolloutEngine(full, tok, B, share_weights=True, device=device)
+        eng.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=1.0, seed=1))  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        gen = eng.generate(prompts, sp)
+        sync(device)
+        dt = time.perf_counter() - t0
+        tps = gen.num_tokens / dt
+        report("hf_engine_generate", gen.num_tokens > 0 and math.isfinite(float(gen.rollout_logprobs.sum())),
+               f"{gen.num_tokens} tokens in {dt:.2f} s = {tps:,.0f} tokens/s, peak {peak_gib(device):.1f} GiB "
+               "(threshold: tokens generated, finite log-probs)", tokens_per_s=tps, peak_gib=peak_gib(device))
+        eng = full = None
+        reset_peak(device)
+
+    # 3. torch trainer on the largest layer count the budget fits
+    with guard("torch_trainer_update"):
+        print(f"\n== torch trainer: {shape} with {n_layers} of {SHAPES[shape]['num_hidden_layers']} layers, "
+              "bf16 autocast over fp32 master weights, AdamW")
+        cfg = rl_config(overrides)
+        policy = build_model(shape, n_layers, torch.float32, device, seed=1)
+        trainer = TorchTrainer(policy, cfg, device)
+        eng = HFRolloutEngine(trainer.policy, tok, B, share_weights=False, convert=lambda m: m.to(torch.bfloat16),
+                              device=device)
+        gen = eng.generate(prompts, sp)
+        batch = batch_from(gen)
+        tokens = int(gen.prompt_mask.sum() + gen.response_mask.sum())
+        n_nonembed = sum(p.numel() for n, p in trainer.policy.named_parameters() if "embed_tokens" not in n)
+        # first update warms up kernels; the second is timed
+        trainer.policy_update(batch, torch.Generator().manual_seed(0))
+        sync(device)
+        lp_trainer_old, _ = trainer.compute_logprobs(batch)
+        eng.sync_weights(trainer.policy)
+        reset_peak(device)
+        t0 = time.perf_counter()
+        m = trainer.policy_update(batch, torch.Generator().manual_seed(0))
+        sync(device)
+        dt = time.perf_counter() - t0
+        flops = 6 * n_nonembed * tokens  # forward + backward of the policy loss
+        mfu = flops / dt / BF16_PEAK
+        peak = peak_gib(device)
+        est = budget.train_peak / GiB
+        report("torch_trainer_update", math.isfinite(float(m.get("actor/grad_norm", float("nan"))))
+               and (peak <= est or device.type != "cuda"),
+               f"{tokens} tokens in {dt:.2f} s = {tokens / dt:,.0f} tokens/s, MFU {100 * mfu:.1f}% of 989 TFLOP/s, "
+               f"peak {peak:.1f} GiB vs estimate {est:.1f} GiB (threshold: finite grad norm, peak <= estimate)",
+               tokens_per_s=tokens / dt, mfu=mfu, peak_gib=peak, estimate_gib=est, layers=n_layers)
+
+    # 4. weight push parity on a fixed response: engine before push (old weights), after push (new weights)
+    with guard("weight_push_parity"):
+        fixed = batch
+        lp_trainer, _ = trainer.compute_logprobs(fixed)
+        lp_eng_before = engine_logprobs(eng, fixed, device)
+        eng.sync_weights(trainer.policy)
+        lp_eng_after = engine_logprobs(eng, fixed, device)
+        mask = fixed.response_mask
+        d_before = masked_abs_mean(lp_eng_before, lp_trainer, mask)
+        d_after = masked_abs_mean(lp_eng_after, lp_trainer, mask)
+        d_old = masked_abs_mean(lp_eng_before, lp_trainer_old, mask)
+        tol = 0.05  # bf16 engine vs bf16-autocast trainer, nats per token
+        report("weight_push_parity", d_after <= tol and d_before >= 5 * d_after,
+               f"|engine - trainer| log-prob per token: before push {d_before:.4f}, after push {d_after:.4f} "
+               f"(engine before push vs trainer's previous weights {d_old:.4f}); threshold: after <= {tol}, "
+               "before >= 5 x after", before=d_before, after=d_after, before_vs_old=d_old, tol=tol)
+        eng = None
+
+    # 5. SAO's critic: value pass + critic update on the GPU
+    with guard("sao_critic"):
+        print("\n== SAO critic (value model = policy backbone copy + scalar head) on the GPU")
+        trainer = policy = eng = None
+        reset_peak(device)
+        c_layers = max(1, n_layers // 2)
+        ccfg = rl_config(overrides + ["algo.critic.enabled=true", "algo.critic.lr=1e-4"])
+        policy = build_model(shape, c_layers, torch.float32, device, seed=2)
+        ctr = TorchTrainer(policy, ccfg, device)
+        cb = batch_from(gen)
+        vals = ctr.compute_values(cb)
+        cb.extras["values"] = vals
+        cb.extras["returns"] = torch.randn(vals.shape, generator=torch.Generator().manual_seed(3)) * cb.response_mask
+        sync(device)
+        t0 = time.perf_counter()
+        cm = ctr.critic_update(cb)
+        sync(device)
+        dt = time.perf_counter() - t0
+        vals2 = ctr.compute_values(cb)
+        moved = masked_abs_mean(vals2, vals, cb.response_mask)
+        report("sao_critic", math.isfinite(cm["critic/value_loss"]) and moved > 0,
+               f"{c_layers} layers: value pass + update {dt:.2f} s, value loss {cm['critic/value_loss']:.4f}, values moved "
+               f"{moved:.4f}, peak {peak_gib(device):.1f} GiB (threshold: finite loss, values change)",
+               seconds=dt, peak_gib=peak_gib(device), layers=c_layers)
+        ctr = policy = None
+
+    # 6. DeepSpeed ZeRO-2 on one process, same batch, when DeepSpeed is importable
+    with guard("deepspeed_zero2"):
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            report("deepspeed_zero2", True, f"SKIPPED: DeepSpeed not importable here ({type(e).__name__}: {e})")
+            return
+        from rlpost.trainer.deepspeed_engine import DeepSpeedTrainer
+
+        reset_peak(device)
+        dcfg = rl_config(overrides + ["trainer=deepspeed", "trainer.zero_stage=2", "trainer.lr=1e-3"])
+        d_layers = max(1, n_layers // 2)
+        policy = build_model(shape, d_layers, torch.float32, device, seed=1)
+        w0 = {n: p.detach().float().clone() for n, p in list(policy.named_parameters())[-3:]}
+        tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())
+        dtr = DeepSpeedTrainer(policy, dcfg, device)
+        dtr.policy_update(batch, torch.Generator().manual_seed(0))
+        sync(device)
+        t0 = time.perf_counter()
+        dm = dtr.policy_update(batch, torch.Generator().manual_seed(0))
+        sync(device)
+        dt = time.perf_counter() - t0
+        moved = max(float((dict(dtr.policy.named_parameters())[n].detach().float() - w).abs().max()) for n, w in w0.items())
+        report("deepspeed_zero2", math.isfinite(float(dm["actor/grad_norm"])) and moved > 0,
+               f"{d_layers} layers: update {dt:.2f} s ({tokens / dt:,.0f} tokens/s), peak {peak_gib(device):.1f} GiB, "
+               f"max weight change {moved:.2e} (threshold: finite grad norm, weights move)",
+               seconds=dt, peak_gib=peak_gib(device), layers=d_layers)
+
+
+@torch.no_grad()
+def engine_logprobs(eng, batch, device: torch.device) -> torch.Tensor:
+    """Log-probs of ``batch``'s responses under the rollout engine's own (bf16) model, teacher-forced."""
+    from rlpost.models.logprobs import response_logprobs
+
+    model = eng.model
+    attn = (batch.response_mask > 0).long()
+    lp = response_logprobs(model, batch.prompt_ids.to(device), batch.prompt_mask.to(device),
+                           batch.response_ids.to(device), attn.to(device), 1.0)
+    lp = lp[0] if isinstance(lp, tuple) else lp
+    return lp.float().cpu()
+
+
+# --------------------------------------------------------------------------- part vllm
+def part_vllm(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
+    """vLLM engine: generate, push changed weights, compare log-probs with the trainer (bf16 and fp8)."""
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.vllm import VLLMRolloutEngine
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    V = int(SHAPES[shape]["vocab_size"])
+    tok = word_tokenizer(V)
+    B, P, R = 64, 128, 128
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B)]
+    sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+    for prec, tol in (("bf16", 0.05), ("rollout_fp8", 0.3)):
+        print(f"\n== vLLM engine, precision={prec}: {shape} with {layers} layers")
+        cfg = rl_config([f"precision={prec}", "rollout=vllm", "rollout.gpu_memory_utilization=0.35",
+                         "trainer.lr=1e-3", "trainer.grad_clip=0", "trainer.micro_batch_size=8",
+                         f"rollout.batch_size={B}", f"model.cache_dir={tmp / prec}"])
+        policy = build_model(shape, layers, torch.float32, device, seed=1)
+        trainer = TorchTrainer(policy, cfg, device)
+        eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
+        t0 = time.perf_counter()
+        gen = eng.generate(prompts, sp)
+        dt = time.perf_counter() - t0
+        batch = batch_from(gen)
+        lp_t0, _ = trainer.compute_logprobs(batch)
+        d0 = masked_abs_mean(gen.rollout_logprobs, lp_t0, gen.response_mask)
+        trainer.policy_update(batch, torch.Generator().manual_seed(0))
+        lp_t1, _ = trainer.compute_logprobs(batch)
+        t1 = time.perf_counter()
+        eng.sync_weights(trainer.policy)
+        push_s = time.perf_counter() - t1
+        # teacher-forced engine log-probs of the same responses: prompt_logprobs over prompt + response
+        d_after = vllm_teacher_forced_gap(eng, batch, lp_t1)
+        d_before_new = masked_abs_mean(gen.rollout_logprobs, lp_t1, gen.response_mask)
+        report(f"vllm_{prec}_push", d_after <= tol and d_before_new >= 3 * d_after,
+               f"generate {gen.num_tokens / dt:,.0f} tokens/s, push {push_s:.2f} s via {eng.push_method}; "
+               f"|vLLM - trainer| per token: initial {d0:.4f}, stale engine vs updated trainer {d_before_new:.4f}, "
+               f"after push {d_after:.4f} (threshold: after <= {tol}, stale >= 3 x after)",
+               tokens_per_s=gen.num_tokens / dt, push_s=push_s, initial=d0, stale=d_before_new, after=d_after)
+        eng.close()
+        del eng, trainer, policy
+        reset_peak(device)
+
+
+def vllm_teacher_forced_gap(eng, batch, lp_trainer: torch.Tensor) -> float:
+    """Mean |vLLM - trainer| log-prob of the batch's response tokens, vLLM scoring them as prompt tokens."""
+    from vllm import SamplingParams as VSP
+
+    eng._wake("weights")
+    eng._wake("kv_cache")
+    inputs = []
+    for i in range(len(batch)):
+        p = batch.prompt_ids[i][batch.prompt_mask[i] > 0].tolist()
+        r = batch.response_ids[i][batch.response_mask[i] > 0].tolist()
+        inputs.append({"prompt_token_ids": p + r})
+    outs = eng.llm.generate(inputs, VSP(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+    eng.sleep()
+    tot, n = 0.0, 0
+    for i, o in enumerate(outs):
+        plen = int(batch.prompt_mask[i].sum())
+        r = batch.response_ids[i][batch.response_mask[i] > 0].tolist()
+        for j, t in enumerate(r):
+            entry = o.prompt_logprobs[plen + j]
+            v = entry[t]
+            tot += abs(float(getattr(v, "logprob", v)) - float(lp_trainer[i, j]))
+            n += 1
+    return tot / max(1, n)
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: plan, memory estimates, every hf check on a toy Qwen3")
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--vllm-layers", type=int, default=8, help="layers of --shape for the vLLM part")
+    ap.add_argument("--json", default=None, help="write the PASS/FAIL records here")
+    a = ap.parse_args(argv)
+    if a.dry_run:
+        device, shape = torch.device("cpu"), "qwen3-tiny"
+        print("gpu_check --dry-run: CPU, Qwen3 architecture at toy size; estimates below are for a 141 GiB device.")
+        print("Plan (GPU part hf): memory budget -> hf engine tokens/s (full shape, bf16) -> torch trainer update "
+              "(layers the budget fits) -> weight push parity -> SAO critic -> DeepSpeed ZeRO-2.")
+        print("Plan (GPU part vllm): bf16 and fp8 vLLM engines: generate, update, push, teacher-forced parity.")
+        ov = ["precision=bf16", "trainer.micro_batch_size=8", "rollout.batch_size=64", "rollout.max_new_tokens=128",
+              "trainer.logprob_chunk_size=128"]
+        n = layers_that_fit(int(0.8 * 141 * GiB), "qwen3-8b", ov)
+        from rlpost.memory import estimate, shape_from_config
+
+        b = estimate(rl_config(ov), shape_from_config(hf_config("qwen3-8b", n).to_dict()), 141 * GiB, world_size=1)
+        print(f"\n== on a 141 GiB GPU the trainer check would use {n} of Qwen3-8B's 36 layers:\n{b.table()}")
+        part_hf(device, shape, dry=True)
+    else:
+        if not torch.cuda.is_available():
+            print("FAIL  gpu: no CUDA GPU visible (use --dry-run on CPU)")
+            return 1
+        from rlpost.trainer.launch import local_device
+
+        device = local_device("cuda")
+        p = torch.cuda.get_device_properties(device)
+        print(f"GPU: {p.name}, {p.total_memory / GiB:.1f} GiB, torch {torch.__version__}")
+        if a.part == "hf":
+            part_hf(device, a.shape, dry=False)
+        else:
+            import tempfile
+
+            part_vllm(device, a.shape, a.vllm_layers, Path(tempfile.mkdtemp(prefix="rlpost_vllm_")))
+    failed = [r["check"] for r in RESULTS if not r["pass"]]
+    print(f"\ngpu_check: {len(RESULTS) - len(failed)}/{len(RESULTS)} passed" + (f"; FAILED: {failed}" if failed else ""))
+    if a.json:
+        Path(a.json).write_text(json.dumps(RESULTS, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
