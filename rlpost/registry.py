@@ -77,6 +77,42 @@ def defaults_of(params: type) -> Dict[str, Any]:
     return {k: plain(v) for k, v in dataclasses.asdict(params()).items()}
 
 
+def resolve_params(params: type, overrides: Mapping[str, Any], key: str = "", owner: str = "") -> Any:
+    """Instance of the params dataclass ``params`` with ``overrides`` applied, types checked by OmegaConf.
+
+    Args:
+        key: config path of the overrides, for messages; owner: who declares them.
+    Raises:
+        ConfigError: an unknown key (listing the valid ones), a wrong type, or a
+            value outside a :class:`Choice`.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = dict(overrides or {})
+    valid = [f.name for f in dataclasses.fields(params)]
+    bad = sorted(set(overrides) - set(valid))
+    if bad:
+        raise ConfigError(f"{key or 'parameters'}: unknown parameter(s) {', '.join(bad)} of {owner or params.__name__}. "
+                          f"Valid keys: {', '.join(valid)}.")
+    node = OmegaConf.structured(params)
+    OmegaConf.set_readonly(node, False)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(node, overrides))
+    except OmegaConfBaseException as e:
+        import re
+
+        full = getattr(e, "full_key", None) or ""
+        msg = str(e).strip().splitlines()[0]
+        where = f"{key}.{full}" if key and full else (key or full)
+        m = re.match(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", msg)
+        if m:
+            msg = f"{where}={m.group(1)!r}: valid choices are {m.group(2)} ({owner or params.__name__})."
+        else:
+            msg = f"{where} ({owner or params.__name__}): {msg}."
+        raise ConfigError(msg) from None
+
+
 def _kw_targets(obj: Any) -> Tuple[Dict[str, Callable], bool]:
     """Keyword-only parameters of ``obj`` -> the function that declares each, and whether it has ``**kwargs``.
 
@@ -220,21 +256,9 @@ class Registry:
             ConfigError: unknown name; unknown key (naming the valid keys and the
                 closest match); wrong type or choice.
         """
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
-
-        P = self.params_of(name)
         overrides = dict(overrides or {})
         self.check_keys(name, overrides, key)
-        node = OmegaConf.structured(P)
-        OmegaConf.set_readonly(node, False)
-        try:
-            return OmegaConf.to_object(OmegaConf.merge(node, overrides))
-        except OmegaConfBaseException as e:
-            full = getattr(e, "full_key", None) or ""
-            msg = str(e).strip().splitlines()[0]
-            where = f"{key}.{full}" if key and full else (key or full or name)
-            raise ConfigError(f"{where} ({self.kind} {name!r}): {msg}.") from None
+        return resolve_params(self.params_of(name), overrides, key, f"{self.kind} {name!r}")
 
     def check_keys(self, name: str, keys: Any, key: str = "") -> None:
         """Raise :class:`ConfigError` if ``keys`` holds a parameter that ``name`` does not declare."""
