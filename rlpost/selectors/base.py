@@ -14,7 +14,7 @@ import numpy as np
 
 from rlpost.registry import Registry
 
-SELECTORS = Registry("prompt selector", "selector")
+SELECTORS = Registry("prompt selector", "selector", typed_params=True)
 
 
 def is_zero_variance(rewards: Sequence[float], tol: float = 1e-9) -> bool:
