@@ -190,3 +190,11 @@ def test_registration_refuses_a_second_declaration_or_a_catch_all():
     assert z() == 1.0 and reg.kwargs("z", {"a": 3}) == {"a": 3}
     with pytest.raises(ConfigError, match="unknown parameter b for thing 'z'. Valid keys: a \\(default 1.0\\)"):
         reg.kwargs("z", {"b": 1})
+
+
+def test_a_preset_that_drops_a_default_keeps_its_effect():
+    """hapo.yaml no longer restates temperature_tau: the declaration's 0.05 still turns HAPO sampling on."""
+    from rlpost.algos.stages import algo_requirements
+
+    assert algo_requirements(compose_config(["algo=hapo", "model=tiny"]).algo).temperature_tau == 0.05
+    assert algo_requirements(compose_config(["algo=grpo", "model=tiny"]).algo).temperature_tau == 0.0

@@ -50,7 +50,9 @@ class AlgoRequirements:
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
     """Read the registry tags of ``algo.adv_estimator`` / ``algo.loss`` and HAPO's ``temperature_tau``."""
     adv, loss = algo_cfg.adv_estimator, algo_cfg.loss
-    lp = dict(algo_cfg.loss_params or {})
+    from rlpost.algos.validate import loss_kwargs
+
+    lp = loss_kwargs(algo_cfg)  # the loss's declared defaults (hapo: tau 0.05) + overrides
     tau = float(lp.get("temperature_tau", 0.0) or 0.0)
     return AlgoRequirements(
         entropy=bool(ADV_ESTIMATORS.tag(adv, "needs_entropy", False)) or tau > 0,
