@@ -192,6 +192,9 @@ def config(
 ) -> None:
     """Print the fully resolved config as YAML (or its run graph) without loading any model.
 
+    Below the YAML, comment lines give each component's effective parameters
+    (its declared paper defaults with this config's overrides applied).
+
     Examples:
 
       rlpost config algo=sao
@@ -212,7 +215,12 @@ def config(
 
         typer.echo(format_graph(cfg))
     else:
+        from rlpost.config.compose import effective_params
+
         typer.echo(OmegaConf.to_yaml(cfg, resolve=True))
+        typer.echo("# effective component parameters (declared defaults + this config):")
+        for key, kw in effective_params(cfg):
+            typer.echo(f"#   {key}: " + (", ".join(f"{k}={v!r}" for k, v in kw.items()) or "(no parameters)"))
 
 
 REGISTRY_GROUPS = {

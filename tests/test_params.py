@@ -198,3 +198,10 @@ def test_a_preset_that_drops_a_default_keeps_its_effect():
 
     assert algo_requirements(compose_config(["algo=hapo", "model=tiny"]).algo).temperature_tau == 0.05
     assert algo_requirements(compose_config(["algo=grpo", "model=tiny"]).algo).temperature_tau == 0.0
+
+
+def test_config_prints_the_effective_parameters_below_the_yaml():
+    res = CliRunner().invoke(app, ["config", "model=tiny", "algo.loss=gspo", "precision.correction=tis"])
+    assert res.exit_code == 0, res.output
+    assert "#   algo.loss=gspo: eps_low=0.0003, eps_high=0.0004" in res.output
+    assert "#   precision.correction=tis: cap=2.0" in res.output

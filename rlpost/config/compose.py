@@ -241,6 +241,31 @@ GROUP_CHECKS = (
 )
 
 
+def effective_params(cfg: DictConfig) -> List[tuple]:
+    """``(config key=name, {param: value})`` of each chosen component: its declared defaults plus this config.
+
+    What the run will pass to the loss, estimator, correction, selector and
+    sampler (``rlpost config`` prints it under the YAML). Call after
+    :func:`validate_config`.
+    """
+    import rlpost.algos  # noqa: F401
+    from rlpost.algos.corrections import CORRECTIONS
+    from rlpost.algos.registries import ADV_ESTIMATORS
+    from rlpost.algos.validate import _as_dict, adv_overrides, loss_kwargs
+    from rlpost.samplers import SAMPLERS
+    from rlpost.selectors import SELECTORS
+
+    a = cfg.algo
+    return [
+        (f"algo.loss={a.loss}", loss_kwargs(a)),
+        (f"algo.adv_estimator={a.adv_estimator}", ADV_ESTIMATORS.kwargs(a.adv_estimator, adv_overrides(a))),
+        (f"precision.correction={cfg.precision.correction}",
+         CORRECTIONS.kwargs(cfg.precision.correction, _as_dict(cfg.precision.correction_params))),
+        (f"selector={cfg.selector.name}", SELECTORS.kwargs(cfg.selector.name, _as_dict(cfg.selector.params))),
+        (f"sampler={cfg.sampler.name}", SAMPLERS.kwargs(cfg.sampler.name, _as_dict(cfg.sampler.params))),
+    ]
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Every semantic check the schema cannot express, run from the CLI before anything loads.
 
