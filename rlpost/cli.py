@@ -192,6 +192,9 @@ def config(
 ) -> None:
     """Print the fully resolved config as YAML (or its run graph) without loading any model.
 
+    Below the YAML, comment lines give each component's effective parameters
+    (its declared paper defaults with this config's overrides applied).
+
     Examples:
 
       rlpost config algo=sao
@@ -212,7 +215,12 @@ def config(
 
         typer.echo(format_graph(cfg))
     else:
+        from rlpost.config.compose import effective_params
+
         typer.echo(OmegaConf.to_yaml(cfg, resolve=True))
+        typer.echo("# effective component parameters (declared defaults + this config):")
+        for key, kw in effective_params(cfg):
+            typer.echo(f"#   {key}: " + (", ".join(f"{k}={v!r}" for k, v in kw.items()) or "(no parameters)"))
 
 
 REGISTRY_GROUPS = {
@@ -220,6 +228,9 @@ REGISTRY_GROUPS = {
     "loss": ("rlpost.algos.registries", "POLICY_LOSSES"),
     "loss_agg": ("rlpost.algos.registries", "LOSS_AGGS"),
     "kl": ("rlpost.algos.registries", "KL_ESTIMATORS"),
+    "correction": ("rlpost.algos.corrections", "CORRECTIONS"),
+    "selector_kind": ("rlpost.selectors", "SELECTORS"),
+    "sampler_kind": ("rlpost.samplers", "SAMPLERS"),
     "task_kind": ("rlpost.tasks.base", "TASKS"),
     "verifier": ("rlpost.tasks.verifiers", "VERIFIERS"),
 }
@@ -248,6 +259,9 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
       rlpost list algo
 
       rlpost list loss
+
+    Component registries (loss, adv_estimator, correction, selector_kind,
+    sampler_kind) also list each component's parameters with their defaults.
     """
     import importlib
 
@@ -255,6 +269,7 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
     import rlpost.tasks  # noqa: F401
     from rlpost.config.compose import conf_dir, group_choices
     from rlpost.config.schema import GROUP_SCHEMAS
+    from rlpost.registry import param_rows
 
     conf_groups = list(GROUP_SCHEMAS) + ["recipe"]
     groups = [group] if group else conf_groups + list(REGISTRY_GROUPS)
@@ -270,6 +285,9 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
             for e in reg:
                 extra = f"  [{e.paper}]" if e.paper else ""
                 typer.echo(f"  {e.name:<24} {e.description}{extra}")
+                if reg.typed_params:  # the component's declared parameters, defaults and docs
+                    for pname, ptype, default, doc in param_rows(e.params):
+                        typer.echo(f"      {pname} = {default!r} ({ptype}): {doc}")
         else:
             valid = ", ".join(conf_groups + list(REGISTRY_GROUPS))
             _fail(ConfigError(f"Unknown group {g!r}. Valid groups: {valid}."))

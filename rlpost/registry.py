@@ -1,18 +1,170 @@
-"""A small name -> object registry used for every pluggable piece.
+"""A small name -> object registry used for every pluggable piece, with typed parameters.
 
-Advantage estimators, policy losses, aggregation modes, KL estimators, selectors,
-samplers, tasks and verifiers each live in their own :class:`Registry`. A preset in
-``conf/`` then only names registered entries, and a misspelt name fails with the
-list of valid choices.
+Advantage estimators, policy losses, aggregation modes, KL estimators, corrections,
+selectors, samplers, tasks and verifiers each live in their own :class:`Registry`.
+A preset in ``conf/`` then only names registered entries, and a misspelt name
+fails with the list of valid choices.
+
+Component parameters: a component that has parameters declares them ONCE, as a
+frozen dataclass passed to :meth:`Registry.register` (``params=``). Each field
+carries the paper's default and one documentation line (:func:`param`). The
+registered function (or class ``__init__``) names the same parameters as
+keyword-only arguments *without* defaults; registration checks that the names
+agree and installs the declaration's defaults on it, so a direct call and a
+config-driven call see the same values. A config sets only the fields that
+differ (:meth:`Registry.resolve`): an unknown or misspelt key, a wrong type or a
+value outside a :class:`Choice` raises :class:`ConfigError` naming the valid keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from enum import Enum
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from rlpost.errors import ConfigError
+
+
+class Choice(str, Enum):
+    """A closed set of string choices for a parameter or config field (member name == value).
+
+    As a ``str`` subclass a member compares, hashes and formats like its value,
+    so ``Baseline.mean == "mean"``; OmegaConf rejects any other string with the
+    list of members.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+def param(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Optional[Callable[[], Any]] = None) -> Any:
+    """A documented parameter field: ``default`` (or ``factory`` for a list/dict) and its one-line ``doc``."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """The component takes no parameters."""
+
+
+def param_rows(params: type) -> List[Tuple[str, str, Any, str]]:
+    """``(name, type name, default, doc)`` of each field of a params dataclass (for ``rlpost list``)."""
+    rows = []
+    for f in dataclasses.fields(params):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        rows.append((f.name, str(t), plain(default), f.metadata.get("doc", "")))
+    return rows
+
+
+def plain(value: Any) -> Any:
+    """``value`` with :class:`Enum` members replaced by their values (what component bodies receive)."""
+    if isinstance(value, Enum):
+        return value.value
+    return value
+
+
+def defaults_of(params: type) -> Dict[str, Any]:
+    """``{field: default}`` of a params dataclass, enum members as plain values."""
+    return {k: plain(v) for k, v in dataclasses.asdict(params()).items()}
+
+
+def resolve_params(params: type, overrides: Mapping[str, Any], key: str = "", owner: str = "") -> Any:
+    """Instance of the params dataclass ``params`` with ``overrides`` applied, types checked by OmegaConf.
+
+    Args:
+        key: config path of the overrides, for messages; owner: who declares them.
+    Raises:
+        ConfigError: an unknown key (listing the valid ones), a wrong type, or a
+            value outside a :class:`Choice`.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = dict(overrides or {})
+    valid = [f.name for f in dataclasses.fields(params)]
+    bad = sorted(set(overrides) - set(valid))
+    if bad:
+        raise ConfigError(f"{key or 'parameters'}: unknown parameter(s) {', '.join(bad)} of {owner or params.__name__}. "
+                          f"Valid keys: {', '.join(valid)}.")
+    node = OmegaConf.structured(params)
+    OmegaConf.set_readonly(node, False)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(node, overrides))
+    except OmegaConfBaseException as e:
+        import re
+
+        full = getattr(e, "full_key", None) or ""
+        msg = str(e).strip().splitlines()[0]
+        where = f"{key}.{full}" if key and full else (key or full)
+        m = re.match(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", msg)
+        if m:
+            msg = f"{where}={m.group(1)!r}: valid choices are {m.group(2)} ({owner or params.__name__})."
+        else:
+            msg = f"{where} ({owner or params.__name__}): {msg}."
+        raise ConfigError(msg) from None
+
+
+def _kw_targets(obj: Any) -> Tuple[Dict[str, Callable], bool]:
+    """Keyword-only parameters of ``obj`` -> the function that declares each, and whether it has ``**kwargs``.
+
+    For a class, ``__init__`` methods are followed up the MRO while each one
+    forwards ``**kwargs`` to its parent (a subclass passing its base's
+    parameters through).
+    """
+    if not isinstance(obj, type):
+        ps = inspect.signature(obj).parameters.values()
+        return ({p.name: obj for p in ps if p.kind is p.KEYWORD_ONLY},
+                any(p.kind is p.VAR_KEYWORD for p in ps))
+    out: Dict[str, Callable] = {}
+    for klass in obj.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        ps = list(inspect.signature(init).parameters.values())
+        for p in ps:
+            if p.kind is p.KEYWORD_ONLY:
+                out.setdefault(p.name, init)
+        if not any(p.kind is p.VAR_KEYWORD for p in ps):
+            break
+    return out, True
+
+
+def bind_params(kind: str, name: str, obj: Any, params: type) -> None:
+    """Check that ``obj``'s keyword-only arguments are exactly the fields of ``params``; install the defaults.
+
+    Raises:
+        ValueError: (a programming error, at import) ``params`` is not a frozen
+            dataclass with a default and a doc line per field, a function takes
+            ``**kwargs`` (which would swallow a misspelt parameter), the names
+            disagree, or a default is written in the signature too.
+    """
+    if not (dataclasses.is_dataclass(params) and params.__dataclass_params__.frozen):  # type: ignore[attr-defined]
+        raise ValueError(f"{kind} {name!r}: params must be a frozen dataclass")
+    defaults = defaults_of(params)
+    for f in dataclasses.fields(params):
+        if not f.metadata.get("doc"):
+            raise ValueError(f"{kind} {name!r}: parameter {f.name!r} needs a doc line (param(default, doc))")
+    targets, var_kw = _kw_targets(obj)
+    if var_kw and not isinstance(obj, type):
+        raise ValueError(f"{kind} {name!r}: a registered function must not take **kwargs (it would swallow misspelt parameters)")
+    if set(targets) != set(defaults):
+        raise ValueError(f"{kind} {name!r}: keyword-only arguments {sorted(targets)} differ from "
+                         f"the declared parameters {sorted(defaults)} of {params.__name__}")
+    for k, fn in targets.items():
+        kwd = fn.__kwdefaults__ or {}
+        if k in kwd and kwd[k] != defaults[k]:
+            raise ValueError(f"{kind} {name!r}: default of {k!r} is {kwd[k]!r} in {fn.__qualname__} but "
+                             f"{defaults[k]!r} in {params.__name__}; write defaults only in the declaration")
+        fn.__kwdefaults__ = {**kwd, k: defaults[k]}
 
 
 @dataclass
@@ -27,6 +179,8 @@ class Entry:
         description: one line shown by ``rlpost list``.
         tags: free-form properties (for example ``needs_critic``) that config
             validation reads.
+        params: the frozen dataclass declaring the component's parameters
+            (:class:`NoParams` when it has none).
     """
 
     name: str
@@ -34,6 +188,7 @@ class Entry:
     paper: str = ""
     description: str = ""
     tags: Dict[str, Any] = field(default_factory=dict)
+    params: type = NoParams
 
 
 class Registry:
@@ -43,20 +198,32 @@ class Registry:
         kind: human-readable kind, used in error messages ("advantage estimator").
         config_key: the config key that selects an entry (``algo.adv_estimator``),
             used in error messages.
+        typed_params: every entry declares its parameters (``params=``; none
+            given means :class:`NoParams`) and registration checks them
+            (:func:`bind_params`). Components (losses, estimators, corrections,
+            selectors, samplers) set it; plumbing with a fixed calling
+            convention does not.
     """
 
-    def __init__(self, kind: str, config_key: str = "") -> None:
+    def __init__(self, kind: str, config_key: str = "", typed_params: bool = False) -> None:
         self.kind = kind
         self.config_key = config_key
+        self.typed_params = typed_params
         self._entries: Dict[str, Entry] = {}
 
     def register(
-        self, name: str, *, paper: str = "", description: str = "", **tags: Any
+        self, name: str, *, paper: str = "", description: str = "", params: Optional[type] = None, **tags: Any
     ) -> Callable[[Any], Any]:
         """Decorator registering ``obj`` under ``name``.
 
+        Args:
+            params: frozen dataclass declaring the parameters (see the module
+                docstring); None for plumbing whose calling convention is fixed
+                (aggregation modes, KL estimators, tasks, verifiers).
+
         Raises:
-            ValueError: if ``name`` is already registered (a programming error).
+            ValueError: ``name`` registered twice, or ``params`` disagrees with
+                ``obj`` (see :func:`bind_params`); both programming errors.
         """
 
         def deco(obj: Any) -> Any:
@@ -65,10 +232,62 @@ class Registry:
             desc = description
             if not desc and getattr(obj, "__doc__", None):
                 desc = obj.__doc__.strip().splitlines()[0]
-            self._entries[name] = Entry(name, obj, paper, desc, dict(tags))
+            if params is not None or self.typed_params:
+                bind_params(self.kind, name, obj, params or NoParams)
+            self._entries[name] = Entry(name, obj, paper, desc, dict(tags), params or NoParams)
             return obj
 
         return deco
+
+    def params_of(self, name: str) -> type:
+        """The params dataclass of entry ``name`` (see :meth:`entry` for errors)."""
+        return self.entry(name).params
+
+    def resolve(self, name: str, overrides: Optional[Mapping[str, Any]] = None, key: str = "") -> Any:
+        """The params instance of ``name``: the declaration's defaults with ``overrides`` applied.
+
+        Types are checked and converted by OmegaConf from the dataclass (an int
+        for a float field is fine; a string for a number or a value outside a
+        :class:`Choice` is not).
+
+        Args:
+            key: config path of the overrides (``algo.loss_params``), for messages.
+        Raises:
+            ConfigError: unknown name; unknown key (naming the valid keys and the
+                closest match); wrong type or choice.
+        """
+        overrides = dict(overrides or {})
+        self.check_keys(name, overrides, key)
+        return resolve_params(self.params_of(name), overrides, key, f"{self.kind} {name!r}")
+
+    def check_keys(self, name: str, keys: Any, key: str = "") -> None:
+        """Raise :class:`ConfigError` if ``keys`` holds a parameter that ``name`` does not declare."""
+        rows = param_rows(self.params_of(name))
+        valid = [r[0] for r in rows]
+        bad = sorted(set(keys) - set(valid))
+        if not bad:
+            return
+        close = difflib.get_close_matches(bad[0], valid, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        listing = ", ".join(f"{n} (default {d!r})" for n, _, d, _ in rows) or "none: it takes no parameters"
+        where = key or "parameters"
+        raise ConfigError(
+            f"{where}: unknown parameter{'s' if len(bad) > 1 else ''} {', '.join(bad)} for {self.kind} {name!r}.{hint} "
+            f"Valid keys: {listing}."
+        )
+
+    def kwargs(self, name: str, overrides: Optional[Mapping[str, Any]] = None, key: str = "") -> Dict[str, Any]:
+        """Keyword arguments for calling entry ``name``: its defaults with ``overrides`` (unknown keys raise).
+
+        The fast path of the training loop: keys are checked, values are taken
+        as given (config validation has type-checked them through :meth:`resolve`).
+
+        Raises:
+            ConfigError: unknown key.
+        """
+        overrides = dict(overrides or {})
+        self.check_keys(name, overrides, key)
+        return {**defaults_of(self.params_of(name)), **{k: plain(v) for k, v in overrides.items()}}
 
     def entry(self, name: str) -> Entry:
         """Return the :class:`Entry` for ``name``.

@@ -1,8 +1,10 @@
 """Advantage estimators: rewards (and values) -> per-token advantages.
 
-Calling convention: ``fn(inp: AdvantageInput, **params) -> AdvantageOutput``. Every
+Calling convention: ``fn(inp: AdvantageInput, *, <params>) -> AdvantageOutput``. Every
 estimator returns ``[B, R]`` advantages that are 0 outside ``response_mask``.
-Estimators are pure: no model, no config object.
+Estimators are pure: no model, no config object. Each estimator's ``<params>``
+are declared once, by the frozen dataclass registered with it (``params=``:
+the paper's defaults, one doc line per field; :mod:`rlpost.registry`).
 
 The group-baseline estimators ``grpo`` (and Dr. GRPO), ``rloo``, ``gpg``,
 ``opo`` and ``reinforce_pp_baseline`` take ``baseline``: ``"mean"`` (their
@@ -22,6 +24,7 @@ from typing import Optional
 import torch
 
 from rlpost.algos.registries import ADV_ESTIMATORS
+from rlpost.registry import Choice, param
 from rlpost.algos.utils import group_ids, group_median, group_stats, masked_mean, masked_whiten
 
 
@@ -57,8 +60,102 @@ class AdvantageInput:
     rollout_logprobs: Optional[torch.Tensor] = None
 
 
+class Baseline(Choice):
+    """``algo.adv_params.baseline`` of the group-baseline estimators."""
+
+    mean = "mean"
+    min_variance = "min_variance"
+
+
 #: choices of ``algo.adv_params.baseline`` for the group-baseline estimators
-BASELINES = ("mean", "min_variance")
+BASELINES = tuple(b.value for b in Baseline)
+
+_BASELINE_DOC = "mean: the estimator's own group baseline; min_variance: VCPO's importance-weighted one (arXiv:2602.17616)"
+
+
+@dataclass(frozen=True)
+class GRPOParams:
+    """GRPO's group normalisation (DeepSeekMath, arXiv:2402.03300: (r - mean) / std)."""
+
+    norm_by_std: bool = param(True, "divide by the group std (GRPO: true; Dr. GRPO arXiv:2503.20783: false)")
+    eps: float = param(1e-6, "added to the group std (numerical guard; GRPO reference code: 1e-6)")
+    baseline: Baseline = param(Baseline.mean, _BASELINE_DOC)
+
+
+@dataclass(frozen=True)
+class GAEParams:
+    """GAE (arXiv:1506.02438) as PPO for LLMs uses it (InstructGPT arXiv:2203.02155: gamma 1, lambda 0.95)."""
+
+    gamma: float = param(1.0, "discount per token (LLM PPO: 1)")
+    lam: float = param(0.95, "GAE lambda (LLM PPO practice: 0.95)")
+    whiten: bool = param(True, "whiten advantages over the batch (standard PPO practice)")
+
+
+@dataclass(frozen=True)
+class SAOParams:
+    """SAO's value-baseline advantage; the abstract gives no estimator, so Monte-Carlo GAE(1, 1) (our choice)."""
+
+    gamma: float = param(1.0, "discount per token (our choice: 1)")
+    lam: float = param(1.0, "GAE lambda; 1 = R - V(s_t), the unbiased choice for a sparse reward (our choice)")
+    whiten: bool = param(False, "whiten over the batch; off keeps the sign's meaning (our choice)")
+
+
+@dataclass(frozen=True)
+class BaselineParams:
+    """The baseline choice of a group-baseline estimator without other parameters."""
+
+    baseline: Baseline = param(Baseline.mean, _BASELINE_DOC)
+
+
+@dataclass(frozen=True)
+class ReinforcePPParams:
+    """REINFORCE++'s reward-to-go (arXiv:2501.03262: gamma = 1)."""
+
+    gamma: float = param(1.0, "discount of the token reward-to-go (REINFORCE++: 1)")
+
+
+@dataclass(frozen=True)
+class ReinforcePPBaselineParams:
+    """REINFORCE++-baseline (arXiv:2501.03262): group mean subtracted, then global whitening."""
+
+    gamma: float = param(1.0, "discount of the token reward-to-go (REINFORCE++: 1)")
+    baseline: Baseline = param(Baseline.mean, _BASELINE_DOC)
+
+
+@dataclass(frozen=True)
+class GPGParams:
+    """GPG's rectified group advantage (arXiv:2504.02546; authors' best setting F_norm = 1, alpha = B / (B - M))."""
+
+    norm_by_std: bool = param(False, "F_norm = group std instead of 1 (authors' best and released setting: false)")
+    eps: float = param(1e-6, "added to the std when norm_by_std")
+    baseline: Baseline = param(Baseline.mean, _BASELINE_DOC)
+
+
+@dataclass(frozen=True)
+class MCGRPOParams:
+    """MC-GRPO's median-centred advantage (the catalog gives the centring only; std normalisation is ours)."""
+
+    norm_by_std: bool = param(True, "divide by the std of all G + 1 rewards (our choice)")
+    eps: float = param(1e-6, "added to the std")
+
+
+@dataclass(frozen=True)
+class HAPOAdvParams:
+    """HAPO's Token-Level Group Average (arXiv:2509.16591; fallback bound from the authors' release)."""
+
+    norm_by_std: bool = param(True, "divide by the token-level group std (HAPO: true)")
+    eps: float = param(1e-6, "added to the std")
+    max_abs: float = param(5.0, "a group with any |A_i| >= max_abs falls back to GRPO's advantage (authors' release: 5)")
+
+
+@dataclass(frozen=True)
+class MSSRParams:
+    """MSSR's single-rollout advantage with bounded entropy shaping (arXiv:2512.18215; shaping of arXiv:2506.14758)."""
+
+    entropy_alpha: float = param(0.4, "entropy bonus scale alpha (Reasoning with Exploration, arXiv:2506.14758: 0.4)")
+    entropy_kappa: float = param(2.0, "bonus <= |A| / kappa, kappa > 1 (arXiv:2506.14758: 2)")
+    batch_norm: bool = param(True, "divide by the batch std of A (group-free normalisation)")
+    eps: float = param(1e-6, "added to the batch std")
 
 
 def min_variance_group_baseline(
@@ -128,10 +225,11 @@ def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
 @ADV_ESTIMATORS.register(
     "grpo",
     paper="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models (arXiv:2402.03300)",
+    params=GRPOParams,
     needs_group=True,
 )
 def grpo_advantage(
-    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, baseline: str = "mean", **_: object
+    inp: AdvantageInput, *, norm_by_std: bool, eps: float, baseline: str
 ) -> AdvantageOutput:
     """Group-relative outcome advantage: ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
@@ -213,11 +311,12 @@ def discounted_gae(
     "gae",
     paper="High-Dimensional Continuous Control Using Generalized Advantage Estimation (arXiv:1506.02438); "
     "PPO for LLMs as in InstructGPT (arXiv:2203.02155)",
+    params=GAEParams,
     needs_critic=True,
     uses_token_rewards=True,
 )
 def gae_advantage(
-    inp: AdvantageInput, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, **_: object
+    inp: AdvantageInput, *, gamma: float, lam: float, whiten: bool
 ) -> AdvantageOutput:
     """PPO's token-level advantage from a critic with GAE(gamma, lambda).
 
@@ -240,15 +339,16 @@ def gae_advantage(
 @ADV_ESTIMATORS.register(
     "sao",
     paper="SAO: Single-rollout Asynchronous Optimization (seed abstract 1; GLM agentic RL)",
+    params=SAOParams,
     needs_critic=True,
     uses_token_rewards=True,
 )
 def sao_advantage(
     inp: AdvantageInput,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    whiten: bool = False,
-    **_: object,
+    *,
+    gamma: float,
+    lam: float,
+    whiten: bool,
 ) -> AdvantageOutput:
     """Single-rollout advantage with a learned value model as baseline (SAO).
 
@@ -300,7 +400,7 @@ def reverse_cumsum(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
     paper="Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement Learning "
     "(REINFORCE, Williams 1992); no baseline",
 )
-def reinforce_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
+def reinforce_advantage(inp: AdvantageInput) -> AdvantageOutput:
     """Plain REINFORCE without a baseline: ``A_i = r_i`` on every response token.
 
     Also the neutral choice for losses that ignore advantages (``sft``).
@@ -312,9 +412,10 @@ def reinforce_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
     "rloo",
     paper="Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs "
     "(RLOO, arXiv:2402.14740)",
+    params=BaselineParams,
     needs_group=True,
 )
-def rloo_advantage(inp: AdvantageInput, baseline: str = "mean", **_: object) -> AdvantageOutput:
+def rloo_advantage(inp: AdvantageInput, *, baseline: str) -> AdvantageOutput:
     """REINFORCE leave-one-out: ``A_i = r_i - mean_{j != i, j in g} r_j``.
 
     Equivalently ``G / (G - 1) * (r_i - mean_g)`` for a group of size ``G``. A
@@ -342,9 +443,10 @@ def rloo_advantage(inp: AdvantageInput, baseline: str = "mean", **_: object) -> 
     "reinforce_pp",
     paper="REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global Advantage Normalization "
     "(arXiv:2501.03262)",
+    params=ReinforcePPParams,
     uses_token_rewards=True,
 )
-def reinforce_pp_advantage(inp: AdvantageInput, gamma: float = 1.0, **_: object) -> AdvantageOutput:
+def reinforce_pp_advantage(inp: AdvantageInput, *, gamma: float) -> AdvantageOutput:
     """REINFORCE++: token reward-to-go, whitened over the whole batch.
 
     Token rewards are the outcome reward on the last token plus
@@ -365,11 +467,12 @@ def reinforce_pp_advantage(inp: AdvantageInput, gamma: float = 1.0, **_: object)
 @ADV_ESTIMATORS.register(
     "reinforce_pp_baseline",
     paper="REINFORCE++ (arXiv:2501.03262), the group-baseline variant",
+    params=ReinforcePPBaselineParams,
     needs_group=True,
     uses_token_rewards=True,
 )
 def reinforce_pp_baseline_advantage(
-    inp: AdvantageInput, gamma: float = 1.0, baseline: str = "mean", **_: object
+    inp: AdvantageInput, *, gamma: float, baseline: str
 ) -> AdvantageOutput:
     """REINFORCE++-baseline: subtract the group mean reward, then whiten over the batch.
 
@@ -401,7 +504,7 @@ def reinforce_pp_baseline_advantage(
     needs_baseline_rollout=True,
     uses_token_rewards=True,
 )
-def remax_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
+def remax_advantage(inp: AdvantageInput) -> AdvantageOutput:
     """ReMax: the reward of the greedy response to the same prompt is the baseline.
 
     ``A_t = G_t - r(greedy)`` with ``G_t`` the (undiscounted) reward-to-go of the
@@ -423,9 +526,10 @@ def remax_advantage(inp: AdvantageInput, **_: object) -> AdvantageOutput:
 @ADV_ESTIMATORS.register(
     "opo",
     paper="On-Policy RL with Optimal Reward Baseline (OPO, arXiv:2505.23585)",
+    params=BaselineParams,
     needs_group=True,
 )
-def opo_advantage(inp: AdvantageInput, baseline: str = "mean", **_: object) -> AdvantageOutput:
+def opo_advantage(inp: AdvantageInput, *, baseline: str) -> AdvantageOutput:
     """OPO's length-weighted optimal baseline: ``b_g = sum_j L_j r_j / sum_j L_j``.
 
     ``L_j`` is the response length (mask sum) of sample ``j``; ``A_i = r_i - b_g``
@@ -457,10 +561,11 @@ def opo_advantage(inp: AdvantageInput, baseline: str = "mean", **_: object) -> A
 @ADV_ESTIMATORS.register(
     "gpg",
     paper="GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning (arXiv:2504.02546)",
+    params=GPGParams,
     needs_group=True,
 )
 def gpg_advantage(
-    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, baseline: str = "mean", **_: object
+    inp: AdvantageInput, *, norm_by_std: bool, eps: float, baseline: str
 ) -> AdvantageOutput:
     """GPG's rectified group advantage ``A_i = alpha * (r_i - mean_g) / F_norm``.
 
@@ -494,11 +599,12 @@ def gpg_advantage(
 @ADV_ESTIMATORS.register(
     "mc_grpo",
     paper="MC-GRPO: Median-Centered GRPO (seed catalog entry 102)",
+    params=MCGRPOParams,
     needs_group=True,
     odd_group=True,
 )
 def mc_grpo_advantage(
-    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, **_: object
+    inp: AdvantageInput, *, norm_by_std: bool, eps: float
 ) -> AdvantageOutput:
     """Median-centred group advantage over ``G + 1`` rollouts, pivot excluded.
 
@@ -533,10 +639,11 @@ def mc_grpo_advantage(
     "hapo",
     paper="From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature "
     "(HAPO, arXiv:2509.16591): Token Level Group Average",
+    params=HAPOAdvParams,
     needs_group=True,
 )
 def hapo_advantage(
-    inp: AdvantageInput, norm_by_std: bool = True, eps: float = 1e-6, max_abs: float = 5.0, **_: object
+    inp: AdvantageInput, *, norm_by_std: bool, eps: float, max_abs: float
 ) -> AdvantageOutput:
     """HAPO's Token-Level Group Average advantage.
 
@@ -572,15 +679,16 @@ def hapo_advantage(
     "mssr",
     paper="Stable and Efficient Single-Rollout RL for Multimodal Reasoning (MSSR, arXiv:2512.18215); entropy "
     "shaping of Reasoning with Exploration: An Entropy Perspective (arXiv:2506.14758)",
+    params=MSSRParams,
     needs_entropy=True,
 )
 def mssr_advantage(
     inp: AdvantageInput,
-    entropy_alpha: float = 0.4,
-    entropy_kappa: float = 2.0,
-    batch_norm: bool = True,
-    eps: float = 1e-6,
-    **_: object,
+    *,
+    entropy_alpha: float,
+    entropy_kappa: float,
+    batch_norm: bool,
+    eps: float,
 ) -> AdvantageOutput:
     """Single-rollout advantage with a prompt baseline and bounded entropy shaping.
 
@@ -627,10 +735,11 @@ def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> Adva
     :meth:`rlpost.rewards.RewardFunction.from_config` and dropped here.
 
     Raises:
-        ConfigError: unknown estimator name.
+        ConfigError: unknown estimator name, or a parameter it does not declare.
         ValueError: from the estimator (e.g. GAE without values).
     """
     from rlpost.algos.validate import SHAPING_KEYS
 
     fn = ADV_ESTIMATORS.get(name)
-    return fn(inp, **{k: v for k, v in params.items() if k not in SHAPING_KEYS})
+    return fn(inp, **ADV_ESTIMATORS.kwargs(name, {k: v for k, v in params.items() if k not in SHAPING_KEYS},
+                                            "algo.adv_params"))

@@ -10,8 +10,13 @@ per-token loss by the returned weights (no gradient flows through them).
 Calling convention (registry :data:`CORRECTIONS`, config key
 ``precision.correction``, params ``precision.correction_params``)::
 
-    fn(old_logprobs [B, R], rollout_logprobs [B, R], response_mask [B, R], **params)
+    fn(old_logprobs [B, R], rollout_logprobs [B, R], response_mask [B, R], *, <params>)
         -> (weights [B, R] detached, 0 outside the mask; metrics: dict of 0-d tensors)
+
+Each correction's ``<params>`` are declared once, by the frozen dataclass
+registered with it (``params=``, one doc line per field; :mod:`rlpost.registry`),
+so ``precision.correction_params`` with a key the correction does not declare
+is a config error.
 
 Every correction reports ``is_ratio_mean``, ``is_ratio_max``, ``ess_frac``
 (normalised effective sample size of the raw weights) and ``frac_modified``.
@@ -20,14 +25,15 @@ Every correction reports ``is_ratio_mean``, ``is_ratio_max``, ``ess_frac``
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, Tuple
 
 import torch
 
 from rlpost.algos.utils import masked_mean
-from rlpost.registry import Registry
+from rlpost.registry import Registry, param
 
-CORRECTIONS = Registry("importance-sampling correction", "precision.correction")
+CORRECTIONS = Registry("importance-sampling correction", "precision.correction", typed_params=True)
 
 Metrics = Dict[str, torch.Tensor]
 
@@ -75,7 +81,7 @@ def _base_metrics(ratio: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> M
     description="no correction: every weight is 1",
 )
 def no_correction(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, **_: object
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
 ) -> Tuple[torch.Tensor, Metrics]:
     """Weights 1 on the mask (and 0 outside); metrics still describe the mismatch."""
     ratio = _raw_ratio(old_logprobs, rollout_logprobs)
@@ -85,17 +91,25 @@ def no_correction(
     return w, m
 
 
+@dataclass(frozen=True)
+class TISParams:
+    """Truncated IS cap (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training": C = 2)."""
+
+    cap: float = param(2.0, "weight cap C > 0: w = min(pi_old / pi_rollout, C) (the authors' setting: 2)")
+
+
 @CORRECTIONS.register(
     "tis",
     paper="Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (truncated IS, Yao et al. 2025); "
     "FP8 rollout stack for LLM RL (seed catalog entry 17)",
+    params=TISParams,
 )
 def tis(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
-    cap: float = 2.0,
-    **_: object,
+    *,
+    cap: float,
 ) -> Tuple[torch.Tensor, Metrics]:
     """Token-level truncated importance sampling: ``w_t = min(pi_old / pi_rollout, C)``.
 
@@ -112,17 +126,26 @@ def tis(
     return w.detach(), _base_metrics(ratio, w, response_mask)
 
 
+@dataclass(frozen=True)
+class MISParams:
+    """Masked IS band: tokens whose ratio leaves [lo, hi] are dropped."""
+
+    lo: float = param(0.5, "lowest kept ratio, 0 <= lo < 1 (our choice: 0.5)")
+    hi: float = param(2.0, "highest kept ratio, > 1 (TIS's usual cap: 2)")
+
+
 @CORRECTIONS.register(
     "mis",
     paper="Masked importance sampling for training-inference mismatch (token-level MIS; seed catalog entries 17, 19)",
+    params=MISParams,
 )
 def mis(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
-    lo: float = 0.5,
-    hi: float = 2.0,
-    **_: object,
+    *,
+    lo: float,
+    hi: float,
 ) -> Tuple[torch.Tensor, Metrics]:
     """Masked importance sampling: keep ``w_t = pi_old / pi_rollout`` inside ``[lo, hi]``, drop the token otherwise.
 
@@ -158,16 +181,24 @@ def cis_cap(rollout_logprobs: torch.Tensor, threshold: float) -> torch.Tensor:
     return e / (1.0 - q + q * e)
 
 
+@dataclass(frozen=True)
+class CISParams:
+    """CIS's log-odds truncation threshold; the abstract gives no value: log 2 (our choice)."""
+
+    threshold: float = param(math.log(2.0), "log-odds displacement cap delta > 0; unlikely tokens capped at e^delta (our choice: log 2)")
+
+
 @CORRECTIONS.register(
     "cis",
     paper="CIS: Calibrated Importance Sampling for training-inference mismatch (seed catalog entry 195)",
+    params=CISParams,
 )
 def cis(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
-    threshold: float = math.log(2.0),
-    **_: object,
+    *,
+    threshold: float,
 ) -> Tuple[torch.Tensor, Metrics]:
     """Calibrated IS: truncate large positive log-odds displacements at one threshold.
 
@@ -190,19 +221,30 @@ def cis(
     return w.detach(), m
 
 
+@dataclass(frozen=True)
+class AISParams:
+    """AIS's mixing of uncorrected and weighted gradients; the abstract names the diagnostics only: our defaults."""
+
+    cap: float = param(2.0, "truncation of the weights before mixing (TIS's usual 2)")
+    kl_scale: float = param(0.01, "KL at which severity s = 1 - 1/e (our choice)")
+    lam_min: float = param(0.0, "lower bound of the mixing weight lambda")
+    lam_max: float = param(1.0, "upper bound of the mixing weight lambda")
+
+
 @CORRECTIONS.register(
     "ais",
     paper="AIS: Adaptive Importance Sampling for FP8 rollouts (seed catalog entry 15)",
+    params=AISParams,
 )
 def ais(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
-    cap: float = 2.0,
-    kl_scale: float = 0.01,
-    lam_min: float = 0.0,
-    lam_max: float = 1.0,
-    **_: object,
+    *,
+    cap: float,
+    kl_scale: float,
+    lam_min: float,
+    lam_max: float,
 ) -> Tuple[torch.Tensor, Metrics]:
     """Adaptive IS: per batch, mix the uncorrected and the importance-weighted gradient.
 
@@ -257,7 +299,8 @@ def compute_correction(
     """Run the registered correction ``name``; see the module docstring.
 
     Raises:
-        ConfigError: unknown correction name.
+        ConfigError: unknown correction name, or a parameter it does not declare.
         ValueError: invalid parameters of the chosen correction.
     """
-    return CORRECTIONS.get(name)(old_logprobs, rollout_logprobs, response_mask, **params)
+    kw = CORRECTIONS.kwargs(name, params, "precision.correction_params")
+    return CORRECTIONS.get(name)(old_logprobs, rollout_logprobs, response_mask, **kw)

@@ -1,6 +1,6 @@
 """Policy losses: per-token surrogate objectives.
 
-Calling convention: ``fn(inp: PolicyLossInput, **params) -> (loss_mat, metrics)``
+Calling convention: ``fn(inp: PolicyLossInput, *, <params>) -> (loss_mat, metrics)``
 where ``loss_mat`` is ``[B, R]`` (to be minimised; the caller aggregates it with a
 :mod:`rlpost.algos.aggregation` mode) and ``metrics`` maps names to 0-d tensors
 (masked means over response tokens).
@@ -8,6 +8,13 @@ where ``loss_mat`` is ``[B, R]`` (to be minimised; the caller aggregates it with
 Standard metric names: ``clip_frac`` (share of tokens whose gradient is cut by the
 clip), ``clip_frac_low`` / ``clip_frac_high`` (per side), ``ratio_mean``,
 ``ratio_max``, ``approx_kl`` (k3 estimate of KL(old || new)).
+
+Parameters: each loss's ``<params>`` are declared once, by the frozen dataclass
+registered with it (``params=``, defaults = the paper's setting, one doc line per
+field; see :mod:`rlpost.registry`). The function lists the same names as
+keyword-only arguments without defaults. A clip range (``eps_low`` /
+``eps_high`` / ``dual_clip``) is a parameter of exactly the losses that declare
+one; ``algo.clip.*`` writes into those (:func:`rlpost.algos.validate.loss_kwargs`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean, masked_quantile
+from rlpost.registry import Choice, param
 
 Metrics = Dict[str, torch.Tensor]
 
@@ -116,17 +124,27 @@ def _ppo_core(ratio, A, lo, hi, dual_clip, m):
     return loss, low, high, extra
 
 
+@dataclass(frozen=True)
+class PPOClipParams:
+    """PPO's clip range (arXiv:1707.06347: epsilon = 0.2), optional dual clip (arXiv:1912.09729)."""
+
+    eps_low: float = param(0.2, "lower clip: ratio floor 1 - eps_low for A < 0 (PPO paper: 0.2)")
+    eps_high: float = param(0.2, "upper clip: ratio cap 1 + eps_high for A > 0 (PPO: 0.2; DAPO clip-higher: 0.28)")
+    dual_clip: Optional[float] = param(None, "dual-clip constant c > 1 capping the loss of A < 0 tokens at -c A, or null (off)")
+
+
 @POLICY_LOSSES.register(
     "ppo_clip",
     paper="Proximal Policy Optimization Algorithms (arXiv:1707.06347); decoupled eps_low/eps_high "
     "from DAPO (arXiv:2503.14476); dual-clip from Mastering Complex Control in MOBA Games (arXiv:1912.09729)",
+    params=PPOClipParams,
 )
 def ppo_clip_loss(
     inp: PolicyLossInput,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: Optional[float] = None,
-    **_: object,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: Optional[float],
 ) -> Tuple[torch.Tensor, Metrics]:
     """PPO clipped surrogate ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` per token.
 
@@ -153,12 +171,21 @@ def ppo_clip_loss(
     return loss, metrics
 
 
+@dataclass(frozen=True)
+class StrictDoubleClipParams:
+    """SAO's clip range; the SAO abstract gives none, so PPO's 0.2 (our choice)."""
+
+    eps_low: float = param(0.2, "any token with ratio < 1 - eps_low gets no gradient (our choice: PPO's 0.2)")
+    eps_high: float = param(0.2, "any token with ratio > 1 + eps_high gets no gradient (our choice: PPO's 0.2)")
+
+
 @POLICY_LOSSES.register(
     "strict_double_clip",
     paper="SAO: Single-rollout Asynchronous Optimization (seed abstract 1)",
+    params=StrictDoubleClipParams,
 )
 def strict_double_clip_loss(
-    inp: PolicyLossInput, eps_low: float = 0.2, eps_high: float = 0.2, **_: object
+    inp: PolicyLossInput, *, eps_low: float, eps_high: float
 ) -> Tuple[torch.Tensor, Metrics]:
     """SAO's strict double-sided token-level clipping.
 
@@ -191,13 +218,22 @@ def _seq_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return masked_mean(x, m, dim=-1)
 
 
+@dataclass(frozen=True)
+class GSPOParams:
+    """GSPO's clip range on the length-normalised sequence ratio (arXiv:2507.18071: 3e-4 / 4e-4)."""
+
+    eps_low: float = param(3e-4, "sequence ratio floor 1 - eps_low (GSPO paper: 3e-4)")
+    eps_high: float = param(4e-4, "sequence ratio cap 1 + eps_high (GSPO paper: 4e-4)")
+
+
 @POLICY_LOSSES.register(
     "gspo",
     paper="Group Sequence Policy Optimization (GSPO, arXiv:2507.18071)",
+    params=GSPOParams,
     sequence_level=True,
 )
 def gspo_loss(
-    inp: PolicyLossInput, eps_low: float = 3e-4, eps_high: float = 4e-4, **_: object
+    inp: PolicyLossInput, *, eps_low: float, eps_high: float
 ) -> Tuple[torch.Tensor, Metrics]:
     """GSPO: clip the length-normalised *sequence* importance ratio.
 
@@ -230,13 +266,22 @@ def gspo_loss(
     return loss, metrics
 
 
+@dataclass(frozen=True)
+class GMPOParams:
+    """GMPO's log-space clip range (arXiv:2507.20673: (-0.4, 0.4), ratios in (e^-0.4, e^0.4))."""
+
+    eps_low: float = param(0.4, "token log-ratio floor -eps_low (GMPO paper: 0.4)")
+    eps_high: float = param(0.4, "token log-ratio cap eps_high (GMPO paper: 0.4)")
+
+
 @POLICY_LOSSES.register(
     "gmpo",
     paper="GMPO: Geometric-Mean Policy Optimization (arXiv:2507.20673)",
+    params=GMPOParams,
     sequence_level=True,
 )
 def gmpo_loss(
-    inp: PolicyLossInput, eps_low: float = 0.4, eps_high: float = 0.4, **_: object
+    inp: PolicyLossInput, *, eps_low: float, eps_high: float
 ) -> Tuple[torch.Tensor, Metrics]:
     """GMPO: maximise the geometric mean of the clipped token-level objectives.
 
@@ -274,12 +319,21 @@ def _is_weighted_pg(ratio: torch.Tensor, w: torch.Tensor, A: torch.Tensor) -> to
     return -A * (w / ratio).detach() * ratio
 
 
+@dataclass(frozen=True)
+class CISPOParams:
+    """CISPO's IS-weight clip (arXiv:2506.13585): no lower bound; the paper tunes the upper one without reporting it."""
+
+    eps_low: float = param(1.0, "weight floor 1 - eps_low; 1 = no lower bound, as the paper (weights down to 0)")
+    eps_high: float = param(4.0, "weight cap 1 + eps_high; tuned but not reported in the paper: 4 is our choice (loose)")
+
+
 @POLICY_LOSSES.register(
     "cispo",
     paper="MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention (CISPO, arXiv:2506.13585)",
+    params=CISPOParams,
 )
 def cispo_loss(
-    inp: PolicyLossInput, eps_low: float = 1.0, eps_high: float = 4.0, **_: object
+    inp: PolicyLossInput, *, eps_low: float, eps_high: float
 ) -> Tuple[torch.Tensor, Metrics]:
     """CISPO: REINFORCE with clipped, stop-gradient importance-sampling weights.
 
@@ -301,18 +355,29 @@ def cispo_loss(
     return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
 
 
+@dataclass(frozen=True)
+class DISPOParams:
+    """DISPO's four clip bounds (arXiv:2602.00983); the tuned values are not in the abstract: our choices."""
+
+    pos_low: float = param(0.5, "weight floor 1 - pos_low for A > 0 tokens (our choice)")
+    pos_high: float = param(1.0, "weight cap 1 + pos_high for A > 0 tokens (our choice)")
+    neg_low: float = param(1.0, "weight floor 1 - neg_low for A < 0 tokens (our choice: no floor)")
+    neg_high: float = param(4.0, "weight cap 1 + neg_high for A < 0 tokens (our choice: loose, tight collapses)")
+
+
 @POLICY_LOSSES.register(
     "dispo",
     paper="DISPO: Enhancing Training Efficiency and Stability in Reinforcement Learning for Large Language Model "
     "Mathematical Reasoning (arXiv:2602.00983)",
+    params=DISPOParams,
 )
 def dispo_loss(
     inp: PolicyLossInput,
-    pos_low: float = 0.5,
-    pos_high: float = 1.0,
-    neg_low: float = 1.0,
-    neg_high: float = 4.0,
-    **_: object,
+    *,
+    pos_low: float,
+    pos_high: float,
+    neg_low: float,
+    neg_high: float,
 ) -> Tuple[torch.Tensor, Metrics]:
     """DISPO: CISPO-style weights with four independent clip regimes.
 
@@ -345,12 +410,21 @@ def dispo_loss(
     return loss, metrics
 
 
+@dataclass(frozen=True)
+class SAPOParams:
+    """SAPO's gate temperatures (arXiv:2511.20347: tau_pos = 1.0, tau_neg = 1.05)."""
+
+    tau_pos: float = param(1.0, "gate temperature for A > 0 tokens (SAPO paper: 1.0)")
+    tau_neg: float = param(1.05, "gate temperature for A < 0 tokens, > tau_pos damps them faster (SAPO paper: 1.05)")
+
+
 @POLICY_LOSSES.register(
     "sapo",
     paper="Soft Adaptive Policy Optimization (SAPO, arXiv:2511.20347)",
+    params=SAPOParams,
 )
 def sapo_loss(
-    inp: PolicyLossInput, tau_pos: float = 1.0, tau_neg: float = 1.05, **_: object
+    inp: PolicyLossInput, *, tau_pos: float, tau_neg: float
 ) -> Tuple[torch.Tensor, Metrics]:
     """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip.
 
@@ -405,16 +479,26 @@ def _cov_metrics(ratio, log_ratio, sel, A, cov, m) -> Metrics:
     return metrics
 
 
+@dataclass(frozen=True)
+class ClipCovParams:
+    """Clip-Cov's token selection (arXiv:2505.22617: ratio 2e-4, covariance bounds 1 and 5)."""
+
+    clip_cov_ratio: float = param(2e-4, "share of response tokens whose gradient is detached (paper: 2e-4)")
+    cov_lb: float = param(1.0, "lower covariance bound of the candidates (paper: 1)")
+    cov_ub: float = param(5.0, "upper covariance bound of the candidates (paper: 5)")
+
+
 @POLICY_LOSSES.register(
     "clip_cov",
     paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov, arXiv:2505.22617)",
+    params=ClipCovParams,
 )
 def clip_cov_loss(
     inp: PolicyLossInput,
-    clip_cov_ratio: float = 2e-4,
-    cov_lb: float = 1.0,
-    cov_ub: float = 5.0,
-    **_: object,
+    *,
+    clip_cov_ratio: float,
+    cov_lb: float,
+    cov_ub: float,
 ) -> Tuple[torch.Tensor, Metrics]:
     """Clip-Cov: detach the gradient of a few high-covariance tokens.
 
@@ -443,12 +527,21 @@ def clip_cov_loss(
     return loss, _cov_metrics(ratio, log_ratio, sel, A, cov, m)
 
 
+@dataclass(frozen=True)
+class KLCovParams:
+    """KL-Cov's token selection and penalty (arXiv:2505.22617: k = 2e-3 for 7B-class models, coefficient 1)."""
+
+    kl_cov_ratio: float = param(2e-3, "share of response tokens (top covariance) that get the KL penalty (paper, 7B: 2e-3)")
+    kl_coef: float = param(1.0, "coefficient of the |log pi - log pi_old| penalty (paper: 1)")
+
+
 @POLICY_LOSSES.register(
     "kl_cov",
     paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov, arXiv:2505.22617)",
+    params=KLCovParams,
 )
 def kl_cov_loss(
-    inp: PolicyLossInput, kl_cov_ratio: float = 2e-3, kl_coef: float = 1.0, **_: object
+    inp: PolicyLossInput, *, kl_cov_ratio: float, kl_coef: float
 ) -> Tuple[torch.Tensor, Metrics]:
     """KL-Cov: a KL penalty on the top-covariance tokens only.
 
@@ -478,7 +571,7 @@ def kl_cov_loss(
     "gpg",
     paper="GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning (arXiv:2504.02546)",
 )
-def gpg_loss(inp: PolicyLossInput, **_: object) -> Tuple[torch.Tensor, Metrics]:
+def gpg_loss(inp: PolicyLossInput) -> Tuple[torch.Tensor, Metrics]:
     """GPG / plain REINFORCE: ``loss_t = -A_t * log pi(y_t)``, no ratio, no clip.
 
     Valid for on-policy updates (one optimizer step per batch); there is no
@@ -495,7 +588,7 @@ def gpg_loss(inp: PolicyLossInput, **_: object) -> Tuple[torch.Tensor, Metrics]:
     paper="Supervised fine-tuning (maximum likelihood), for hybrid SFT/RL schedules",
     needs_reference_responses=True,
 )
-def sft_loss(inp: PolicyLossInput, **_: object) -> Tuple[torch.Tensor, Metrics]:
+def sft_loss(inp: PolicyLossInput) -> Tuple[torch.Tensor, Metrics]:
     """Negative log-likelihood ``-log pi(y_t)`` of the response tokens; advantages are ignored.
 
     Meant for batches whose responses are reference answers (the trainer swaps
@@ -510,24 +603,38 @@ def sft_loss(inp: PolicyLossInput, **_: object) -> Tuple[torch.Tensor, Metrics]:
     return loss, metrics
 
 
+@dataclass(frozen=True)
+class HAPOParams:
+    """HAPO's token-aware clipping and redistribution (arXiv:2509.16591; the authors' released values)."""
+
+    eps_low: float = param(0.2, "base lower clip before entropy adaptation (DAPO's 0.2, HAPO's base)")
+    eps_high: float = param(0.28, "base upper clip before entropy adaptation (DAPO clip-higher 0.28, HAPO's base)")
+    dual_clip: Optional[float] = param(3.0, "dual-clip constant c > 1 for A < 0 tokens, or null (authors' release: 3)")
+    clip_alpha: float = param(1.0, "strength of Asymmetric Adaptive Clipping (authors: 1)")
+    adv_beta: float = param(1.0, "strength of Differential Advantage Redistribution (authors: 1)")
+    entropy_pivot: float = param(0.5, "entropy quantile that maps to h_hat = 0 (authors: 0.5)")
+    adaptive_clip: bool = param(True, "turn Asymmetric Adaptive Clipping on")
+    adaptive_advantage: bool = param(True, "turn Differential Advantage Redistribution on")
+
+
 @POLICY_LOSSES.register(
     "hapo",
     paper="From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature "
     "(HAPO, arXiv:2509.16591): Asymmetric Adaptive Clipping + Differential Advantage Redistribution",
+    params=HAPOParams,
     needs_entropy=True,
 )
 def hapo_loss(
     inp: PolicyLossInput,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    dual_clip: Optional[float] = 3.0,
-    clip_alpha: float = 1.0,
-    adv_beta: float = 1.0,
-    entropy_pivot: float = 0.5,
-    adaptive_clip: bool = True,
-    adaptive_advantage: bool = True,
-    temperature_tau: float = 0.05,
-    **_: object,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: Optional[float],
+    clip_alpha: float,
+    adv_beta: float,
+    entropy_pivot: float,
+    adaptive_clip: bool,
+    adaptive_advantage: bool,
 ) -> Tuple[torch.Tensor, Metrics]:
     """HAPO's token-aware PPO surrogate.
 
@@ -545,9 +652,9 @@ def hapo_loss(
     Then the PPO clipped surrogate with those per-token ranges and dual-clip
     ``c = 3`` (as the authors' release). ``clip_alpha = adv_beta = 1`` are the
     authors' settings; base ``eps`` are DAPO's clip-higher 0.2 / 0.28.
-    ``temperature_tau`` is not used by the loss: HAPO's Adaptive Temperature
-    Sampling belongs to ``sampler=adaptive_temperature`` (its ``tau``), and a
-    config that sets ``algo.loss_params.temperature_tau`` is refused
+    HAPO's Adaptive Temperature Sampling is not part of the loss: it belongs to
+    ``sampler=adaptive_temperature`` (its ``tau``), and a config that sets
+    ``algo.loss_params.temperature_tau`` is refused
     (:func:`rlpost.algos.stages.check_sampler`).
 
     Raises:
@@ -577,18 +684,29 @@ def hapo_loss(
     return loss, metrics
 
 
+@dataclass(frozen=True)
+class AEPOParams:
+    """AEPO's entropy-balanced update (arXiv:2510.14545) on a clip-higher base."""
+
+    eps_low: float = param(0.2, "lower clip (DAPO's 0.2, AEPO's base)")
+    eps_high: float = param(0.28, "upper clip; clipped-high, high-entropy tokens keep a gradient rescaled to it (0.28)")
+    entropy_adv_alpha: float = param(0.3, "entropy-aware advantage A (1 + alpha z_H) (our reading of the paper: 0.3)")
+    entropy_quantile: float = param(0.5, "entropy quantile above which a clipped-high token keeps its gradient")
+
+
 @POLICY_LOSSES.register(
     "aepo",
     paper="Agentic Entropy-Balanced Policy Optimization (AEPO, arXiv:2510.14545): entropy-balanced update",
+    params=AEPOParams,
     needs_entropy=True,
 )
 def aepo_loss(
     inp: PolicyLossInput,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    entropy_adv_alpha: float = 0.3,
-    entropy_quantile: float = 0.5,
-    **_: object,
+    *,
+    eps_low: float,
+    eps_high: float,
+    entropy_adv_alpha: float,
+    entropy_quantile: float,
 ) -> Tuple[torch.Tensor, Metrics]:
     """AEPO's Entropy-Balanced Policy Optimization (the update side).
 
@@ -632,19 +750,46 @@ def aepo_loss(
     return loss, metrics
 
 
+class AdvScale(Choice):
+    """How GAPO's clip range grows with ``|A|``."""
+
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class RatioLevel(Choice):
+    """Which importance ratio a surrogate clips: per token (PPO) or per sequence (GSPO)."""
+
+    token = "token"
+    sequence = "sequence"
+
+
+@dataclass(frozen=True)
+class GAPOParams:
+    """GAPO's advantage-scaled clip range; the abstract gives no form or caps: ours."""
+
+    eps_low: float = param(0.2, "base lower clip, scaled by g(|A_i|) (PPO's 0.2)")
+    eps_high: float = param(0.2, "base upper clip, scaled by g(|A_i|) (PPO's 0.2)")
+    adv_scale: AdvScale = param(AdvScale.linear, "g(a) = max(1, a) (linear) or max(1, sqrt(a)) (sqrt) (our choice)")
+    eps_low_max: float = param(0.5, "cap of the scaled lower clip (our choice)")
+    eps_high_max: float = param(1.0, "cap of the scaled upper clip (our choice)")
+    ratio_level: RatioLevel = param(RatioLevel.token, "token: PPO's ratio; sequence: GSPO's length-normalised ratio")
+
+
 @POLICY_LOSSES.register(
     "gapo",
     paper="GAPO: Group Adaptive Clipping Policy Optimization (seed catalog entry 49)",
+    params=GAPOParams,
 )
 def gapo_loss(
     inp: PolicyLossInput,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    adv_scale: str = "linear",
-    eps_low_max: float = 0.5,
-    eps_high_max: float = 1.0,
-    ratio_level: str = "token",
-    **_: object,
+    *,
+    eps_low: float,
+    eps_high: float,
+    adv_scale: str,
+    eps_low_max: float,
+    eps_high_max: float,
+    ratio_level: str,
 ) -> Tuple[torch.Tensor, Metrics]:
     """GAPO: each rollout's clip range grows with its advantage.
 
@@ -685,9 +830,10 @@ def gapo_loss(
 
 
 def compute_policy_loss(name: str, inp: PolicyLossInput, **params: object) -> Tuple[torch.Tensor, Metrics]:
-    """Run registered policy loss ``name``; see module docstring for the convention.
+    """Run registered policy loss ``name`` with its declared defaults overridden by ``params``.
 
     Raises:
-        ConfigError: unknown loss name.
+        ConfigError: unknown loss name, or a parameter the loss does not declare
+            (the message lists the valid keys).
     """
-    return POLICY_LOSSES.get(name)(inp, **params)
+    return POLICY_LOSSES.get(name)(inp, **POLICY_LOSSES.kwargs(name, params, "algo.loss_params"))

@@ -24,6 +24,7 @@ log-probs these functions already take.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -31,6 +32,17 @@ import torch
 from rlpost.algos.losses import PolicyLossInput, ppo_clip_loss
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import group_ids, masked_mean
+from rlpost.registry import param
+
+
+@dataclass(frozen=True)
+class DecoupledPPOParams:
+    """Decoupled PPO: PPO's clip range against the proximal policy plus AReaL's behaviour-weight cap."""
+
+    eps_low: float = param(0.2, "lower clip of pi_theta / pi_prox (PPO: 0.2)")
+    eps_high: float = param(0.2, "upper clip of pi_theta / pi_prox (PPO: 0.2)")
+    dual_clip: Optional[float] = param(None, "dual-clip constant c > 1 for A < 0 tokens, or null (off)")
+    behav_cap: Optional[float] = param(5.0, "cap of the behaviour weight pi_prox / pi_behav (AReaL caps it; paper: none), null = uncapped")
 
 
 @POLICY_LOSSES.register(
@@ -38,14 +50,15 @@ from rlpost.algos.utils import group_ids, masked_mean
     paper="Batch size-invariance for policy optimization (decoupled PPO, arXiv:2110.00641); "
     "AReaL: asynchronous RL for LLM reasoning (arXiv:2505.24298)",
     description="PPO clipped against the proximal policy, weighted by pi_prox / pi_behav (capped)",
+    params=DecoupledPPOParams,
 )
 def decoupled_ppo_loss(
     inp: PolicyLossInput,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: Optional[float] = None,
-    behav_cap: Optional[float] = 5.0,
-    **_: object,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: Optional[float],
+    behav_cap: Optional[float],
 ) -> Tuple[torch.Tensor, dict]:
     """Decoupled PPO loss per token ``[B, R]``.
 

@@ -3,20 +3,22 @@
 Each registry maps a config name to a function; see the module of each kind for
 the calling convention:
 
-* :data:`ADV_ESTIMATORS` (``algo.adv_estimator``): ``fn(inp: AdvantageInput, **params)
+* :data:`ADV_ESTIMATORS` (``algo.adv_estimator``): ``fn(inp: AdvantageInput, *, <params>)
   -> AdvantageOutput`` in :mod:`rlpost.algos.advantages`.
-* :data:`POLICY_LOSSES` (``algo.loss``): ``fn(inp: PolicyLossInput, **params) ->
+* :data:`POLICY_LOSSES` (``algo.loss``): ``fn(inp: PolicyLossInput, *, <params>) ->
   (loss_matrix [B, R], metrics)`` in :mod:`rlpost.algos.losses`; the caller
   aggregates the matrix with a :data:`LOSS_AGGS` mode.
 * :data:`LOSS_AGGS` (``algo.loss_agg``): ``fn(loss_mat, mask, denom) -> scalar``.
 * :data:`KL_ESTIMATORS` (``algo.kl.estimator``): ``fn(logprobs, ref_logprobs) -> [B, R]``.
 
-Entries carry tags read by config validation, e.g. ``needs_critic=True``.
+Estimators and losses declare their ``<params>`` once, as a frozen dataclass
+registered with them (:mod:`rlpost.registry`); entries carry tags read by config
+validation, e.g. ``needs_critic=True``.
 """
 
 from rlpost.registry import Registry
 
-ADV_ESTIMATORS = Registry("advantage estimator", "algo.adv_estimator")
-POLICY_LOSSES = Registry("policy loss", "algo.loss")
+ADV_ESTIMATORS = Registry("advantage estimator", "algo.adv_estimator", typed_params=True)
+POLICY_LOSSES = Registry("policy loss", "algo.loss", typed_params=True)
 LOSS_AGGS = Registry("loss aggregation mode", "algo.loss_agg")
 KL_ESTIMATORS = Registry("KL estimator", "algo.kl.estimator")

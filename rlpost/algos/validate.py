@@ -1,29 +1,68 @@
 """Config-time validation of an algorithm preset and of a mismatch correction.
 
 :func:`validate_algo` checks that the registered parts of ``algo`` exist, that
-their parameters are ones the functions accept, and that the combination makes
-sense (a critic for critic-based estimators, a group for group baselines, a
-reward-side KL for estimators that read token rewards...). It raises
+their parameters are ones the components declare (their ``params`` dataclass,
+:mod:`rlpost.registry`), and that the combination makes sense (a critic for
+critic-based estimators, a group for group baselines, a reward-side KL for
+estimators that read token rewards...). It raises
 :class:`rlpost.errors.ConfigError` with a message naming the key and the fix,
 before any model is loaded.
+
+Who owns which key:
+
+* ``algo.loss_params``: the loss's declared parameters, plus the trainer's
+  :class:`TrainerLossParams` (read for any loss);
+* ``algo.clip.*``: shorthand for the clip-range fields (``eps_low``,
+  ``eps_high``, ``dual_clip``) of a loss that declares them; null (the default)
+  leaves the loss's paper value. :func:`loss_kwargs` maps it, and refuses it for
+  a loss without that field or when ``algo.loss_params`` sets the same key to
+  another value;
+* ``algo.adv_params``: the estimator's declared parameters, plus
+  :class:`RewardShapingParams` (read by :func:`rlpost.algos.advantages.compute_advantages`);
+* ``precision.correction_params``: the correction's declared parameters.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Iterable, Mapping, Optional
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from rlpost.algos.registries import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 from rlpost.errors import ConfigError
+from rlpost.registry import Choice, param, resolve_params
 
-# Keys of algo.adv_params consumed by compute_advantages (reward shaping), not by estimators.
-SHAPING_KEYS = ("overlong_buffer", "overlong_penalty", "max_len")
-# Keys of algo.clip, always passed to the loss together with algo.loss_params.
+
+class Proximal(Choice):
+    """How the update's proximal (trust-region anchor) log-probs are obtained."""
+
+    recompute = "recompute"
+    a3po = "a3po"
+
+
+@dataclass(frozen=True)
+class TrainerLossParams:
+    """Keys of ``algo.loss_params`` the trainer reads for any loss (:mod:`rlpost.trainer.torch_engine`)."""
+
+    proximal: Proximal = param(Proximal.recompute, "recompute: a forward pass; a3po: A-3PO's interpolation (arXiv:2512.06547), no pass")
+    vcpo_lr: bool = param(False, "scale each optimizer step's lr by the ESS fraction of the IS weights (VCPO, arXiv:2602.17616)")
+    vcpo_power: float = param(1.0, "lr scale = ess_frac ** vcpo_power, > 0 (our choice: linear)")
+    vcpo_min_scale: float = param(0.1, "smallest lr multiplier, in (0, 1] (our choice)")
+
+
+@dataclass(frozen=True)
+class RewardShapingParams:
+    """Keys of ``algo.adv_params`` that shape rewards before the estimator (DAPO overlong punishment, arXiv:2503.14476)."""
+
+    overlong_buffer: float = param(0, "soft-punishment window: tokens, or a fraction of max_len if in (0, 1); 0 = off")
+    overlong_penalty: float = param(1.0, "penalty at the hard length limit (DAPO: 1)")
+    max_len: Optional[int] = param(None, "length budget of the penalty (null: the padded response length)")
+
+
+SHAPING_KEYS = tuple(f.name for f in dataclasses.fields(RewardShapingParams))
 CLIP_KEYS = ("eps_low", "eps_high", "dual_clip")
-# Keys of algo.loss_params the trainer reads for any loss (rlpost.trainer.torch_engine): A-3PO's proximal
-# policy (arXiv:2512.06547) and VCPO's ESS learning-rate scaling (arXiv:2602.17616).
-TRAINER_LOSS_KEYS = ("proximal", "vcpo_lr", "vcpo_power", "vcpo_min_scale")
-PROXIMAL_CHOICES = ("recompute", "a3po")
+TRAINER_LOSS_KEYS = tuple(f.name for f in dataclasses.fields(TrainerLossParams))
+PROXIMAL_CHOICES = tuple(p.value for p in Proximal)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -44,26 +83,67 @@ def _as_dict(x: Any) -> dict:
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(x, DictConfig):
-            return dict(OmegaConf.to_container(x, resolve=False))  # type: ignore[arg-type]
+            return dict(OmegaConf.to_container(x, resolve=True))  # type: ignore[arg-type]
     except ImportError:  # pragma: no cover
         pass
     return dict(x)
 
 
-def accepted_params(fn: Any, skip: int = 1) -> Optional[set]:
-    """Keyword parameter names of ``fn`` after its first ``skip`` positional ones (None if it has none)."""
-    ps = list(inspect.signature(fn).parameters.values())[skip:]
-    return {p.name for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+def _split(d: Mapping[str, Any], keys: Tuple[str, ...]) -> Tuple[dict, dict]:
+    """``(entries whose key is not in keys, entries whose key is)``."""
+    return {k: v for k, v in d.items() if k not in keys}, {k: v for k, v in d.items() if k in keys}
 
 
-def _check_params(kind: str, key: str, name: str, fn: Any, params: Iterable[str], skip: int, ignore=()) -> None:
-    ok = accepted_params(fn, skip) or set()
-    bad = sorted(set(params) - ok - set(ignore))
-    if bad:
-        valid = ", ".join(sorted(ok)) or "(none)"
-        raise ConfigError(
-            f"{key} has unknown parameter(s) {', '.join(bad)} for {kind} {name!r}. Valid: {valid}."
-        )
+def loss_overrides(algo_cfg: Any) -> Dict[str, Any]:
+    """The loss's own overrides: ``algo.loss_params`` minus the trainer keys, plus ``algo.clip.*`` where set.
+
+    Raises:
+        ConfigError: ``algo.clip.<k>`` set for a loss that does not declare
+            ``k``, or set to a value other than ``algo.loss_params.<k>``.
+    """
+    loss = _get(algo_cfg, "loss", "ppo_clip")
+    own, _ = _split(_as_dict(_get(algo_cfg, "loss_params")), TRAINER_LOSS_KEYS)
+    clip = {k: v for k, v in _as_dict(_get(algo_cfg, "clip")).items() if v is not None}
+    declared = [f.name for f in dataclasses.fields(POLICY_LOSSES.params_of(loss))]
+    for k, v in clip.items():
+        if k not in declared:
+            raise ConfigError(
+                f"algo.clip.{k}={v} is set, but algo.loss={loss} has no {k}: a clip range applies only to losses that "
+                f"declare one. Its parameters: {', '.join(declared) or 'none'}. Fix: drop algo.clip.{k} "
+                f"(~algo.clip.{k} or algo.clip.{k}=null), or pick a clipped loss (ppo_clip, gspo, cispo, ...)."
+            )
+        if k in own and own[k] != v:
+            raise ConfigError(
+                f"algo.clip.{k}={v} and algo.loss_params.{k}={own[k]} set the same parameter of algo.loss={loss} "
+                f"to different values; set it in one place (algo.loss_params.{k})."
+            )
+        own[k] = v
+    return own
+
+
+def loss_kwargs(algo_cfg: Any) -> Dict[str, Any]:
+    """Keyword arguments of ``algo.loss``: its declared defaults with :func:`loss_overrides` applied.
+
+    Raises:
+        ConfigError: see :func:`loss_overrides`, or a key the loss does not declare.
+    """
+    loss = _get(algo_cfg, "loss", "ppo_clip")
+    return POLICY_LOSSES.kwargs(loss, loss_overrides(algo_cfg), "algo.loss_params")
+
+
+def trainer_loss_params(algo_cfg: Any) -> TrainerLossParams:
+    """The trainer's keys of ``algo.loss_params`` (:class:`TrainerLossParams`), defaults filled in.
+
+    Raises:
+        ConfigError: wrong type or choice.
+    """
+    _, tk = _split(_as_dict(_get(algo_cfg, "loss_params")), TRAINER_LOSS_KEYS)
+    return resolve_params(TrainerLossParams, tk, "algo.loss_params", "trainer")
+
+
+def adv_overrides(algo_cfg: Any) -> Dict[str, Any]:
+    """The estimator's own overrides: ``algo.adv_params`` minus :data:`SHAPING_KEYS`."""
+    return _split(_as_dict(_get(algo_cfg, "adv_params")), SHAPING_KEYS)[0]
 
 
 def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
@@ -73,9 +153,10 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
 
     * ``algo.adv_estimator``, ``algo.loss``, ``algo.loss_agg``, ``algo.kl.estimator``
       are registered (unknown names list the valid choices);
-    * ``algo.adv_params`` / ``algo.loss_params`` only hold parameters the chosen
-      functions accept (plus the reward-shaping keys of ``adv_params`` and the
-      trainer's ``proximal`` / ``vcpo_*`` keys of ``loss_params``, range-checked);
+    * ``algo.adv_params`` / ``algo.loss_params`` / ``algo.clip`` only hold
+      parameters the chosen components declare, with the right types and
+      choices (plus :class:`RewardShapingParams` in ``adv_params`` and
+      :class:`TrainerLossParams` in ``loss_params``, range-checked);
     * ``algo.adv_params.baseline`` (``mean`` | ``min_variance``) is only set for
       estimators that take it;
     * an estimator tagged ``needs_critic`` has ``algo.critic.enabled=true``;
@@ -83,7 +164,8 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
       (``odd_group``: an odd size >= 3, so the median is a sample);
     * ``algo.kl.in_reward=true`` with ``kl.coef > 0`` needs an estimator that
       reads token rewards (``uses_token_rewards``), else the KL would be dropped;
-    * clip range: ``0 <= eps_low <= 1``, ``eps_high >= 0``, ``dual_clip`` null or > 1;
+    * the loss's clip range, where it declares one: ``0 <= eps_low <= 1``,
+      ``eps_high >= 0``, ``dual_clip`` null or > 1;
     * ``ppo_epochs``, ``mini_batches``, ``n_samples_per_prompt`` >= 1,
       ``loss_agg_norm`` null or > 0, ``kl.coef >= 0``;
     * the ``gpg`` loss has no trust region: it needs ``ppo_epochs == 1`` and
@@ -99,21 +181,21 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
     agg = _get(algo_cfg, "loss_agg", "token-mean")
     kl = _get(algo_cfg, "kl")
     critic = _get(algo_cfg, "critic")
-    clip = _as_dict(_get(algo_cfg, "clip"))
     n = int(_get(algo_cfg, "n_samples_per_prompt", 1) or 0)
 
-    adv_fn = ADV_ESTIMATORS.get(adv)
-    loss_fn = POLICY_LOSSES.get(loss)
+    ADV_ESTIMATORS.get(adv)
+    POLICY_LOSSES.get(loss)
     LOSS_AGGS.get(agg)
     kl_est = _get(kl, "estimator", "k3")
     KL_ESTIMATORS.get(kl_est)
 
     adv_params = _as_dict(_get(algo_cfg, "adv_params"))
-    _check_baseline(adv, adv_fn, adv_params.get("baseline"))
-    _check_params("advantage estimator", "algo.adv_params", adv, adv_fn, adv_params, 1, SHAPING_KEYS)
-    loss_params = _as_dict(_get(algo_cfg, "loss_params"))
-    _check_params("policy loss", "algo.loss_params", loss, loss_fn, loss_params, 1, CLIP_KEYS + TRAINER_LOSS_KEYS)
-    _check_trainer_loss_keys(loss_params)
+    _check_baseline(adv, adv_params.get("baseline"))
+    ADV_ESTIMATORS.resolve(adv, adv_overrides(algo_cfg), "algo.adv_params")
+    resolve_params(RewardShapingParams, _split(adv_params, SHAPING_KEYS)[1], "algo.adv_params", "reward shaping")
+    lp = POLICY_LOSSES.resolve(loss, loss_overrides(algo_cfg), "algo.loss_params")
+    _check_trainer_loss_keys(trainer_loss_params(algo_cfg))
+    _check_clip_range(loss, lp)
 
     for k in ("ppo_epochs", "mini_batches", "n_samples_per_prompt"):
         v = _get(algo_cfg, k, 1)
@@ -150,15 +232,6 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
             f"(KL in the loss) or an estimator that reads token rewards ({users})."
         )
 
-    eps_low = clip.get("eps_low", 0.2)
-    eps_high = clip.get("eps_high", 0.2)
-    dual = clip.get("dual_clip")
-    if eps_low is None or not (0.0 <= float(eps_low) <= 1.0):
-        raise ConfigError(f"algo.clip.eps_low must be in [0, 1] (the lower ratio bound 1-eps_low >= 0), got {eps_low}.")
-    if eps_high is None or float(eps_high) < 0.0:
-        raise ConfigError(f"algo.clip.eps_high must be >= 0, got {eps_high}.")
-    if dual is not None and float(dual) <= 1.0:
-        raise ConfigError(f"algo.clip.dual_clip must be null or > 1, got {dual}.")
     if loss == "gpg" and (int(_get(algo_cfg, "ppo_epochs", 1)) > 1 or int(_get(algo_cfg, "mini_batches", 1)) > 1):
         raise ConfigError(
             "algo.loss=gpg is a plain on-policy policy gradient without a trust region: "
@@ -171,7 +244,11 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
             validate_correction(_get(prec, "correction", "none"), _as_dict(_get(prec, "correction_params")))
 
 
-def _check_baseline(adv: str, adv_fn: Any, baseline: Any) -> None:
+def _takes_baseline(adv: str) -> bool:
+    return "baseline" in {f.name for f in dataclasses.fields(ADV_ESTIMATORS.params_of(adv))}
+
+
+def _check_baseline(adv: str, baseline: Any) -> None:
     """``algo.adv_params.baseline`` (VCPO's minimum-variance baseline, arXiv:2602.17616) is valid for ``adv``.
 
     Raises:
@@ -181,8 +258,8 @@ def _check_baseline(adv: str, adv_fn: Any, baseline: Any) -> None:
         return
     from rlpost.algos.advantages import BASELINES
 
-    if "baseline" not in (accepted_params(adv_fn) or set()):
-        users = ", ".join(e.name for e in ADV_ESTIMATORS if "baseline" in (accepted_params(e.obj) or set()))
+    if not _takes_baseline(adv):
+        users = ", ".join(e.name for e in ADV_ESTIMATORS if _takes_baseline(e.name))
         raise ConfigError(
             f"algo.adv_params.baseline={baseline} is not a choice of algo.adv_estimator={adv}, which has its own "
             f"baseline. Fix: drop algo.adv_params.baseline, or use a group-baseline estimator that takes it ({users})."
@@ -192,20 +269,33 @@ def _check_baseline(adv: str, adv_fn: Any, baseline: Any) -> None:
                           f"(min_variance: VCPO's importance-weighted group baseline).")
 
 
-def _check_trainer_loss_keys(lp: Mapping[str, Any]) -> None:
-    """Value checks of :data:`TRAINER_LOSS_KEYS` (A-3PO arXiv:2512.06547, VCPO arXiv:2602.17616).
+def _check_clip_range(loss: str, p: Any) -> None:
+    """Range of a loss's declared clip fields (``eps_low``, ``eps_high``, ``dual_clip``).
 
     Raises:
-        ConfigError: unknown ``proximal``, ``vcpo_power <= 0`` or ``vcpo_min_scale`` outside (0, 1].
+        ConfigError: ``eps_low`` outside [0, 1], ``eps_high < 0`` or ``dual_clip`` not null and <= 1.
     """
-    prox = lp.get("proximal", "recompute")
-    if prox not in PROXIMAL_CHOICES:
-        raise ConfigError(f"algo.loss_params.proximal={prox!r}: valid choices are {', '.join(PROXIMAL_CHOICES)} "
-                          f"(a3po: A-3PO's interpolated proximal policy, no extra forward pass).")
-    power = float(lp.get("vcpo_power", 1.0))
+    eps_low = getattr(p, "eps_low", 0.0)
+    eps_high = getattr(p, "eps_high", 0.0)
+    dual = getattr(p, "dual_clip", None)
+    if eps_low is None or not (0.0 <= float(eps_low) <= 1.0):
+        raise ConfigError(f"eps_low of algo.loss={loss} must be in [0, 1] (the lower ratio bound 1-eps_low >= 0), got {eps_low}.")
+    if eps_high is None or float(eps_high) < 0.0:
+        raise ConfigError(f"eps_high of algo.loss={loss} must be >= 0, got {eps_high}.")
+    if dual is not None and float(dual) <= 1.0:
+        raise ConfigError(f"dual_clip of algo.loss={loss} must be null or > 1, got {dual}.")
+
+
+def _check_trainer_loss_keys(tp: TrainerLossParams) -> None:
+    """Value checks of :class:`TrainerLossParams` (A-3PO arXiv:2512.06547, VCPO arXiv:2602.17616).
+
+    Raises:
+        ConfigError: ``vcpo_power <= 0`` or ``vcpo_min_scale`` outside (0, 1].
+    """
+    power = float(tp.vcpo_power)
     if power <= 0:
         raise ConfigError(f"algo.loss_params.vcpo_power={power} must be > 0 (lr scale = ess_frac ** power).")
-    floor = float(lp.get("vcpo_min_scale", 0.1))
+    floor = float(tp.vcpo_min_scale)
     if not 0.0 < floor <= 1.0:
         raise ConfigError(f"algo.loss_params.vcpo_min_scale={floor} must be in (0, 1] (the smallest lr multiplier).")
 
@@ -218,6 +308,4 @@ def validate_correction(name: Optional[str], params: Optional[Mapping[str, Any]]
     """
     from rlpost.algos.corrections import CORRECTIONS
 
-    name = name or "none"
-    fn = CORRECTIONS.get(name)
-    _check_params("correction", "precision.correction_params", name, fn, dict(params or {}), 3)
+    CORRECTIONS.resolve(name or "none", dict(params or {}), "precision.correction_params")

@@ -78,6 +78,15 @@ def friendly_error(err: Exception) -> ConfigError:
     if m:
         key = full.group(1) if full else m.group(1)
         return _unknown_key(key, f" (Use +{key}=... only to add a new key on purpose.)")
+    m = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", msg)
+    if m:
+        key = full.group(1) if full else "?"
+        import difflib
+
+        choices = [c.strip() for c in m.group(2).split(",")]
+        close = difflib.get_close_matches(m.group(1), choices, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return ConfigError(f"Invalid choice {key}={m.group(1)!r}.{hint} Valid choices: {', '.join(choices)}.")
     m = re.search(r"Value '([^']*)' (?:of type '[^']*' )?could not be converted to (\w+)", msg)
     if m:
         key = full.group(1) if full else "?"
@@ -168,12 +177,120 @@ def expand_sweep(overrides: List[str]) -> List[List[str]]:
     return [list(c) for c in itertools.product(*options)] if options else [[]]
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Semantic checks that schemas cannot express.
+def _check_algo(cfg: DictConfig) -> None:
+    """``algo``: registered estimator / loss / aggregation / KL, their declared parameters, combinations."""
+    from rlpost.algos.validate import validate_algo
 
-    Checks registered names (estimator, loss, aggregation, KL estimator, task kind,
-    selector, sampler), the algorithm's combination rules, value ranges, and the
-    partial-rollout settings (:func:`rlpost.executor.check_partial`).
+    validate_algo(cfg.algo)
+
+
+def _check_precision(cfg: DictConfig) -> None:
+    """``precision``: the correction exists and ``correction_params`` holds only its declared parameters."""
+    from rlpost.algos.validate import validate_correction
+
+    validate_correction(cfg.precision.correction, cfg.precision.correction_params)
+
+
+def _check_selector(cfg: DictConfig) -> None:
+    """``selector``: registered, ``selector.params`` holds only its declared parameters (types checked)."""
+    from rlpost.algos.validate import _as_dict
+    from rlpost.selectors import SELECTORS
+
+    if cfg.selector.prompts_per_step < 1:
+        raise ConfigError("Invalid config: selector.prompts_per_step must be >= 1.")
+    SELECTORS.resolve(cfg.selector.name, _as_dict(cfg.selector.params), "selector.params")
+
+
+def _check_sampler(cfg: DictConfig) -> None:
+    """``sampler``: registered, ``sampler.params`` holds only its declared parameters (types checked)."""
+    from rlpost.algos.validate import _as_dict
+    from rlpost.samplers import SAMPLERS
+
+    SAMPLERS.resolve(cfg.sampler.name, _as_dict(cfg.sampler.params), "sampler.params")
+
+
+def _check_task(cfg: DictConfig) -> None:
+    """``task``: a registered kind and answer format."""
+    from rlpost.tasks import TASKS
+
+    TASKS.entry(cfg.task.kind)
+    if cfg.task.answer_format not in EXTRACTORS:
+        raise ConfigError(f"Invalid config: task.answer_format={cfg.task.answer_format!r}: valid choices are {', '.join(EXTRACTORS)}.")
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    """Value ranges of the run, rollout and trainer settings, and the batch split."""
+    a = cfg.algo
+    checks = [
+        (cfg.steps >= 1, "steps must be >= 1"),
+        (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
+        (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+        (cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+        (cfg.trainer.lr > 0, "trainer.lr must be > 0"),
+    ]
+    if a.mini_batches > 1:
+        B = cfg.selector.prompts_per_step * a.n_samples_per_prompt
+        checks.append((B >= a.mini_batches, f"algo.mini_batches={a.mini_batches} exceeds the {B} rollouts per step"))
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(f"Invalid config: {msg}.")
+
+
+def _check_executor(cfg: DictConfig) -> None:
+    """``executor``: the partial-rollout settings (:func:`rlpost.executor.check_partial`)."""
+    from rlpost.executor import check_partial
+
+    check_partial(cfg)
+
+
+#: The one validation entry point's checks, by config group, in order. Closed
+#: choices (``algo.loss_agg``, ``algo.kl.estimator``, ``trainer.engine``...) are
+#: enums in :mod:`rlpost.config.schema`, so composition already rejected them.
+GROUP_CHECKS = (
+    ("algo", _check_algo),
+    ("precision", _check_precision),
+    ("selector", _check_selector),
+    ("sampler", _check_sampler),
+    ("task", _check_task),
+    ("ranges", _check_ranges),
+    ("executor", _check_executor),
+)
+
+
+def effective_params(cfg: DictConfig) -> List[tuple]:
+    """``(config key=name, {param: value})`` of each chosen component: its declared defaults plus this config.
+
+    What the run will pass to the loss, estimator, correction, selector and
+    sampler (``rlpost config`` prints it under the YAML). Call after
+    :func:`validate_config`.
+    """
+    import rlpost.algos  # noqa: F401
+    from rlpost.algos.corrections import CORRECTIONS
+    from rlpost.algos.registries import ADV_ESTIMATORS
+    from rlpost.algos.validate import _as_dict, adv_overrides, loss_kwargs
+    from rlpost.samplers import SAMPLERS
+    from rlpost.selectors import SELECTORS
+
+    a = cfg.algo
+    return [
+        (f"algo.loss={a.loss}", loss_kwargs(a)),
+        (f"algo.adv_estimator={a.adv_estimator}", ADV_ESTIMATORS.kwargs(a.adv_estimator, adv_overrides(a))),
+        (f"precision.correction={cfg.precision.correction}",
+         CORRECTIONS.kwargs(cfg.precision.correction, _as_dict(cfg.precision.correction_params))),
+        (f"selector={cfg.selector.name}", SELECTORS.kwargs(cfg.selector.name, _as_dict(cfg.selector.params))),
+        (f"sampler={cfg.sampler.name}", SAMPLERS.kwargs(cfg.sampler.name, _as_dict(cfg.sampler.params))),
+    ]
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Every semantic check the schema cannot express, run from the CLI before anything loads.
+
+    By config group (:data:`GROUP_CHECKS`): registered component names, every
+    component's parameters against its declaration (losses, estimators,
+    corrections, selectors, samplers: an unknown or misspelt key names the
+    valid ones), the algorithm's combination rules, value ranges, and the
+    partial-rollout settings.
 
     Raises:
         ConfigError: naming the key, the problem and the fix.
@@ -182,58 +299,6 @@ def validate_config(cfg: DictConfig) -> None:
     import rlpost.samplers  # noqa: F401
     import rlpost.selectors  # noqa: F401
     import rlpost.tasks  # noqa: F401
-    from rlpost.algos.registries import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
-    from rlpost.samplers import SAMPLERS
-    from rlpost.selectors import SELECTORS
-    from rlpost.tasks import TASKS
 
-    a = cfg.algo
-    ADV_ESTIMATORS.entry(a.adv_estimator)
-    POLICY_LOSSES.entry(a.loss)
-    LOSS_AGGS.entry(a.loss_agg)
-    KL_ESTIMATORS.entry(a.kl.estimator)
-    TASKS.entry(cfg.task.kind)
-    SAMPLERS.entry(cfg.sampler.name)
-    SELECTORS.entry(cfg.selector.name)
-    if ADV_ESTIMATORS.tag(a.adv_estimator, "needs_critic", False) and not a.critic.enabled:
-        raise ConfigError(
-            f"algo.adv_estimator={a.adv_estimator} needs a critic (value model) but algo.critic.enabled=false. "
-            f"Fix: add algo.critic.enabled=true, or pick a critic-free estimator such as grpo."
-        )
-    try:
-        from rlpost.algos.validate import validate_algo
-    except ImportError:
-        validate_algo = None
-    if validate_algo is not None:
-        validate_algo(a)
-    checks = [
-        (cfg.steps >= 1, "steps must be >= 1"),
-        (a.n_samples_per_prompt >= 1, "algo.n_samples_per_prompt must be >= 1"),
-        (a.ppo_epochs >= 1 and a.mini_batches >= 1, "algo.ppo_epochs and algo.mini_batches must be >= 1"),
-        (cfg.selector.prompts_per_step >= 1, "selector.prompts_per_step must be >= 1"),
-        (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
-        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
-        (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-        (cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
-        (cfg.trainer.lr > 0, "trainer.lr must be > 0"),
-        (cfg.precision.trainer_dtype in ("fp32", "bf16", "fp16"), "precision.trainer_dtype must be fp32, bf16 or fp16"),
-        (cfg.trainer.engine in ("torch", "deepspeed"), f"trainer.engine={cfg.trainer.engine!r}: valid choices are torch, deepspeed"),
-        (cfg.logger.backend in ("wandb", "jsonl", "none"), f"logger.backend={cfg.logger.backend!r}: valid choices are wandb, jsonl, none"),
-        (cfg.model.source in ("gguf_wheel", "hf", "tiny"), f"model.source={cfg.model.source!r}: valid choices are gguf_wheel, hf, tiny"),
-        (cfg.task.answer_format in EXTRACTORS, f"task.answer_format={cfg.task.answer_format!r}: valid choices are {', '.join(EXTRACTORS)}"),
-    ]
-    if a.mini_batches > 1:
-        B = cfg.selector.prompts_per_step * a.n_samples_per_prompt
-        checks.append((B >= a.mini_batches, f"algo.mini_batches={a.mini_batches} exceeds the {B} rollouts per step"))
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(f"Invalid config: {msg}.")
-    if cfg.precision.correction not in (None, "none"):
-        try:
-            from rlpost.algos.corrections import CORRECTIONS
-        except ImportError:
-            raise ConfigError("precision.correction is not available in this build; use precision.correction=none.") from None
-        CORRECTIONS.entry(cfg.precision.correction)
-    from rlpost.executor import check_partial
-
-    check_partial(cfg)
+    for _group, check in GROUP_CHECKS:
+        check(cfg)

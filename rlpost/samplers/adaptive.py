@@ -10,12 +10,14 @@ become unequal; the group estimators in :mod:`rlpost.algos` handle that through
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from rlpost.apportion import apportion
+from rlpost.registry import Choice, param
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import (
     REWARD_EXTRAS,
@@ -40,10 +42,29 @@ def _binary_counts(rewards: torch.Tensor, gi: torch.Tensor, n: int, thr: float):
     return cnt, succ
 
 
+class DarsSchedule(Choice):
+    """DARS's extra-rollout schedule."""
+
+    equal = "equal"
+    fixed = "fixed"
+
+
+@dataclass(frozen=True)
+class VigorSamplerParams:
+    """Parameters of :class:`VigorSampler` (Variance-guided rounds of top-up rollouts under a fixed budget)."""
+
+    n_init: Optional[int] = param(None, "first-round rollouts per prompt (default ``max(2, n_samples // 4)``).")
+    increment: int = param(2, "rollouts added per chosen prompt in a round.")
+    budget_per_prompt: Optional[int] = param(None, "total budget / number of prompts (default ``n_samples``).")
+    max_rounds: int = param(8, "top-up rounds at most.")
+    top_fraction: float = param(0.5, "share of prompts topped up per round.")
+
+
 @SAMPLERS.register(
     "vigor",
     paper="VIGOR: Variance-Guided Online Rollout allocation (seed entry 39)",
     description="Few rollouts per prompt, then rounds of top-ups for the highest-variance groups.",
+    params=VigorSamplerParams,
 )
 class VigorSampler(Sampler):
     """Variance-guided rounds of top-up rollouts under a fixed budget.
@@ -76,11 +97,12 @@ class VigorSampler(Sampler):
     def __init__(
         self,
         n_samples: int,
-        n_init: Optional[int] = None,
-        increment: int = 2,
-        budget_per_prompt: Optional[int] = None,
-        max_rounds: int = 8,
-        top_fraction: float = 0.5,
+        *,
+        n_init: Optional[int],
+        increment: int,
+        budget_per_prompt: Optional[int],
+        max_rounds: int,
+        top_fraction: float,
     ) -> None:
         super().__init__(n_samples)
         self.n_init = int(n_init) if n_init else max(2, n_samples // 4)
@@ -119,10 +141,23 @@ class VigorSampler(Sampler):
         return out
 
 
+@dataclass(frozen=True)
+class DarsSamplerParams:
+    """Parameters of :class:`DarsSampler` (Difficulty Adaptive Rollout Sampling: multi-stage extra rollouts for hard prompts)."""
+
+    hard_threshold: float = param(0.5, "accuracy below which a prompt is hard.")
+    stages: int = param(2, "extra stages at most.")
+    max_total: Optional[int] = param(None, "cap of rollouts per prompt (default ``4 * n_samples``).")
+    schedule: DarsSchedule = param(DarsSchedule.equal, "equal: every stage adds to the hard prompts equally; fixed: extra_per_stage each")
+    extra_per_stage: Optional[int] = param(None, "rollouts per stage for ``fixed``.")
+    correct_threshold: float = param(0.5, "reward counted as a success.")
+
+
 @SAMPLERS.register(
     "dars",
     paper="DARS: Difficulty Adaptive Rollout Sampling, from Depth-Breadth Synergy in RLVR (seed entry 8)",
     description="Difficulty-adaptive rollout sampling: extra rollouts for low-accuracy prompts.",
+    params=DarsSamplerParams,
 )
 class DarsSampler(Sampler):
     """Difficulty Adaptive Rollout Sampling: multi-stage extra rollouts for hard prompts.
@@ -152,12 +187,13 @@ class DarsSampler(Sampler):
     def __init__(
         self,
         n_samples: int,
-        hard_threshold: float = 0.5,
-        stages: int = 2,
-        max_total: Optional[int] = None,
-        schedule: str = "equal",
-        extra_per_stage: Optional[int] = None,
-        correct_threshold: float = 0.5,
+        *,
+        hard_threshold: float,
+        stages: int,
+        max_total: Optional[int],
+        schedule: str,
+        extra_per_stage: Optional[int],
+        correct_threshold: float,
     ) -> None:
         super().__init__(n_samples)
         if schedule not in ("equal", "fixed"):
@@ -208,10 +244,22 @@ class DarsSampler(Sampler):
         return out
 
 
+@dataclass(frozen=True)
+class PilotCommitSamplerParams:
+    """Parameters of :class:`PilotCommitSampler` (Two-phase budget: a pilot phase measures informativeness, a commit phase spends the rest)."""
+
+    pilot_fraction: float = param(0.5, "share of the per-prompt budget used by the pilot.")
+    pilot_n: Optional[int] = param(None, "explicit pilot size (overrides ``pilot_fraction``).")
+    skip_threshold: float = param(0.1, "informativeness below which a prompt is skipped.")
+    max_per_prompt: Optional[int] = param(None, "cap of total rollouts per prompt (default ``2 * n_samples``).")
+    correct_threshold: float = param(0.5, "reward counted as a success.")
+
+
 @SAMPLERS.register(
     "pilot_commit",
     paper="Pilot-Commit two-phase rollout allocation (seed entry 35)",
     description="Pilot rollouts estimate each prompt's informativeness; the rest of the budget goes to informative prompts.",
+    params=PilotCommitSamplerParams,
 )
 class PilotCommitSampler(Sampler):
     """Two-phase budget: a pilot phase measures informativeness, a commit phase spends the rest.
@@ -236,11 +284,12 @@ class PilotCommitSampler(Sampler):
     def __init__(
         self,
         n_samples: int,
-        pilot_fraction: float = 0.5,
-        pilot_n: Optional[int] = None,
-        skip_threshold: float = 0.1,
-        max_per_prompt: Optional[int] = None,
-        correct_threshold: float = 0.5,
+        *,
+        pilot_fraction: float,
+        pilot_n: Optional[int],
+        skip_threshold: float,
+        max_per_prompt: Optional[int],
+        correct_threshold: float,
     ) -> None:
         super().__init__(n_samples)
         self.pilot_n = int(pilot_n) if pilot_n else max(2, int(round(pilot_fraction * n_samples)))
@@ -306,10 +355,22 @@ def _cached_row(template: GenerationResult, row: int, ids: List[int], lps: List[
     )
 
 
+@dataclass(frozen=True)
+class Ar3poSamplerParams:
+    """Parameters of :class:`Ar3poSampler` (Adaptive rollout with response reuse)."""
+
+    n_stage: Optional[int] = param(None, "rollouts per stage (default ``max(2, n_samples // 2)``).")
+    stop_correct: int = param(1, "correct responses that end a prompt's sampling.")
+    reuse: bool = param(True, "put cached correct responses into all-wrong groups.")
+    max_age: int = param(50, "oldest usable cached response, in steps.")
+    correct_threshold: float = param(0.5, "reward counted as correct.")
+
+
 @SAMPLERS.register(
     "ar3po",
     paper="AR3PO: adaptive rollout and response reuse policy optimization (seed entry 20)",
     description="Staged rollouts that stop early on solved prompts, plus reuse of a past correct response in all-wrong groups.",
+    params=Ar3poSamplerParams,
 )
 class Ar3poSampler(Sampler):
     """Adaptive rollout with response reuse.
@@ -335,11 +396,12 @@ class Ar3poSampler(Sampler):
     def __init__(
         self,
         n_samples: int,
-        n_stage: Optional[int] = None,
-        stop_correct: int = 1,
-        reuse: bool = True,
-        max_age: int = 50,
-        correct_threshold: float = 0.5,
+        *,
+        n_stage: Optional[int],
+        stop_correct: int,
+        reuse: bool,
+        max_age: int,
+        correct_threshold: float,
     ) -> None:
         super().__init__(n_samples)
         self.n_stage = int(n_stage) if n_stage else max(2, n_samples // 2)

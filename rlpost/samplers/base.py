@@ -17,7 +17,7 @@ import torch
 from rlpost.registry import Registry
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations  # noqa: F401
 
-SAMPLERS = Registry("sampler", "sampler")
+SAMPLERS = Registry("sampler", "sampler", typed_params=True)
 
 
 @dataclass

@@ -8,10 +8,12 @@ perturbed in place for each parameter sample and restored bit-exactly afterwards
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from rlpost.registry import Choice, param
 from rlpost.samplers.base import SAMPLERS, SampleResult, Sampler, generate_groups, merge_results, pad_id_of, step_params
 
 
@@ -37,10 +39,36 @@ def perturbable(model: torch.nn.Module, targets: str = "linear") -> List[torch.n
     return out
 
 
+class Grouping(Choice):
+    """How 3PO groups rollouts of several parameter samples."""
+
+    across = "across"
+    within = "within"
+
+
+class PerturbTargets(Choice):
+    """Which weights a parameter perturbation touches."""
+
+    linear = "linear"
+    all = "all"
+
+
+@dataclass(frozen=True)
+class ParamPerturbSamplerParams:
+    """Parameters of :class:`ParamPerturbSampler` (Parameter-space exploration: ``n_policies`` perturbed copies share the group budget)."""
+
+    n_policies: int = param(2, "parameter samples per step.")
+    sigma: float = param(0.01, "relative noise scale.")
+    include_base: bool = param(True, "sample 0 is the unperturbed policy.")
+    grouping: Grouping = param(Grouping.across, "across: one group spans the parameter samples; within: one group per sample")
+    targets: PerturbTargets = param(PerturbTargets.linear, "which weights get noise: linear layers or all (see :func:`perturbable`)")
+
+
 @SAMPLERS.register(
     "param_perturb",
     paper="3PO: Perturbed Parameter Policy Optimization (seed entry 42)",
     description="Rollouts from several Gaussian weight perturbations of the policy.",
+    params=ParamPerturbSamplerParams,
 )
 class ParamPerturbSampler(Sampler):
     """Parameter-space exploration: ``n_policies`` perturbed copies share the group budget.
@@ -73,11 +101,12 @@ class ParamPerturbSampler(Sampler):
     def __init__(
         self,
         n_samples: int,
-        n_policies: int = 2,
-        sigma: float = 0.01,
-        include_base: bool = True,
-        grouping: str = "across",
-        targets: str = "linear",
+        *,
+        n_policies: int,
+        sigma: float,
+        include_base: bool,
+        grouping: str,
+        targets: str,
     ) -> None:
         super().__init__(n_samples)
         if grouping not in ("across", "within"):

@@ -12,17 +12,28 @@ generating (so no extra forward pass), saved in its :meth:`state_dict`.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from rlpost.registry import param
 from rlpost.samplers.base import SAMPLERS, Sampler, generate_groups, step_params
+
+
+@dataclass(frozen=True)
+class AdaptiveTemperatureSamplerParams:
+    """Parameters of :class:`AdaptiveTemperatureSampler` (``n_samples`` rollouts per prompt with ``T = T0 (1 + tau * h_hat)`` per token)."""
+
+    tau: float = param(0.05, "relative temperature range in [0, 1) (HAPO's released 0.05).")
+    entropy_pivot: float = param(0.5, "quantile of log-entropy used as the centre.")
 
 
 @SAMPLERS.register(
     "adaptive_temperature",
     paper="HAPO: From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature (arXiv:2509.16591)",
     description="Group sampling with HAPO's entropy-driven per-token temperature.",
+    params=AdaptiveTemperatureSamplerParams,
 )
 class AdaptiveTemperatureSampler(Sampler):
     """``n_samples`` rollouts per prompt with ``T = T0 (1 + tau * h_hat)`` per token.
@@ -39,7 +50,7 @@ class AdaptiveTemperatureSampler(Sampler):
 
     uses_rollout_counts = True
 
-    def __init__(self, n_samples: int, tau: float = 0.05, entropy_pivot: float = 0.5) -> None:
+    def __init__(self, n_samples: int, *, tau: float, entropy_pivot: float) -> None:
         super().__init__(n_samples)
         self.tau = float(tau)
         self.entropy_pivot = float(entropy_pivot)

@@ -12,11 +12,13 @@ answer (prefix + suffix) so the verifier scores complete responses;
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import numpy as np
 import torch
 
+from rlpost.registry import Choice, param
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import (
     SAMPLERS,
@@ -81,10 +83,36 @@ def default_roots(n_samples: int) -> int:
     return max(2, n // 4) if n >= 4 else 1
 
 
+class ForkUnit(Choice):
+    """Where a tree branch may fork."""
+
+    token = "token"
+    sentence = "sentence"
+
+
+class ForkEntropy(Choice):
+    """How fork points are scored."""
+
+    model = "model"
+    surprisal = "surprisal"
+
+
+@dataclass(frozen=True)
+class TreeSamplerParams:
+    """Parameters of :class:`TreeSampler` (Tree rollouts: ``n_roots`` roots per prompt, the rest of the group as branches)."""
+
+    n_roots: Optional[int] = param(None, "roots per prompt (default :func:`default_roots`: ``n_samples // 4``, at least 2 when ``n_samples >= 4``).")
+    fork_unit: ForkUnit = param(ForkUnit.token, "fork at any token or only at sentence boundaries")
+    min_prefix: int = param(1, "earliest fork position (tokens of shared prefix).")
+    prune_lookahead: int = param(0, "L of the pruning rule (0 = off).")
+    entropy: ForkEntropy = param(ForkEntropy.model, "fork-point score: model entropy (a forward pass) or the sampled token's surprisal")
+
+
 @SAMPLERS.register(
     "tree",
     paper="LATR: Lookahead Tree-Based Rollouts (seed entries 108/209); DATPO sentence-entropy tree rollouts (seed entry 18)",
     description="Root rollouts, then branches resampled from high-entropy fork points sharing the root's prefix.",
+    params=TreeSamplerParams,
 )
 class TreeSampler(Sampler):
     """Tree rollouts: ``n_roots`` roots per prompt, the rest of the group as branches.
@@ -119,11 +147,12 @@ class TreeSampler(Sampler):
     def __init__(
         self,
         n_samples: int,
-        n_roots: Optional[int] = None,
-        fork_unit: str = "token",
-        min_prefix: int = 1,
-        prune_lookahead: int = 0,
-        entropy: str = "model",
+        *,
+        n_roots: Optional[int],
+        fork_unit: str,
+        min_prefix: int,
+        prune_lookahead: int,
+        entropy: str,
     ) -> None:
         super().__init__(n_samples)
         if n_roots is not None and int(n_roots) < 1:

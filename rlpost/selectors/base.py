@@ -15,7 +15,7 @@ import numpy as np
 
 from rlpost.registry import Registry
 
-SELECTORS = Registry("prompt selector", "selector")
+SELECTORS = Registry("prompt selector", "selector", typed_params=True)
 
 
 def is_zero_variance(rewards: Sequence[float], tol: float = 1e-9) -> bool:
@@ -277,19 +277,18 @@ def build_selector(cfg: Any, num_prompts: int, seed: int, n_samples: Optional[in
     """Instantiate ``cfg.name`` with ``cfg.params``.
 
     ``n_samples`` (the algorithm's group size) is passed to selectors that
-    allocate rollouts (their ``__init__`` takes ``n_samples``) unless the params
-    set it.
+    allocate rollouts (their declared parameters include ``n_samples``) unless
+    the params set it.
 
     Raises:
         ConfigError: unknown selector or unknown parameter.
     """
-    import inspect
-
     from rlpost.errors import ConfigError
+    from rlpost.registry import defaults_of
 
     cls = SELECTORS.get(cfg.name)
     params = dict(cfg.params or {})
-    if n_samples is not None and "n_samples" in inspect.signature(cls.__init__).parameters:
+    if n_samples is not None and "n_samples" in defaults_of(SELECTORS.params_of(cfg.name)):
         params.setdefault("n_samples", int(n_samples))
     try:
         return cls(num_prompts, cfg.prompts_per_step, seed, **params)

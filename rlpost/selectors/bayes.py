@@ -8,10 +8,12 @@ Markov model of solve state with Bayesian filtering).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from rlpost.registry import param
 from rlpost.selectors.base import SELECTORS, Role, Selector, success_counts
 
 
@@ -22,6 +24,16 @@ def _logit(p: np.ndarray) -> np.ndarray:
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
+
+
+@dataclass(frozen=True)
+class BetaSelectorParams:
+    """Parameters of :class:`BetaSelector` (Shared machinery: ``Beta(alpha_i, beta_i)`` per prompt over its success probability)."""
+
+    alpha0: float = param(1.0, "prior pseudo-counts.")
+    beta0: float = param(1.0, "prior pseudo-counts.")
+    binary: bool = param(False, "count a reward as success when ``>= threshold`` (else fractional evidence).")
+    threshold: float = param(0.5, "success threshold for ``binary``.")
 
 
 class BetaSelector(Selector):
@@ -40,10 +52,11 @@ class BetaSelector(Selector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        alpha0: float = 1.0,
-        beta0: float = 1.0,
-        binary: bool = False,
-        threshold: float = 0.5,
+        *,
+        alpha0: float,
+        beta0: float,
+        binary: bool,
+        threshold: float,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         if alpha0 <= 0 or beta0 <= 0:
@@ -86,10 +99,20 @@ class BetaSelector(Selector):
         return np.arange(self.num_prompts)
 
 
+@dataclass(frozen=True)
+class VadeSelectorParams(BetaSelectorParams):
+    """Parameters of :class:`VadeSelector` (Variance-aware selection by Thompson sampling)."""
+
+    slow_decay: float = param(0.995, "per-step retention of all evidence (1 = none forgotten).")
+    fast_decay: float = param(0.8, "retention of a prompt's old evidence when it is re-observed.")
+    pool_size: Optional[int] = param(None, "candidates per step (None: all prompts).")
+
+
 @SELECTORS.register(
     "vade",
     paper="VADE: Variance-Aware Dynamic sampling via online sample-level difficulty estimation (seed entry 22)",
     description="Beta posterior per prompt; Thompson-sampled reward variance p(1-p) picks prompts; two-scale decay.",
+    params=VadeSelectorParams,
 )
 class VadeSelector(BetaSelector):
     """Variance-aware selection by Thompson sampling.
@@ -116,9 +139,10 @@ class VadeSelector(BetaSelector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        slow_decay: float = 0.995,
-        fast_decay: float = 0.8,
-        pool_size: Optional[int] = None,
+        *,
+        slow_decay: float,
+        fast_decay: float,
+        pool_size: Optional[int],
         **beta: Any,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed, **beta)
@@ -140,10 +164,21 @@ class VadeSelector(BetaSelector):
             self.observe(int(i), list(r))
 
 
+@dataclass(frozen=True)
+class BotsSelectorParams(BetaSelectorParams):
+    """Parameters of :class:`BotsSelector` (Bayesian online task selection)."""
+
+    target: float = param(0.5, "success probability sought (0.5: most informative for GRPO).")
+    decay: float = param(0.9, "retention of a prompt's old evidence when re-observed.")
+    implicit_weight: float = param(0.5, "weight of the implicit evidence (0 = off).")
+    pool_size: Optional[int] = param(None, "candidates per step (None: all).")
+
+
 @SELECTORS.register(
     "bots",
     paper="BOTS: A Unified Framework for Bayesian Online Task Selection in LLM Reinforcement Finetuning (seed entry 53)",
     description="Beta posterior per prompt with explicit and implicit evidence; Thompson sampling toward a target success rate.",
+    params=BotsSelectorParams,
 )
 class BotsSelector(BetaSelector):
     """Bayesian online task selection.
@@ -170,10 +205,11 @@ class BotsSelector(BetaSelector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        target: float = 0.5,
-        decay: float = 0.9,
-        implicit_weight: float = 0.5,
-        pool_size: Optional[int] = None,
+        *,
+        target: float,
+        decay: float,
+        implicit_weight: float,
+        pool_size: Optional[int],
         **beta: Any,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed, **beta)
@@ -214,10 +250,22 @@ class BotsSelector(BetaSelector):
         return {**super().metrics(), "selector/implicit_delta": self.last_delta}
 
 
+@dataclass(frozen=True)
+class CuresSelectorParams(BetaSelectorParams):
+    """Parameters of :class:`CuresSelector` (Posterior-weighted prompt sampling and rollout allocation)."""
+
+    n_samples: int = param(8, "rollouts per prompt on average; build_selector sets it to algo.n_samples_per_prompt unless given")
+    allocate: bool = param(True, "return per-prompt rollout counts.")
+    min_rollouts: int = param(2, "lower bound per prompt (>= 2 keeps a group baseline).")
+    floor: float = param(0.02, "added to sampling weights.")
+    decay: float = param(0.9, "retention of a prompt's old evidence when re-observed.")
+
+
 @SELECTORS.register(
     "cures",
     paper="CurES: From Gradient Analysis to Efficient Curriculum Learning for Reasoning LLMs (arXiv:2510.01037)",
     description="Beta-posterior prompt sampling weights and per-prompt rollout allocation.",
+    params=CuresSelectorParams,
 )
 class CuresSelector(BetaSelector):
     """Posterior-weighted prompt sampling and rollout allocation.
@@ -251,11 +299,12 @@ class CuresSelector(BetaSelector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        n_samples: int = 8,
-        allocate: bool = True,
-        min_rollouts: int = 2,
-        floor: float = 0.02,
-        decay: float = 0.9,
+        *,
+        n_samples: int,
+        allocate: bool,
+        min_rollouts: int,
+        floor: float,
+        decay: float,
         **beta: Any,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed, **beta)
@@ -292,10 +341,22 @@ class CuresSelector(BetaSelector):
 UNSOLVED, PARTIAL, SOLVED = 0, 1, 2
 
 
+@dataclass(frozen=True)
+class DpsSelectorParams:
+    """Parameters of :class:`DpsSelector` (Dynamics-predictive sampling)."""
+
+    prior: Optional[List[float]] = param(None, "initial belief ``[unsolved, partial, solved]``.")
+    stay_prior: float = param(4.0, "Dirichlet pseudo-count on the diagonal of ``T``.")
+    explore: float = param(0.02, "Gumbel noise scale on the selection scores.")
+    obs_noise: float = param(0.05, "weight of the uniform belief mixed into an observation.")
+    threshold: float = param(0.5, "reward counted as success.")
+
+
 @SELECTORS.register(
     "dps",
     paper="Dynamics-Predictive Sampling for Active RL Finetuning of Large Reasoning Models (arXiv:2603.10887)",
     description="HMM of each prompt's solve state (unsolved/partial/solved), filtered online; picks predicted-partial prompts.",
+    params=DpsSelectorParams,
 )
 class DpsSelector(Selector):
     """Dynamics-predictive sampling.
@@ -328,11 +389,12 @@ class DpsSelector(Selector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        prior: Optional[List[float]] = None,
-        stay_prior: float = 4.0,
-        explore: float = 0.02,
-        obs_noise: float = 0.05,
-        threshold: float = 0.5,
+        *,
+        prior: Optional[List[float]],
+        stay_prior: float,
+        explore: float,
+        obs_noise: float,
+        threshold: float,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         pr = np.asarray(prior if prior is not None else [1 / 3, 1 / 3, 1 / 3], dtype=np.float64)

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from rlpost.registry import param
 from rlpost.selectors.base import SELECTORS, Role, Selector, UniformSelector, append_history, is_zero_variance, success_rate
+
+
+@dataclass(frozen=True)
+class DynamicFilterSelectorParams:
+    """Parameters of :class:`DynamicFilterSelector` (DAPO's dynamic sampling)."""
+
+    oversample: float = param(1.5, "candidate prompts per batch slot in the first round.")
+    max_rounds: int = param(4, "generation rounds per step at most.")
 
 
 @SELECTORS.register(
     "dynamic_filter",
     paper="DAPO: An Open-Source LLM Reinforcement Learning System at Scale (arXiv:2503.14476), dynamic sampling",
     description="Over-sample, drop groups whose rewards are all equal, refill to the batch size.",
+    params=DynamicFilterSelectorParams,
 )
 class DynamicFilterSelector(UniformSelector):
     """DAPO's dynamic sampling.
@@ -32,7 +43,7 @@ class DynamicFilterSelector(UniformSelector):
 
     roles = frozenset({Role.FILTER})
 
-    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, oversample: float = 1.5, max_rounds: int = 4) -> None:
+    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, *, oversample: float, max_rounds: int) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         self.oversample = max(1.0, float(oversample))
         self.max_rounds = max(1, int(max_rounds))
@@ -62,10 +73,25 @@ class DynamicFilterSelector(UniformSelector):
         return {"selector/groups_dropped": float(self.dropped), "selector/groups_seen": float(self.seen_groups)}
 
 
+@dataclass(frozen=True)
+class GresoSelectorParams:
+    """Parameters of :class:`GresoSelector` (GRESO's pre-rollout filter)."""
+
+    p_easy: float = param(0.5, "initial keep probabilities per streak step.")
+    p_hard: float = param(0.5, "initial keep probabilities per streak step.")
+    target_easy: float = param(0.125, "wanted share of zero-variance groups of each kind.")
+    target_hard: float = param(0.125, "wanted share of zero-variance groups of each kind.")
+    step_size: float = param(0.01, "adaptation step of ``p_easy`` / ``p_hard``.")
+    p_min: float = param(0.05, "lower bound of the keep probabilities.")
+    max_skip_factor: float = param(8.0, "at most max_skip_factor * prompts_per_step candidates skipped per step")
+    threshold: float = param(0.5, "reward counted as success.")
+
+
 @SELECTORS.register(
     "greso",
     paper="Act Only When It Pays: Efficient RL for LLM Reasoning via Selective Rollouts (GRESO, arXiv:2506.02177)",
     description="Skip prompts whose recent groups were all-equal, with a probability that grows with the streak.",
+    params=GresoSelectorParams,
 )
 class GresoSelector(UniformSelector):
     """GRESO's pre-rollout filter.
@@ -96,14 +122,15 @@ class GresoSelector(UniformSelector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        p_easy: float = 0.5,
-        p_hard: float = 0.5,
-        target_easy: float = 0.125,
-        target_hard: float = 0.125,
-        step_size: float = 0.01,
-        p_min: float = 0.05,
-        max_skip_factor: float = 8.0,
-        threshold: float = 0.5,
+        *,
+        p_easy: float,
+        p_hard: float,
+        target_easy: float,
+        target_hard: float,
+        step_size: float,
+        p_min: float,
+        max_skip_factor: float,
+        threshold: float,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         self.p = {"easy": float(p_easy), "hard": float(p_hard)}
@@ -170,10 +197,22 @@ class GresoSelector(UniformSelector):
         self.p = dict(state["p"])
 
 
+@dataclass(frozen=True)
+class HiveSelectorParams:
+    """Parameters of :class:`HiveSelector` (Two-stage selection before rollout)."""
+
+    history_window: int = param(4, "accuracies kept per prompt.")
+    uncertainty_weight: float = param(0.5, "``c``.")
+    pool_multiplier: float = param(2.0, "candidate pool size / prompts_per_step.")
+    entropy_threshold: float = param(0.15, "relative entropy change marking stale history.")
+    threshold: float = param(0.5, "reward counted as success.")
+
+
 @SELECTORS.register(
     "hive",
     paper="HIVE: History-Informed and online-VErified prompt selection (arXiv:2603.25184)",
     description="Coarse pick at the learning edge from reward history, then prune prompts whose prompt entropy shows stale history.",
+    params=HiveSelectorParams,
 )
 class HiveSelector(Selector):
     """Two-stage selection before rollout.
@@ -210,11 +249,12 @@ class HiveSelector(Selector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        history_window: int = 4,
-        uncertainty_weight: float = 0.5,
-        pool_multiplier: float = 2.0,
-        entropy_threshold: float = 0.15,
-        threshold: float = 0.5,
+        *,
+        history_window: int,
+        uncertainty_weight: float,
+        pool_multiplier: float,
+        entropy_threshold: float,
+        threshold: float,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         self.window = int(history_window)
@@ -285,10 +325,19 @@ class HiveSelector(Selector):
         return m
 
 
+@dataclass(frozen=True)
+class CdasSelectorParams:
+    """Parameters of :class:`CdasSelector` (Competence-difficulty alignment (our reading of the abstract, on a logit scale))."""
+
+    threshold: float = param(0.5, "reward counted as success.")
+    fixed_point_iters: int = param(50, "iterations of the competence update.")
+
+
 @SELECTORS.register(
     "cdas",
     paper="Competence-Difficulty Alignment Sampling for RL on reasoning (CDAS, seed entry 30)",
     description="Difficulty from aggregated performance discrepancies, competence by a fixed point; pick problems aligned with competence.",
+    params=CdasSelectorParams,
 )
 class CdasSelector(Selector):
     """Competence-difficulty alignment (our reading of the abstract, on a logit scale).
@@ -312,7 +361,7 @@ class CdasSelector(Selector):
 
     saved_state = ("sum_delta", "n_obs")
 
-    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, threshold: float = 0.5, fixed_point_iters: int = 50) -> None:
+    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int = 0, *, threshold: float, fixed_point_iters: int) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         self.theta = 0.0
         self.sum_delta = np.zeros(num_prompts)

@@ -7,13 +7,25 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from rlpost.registry import param
 from rlpost.selectors.base import SELECTORS, Role, Selector, UniformSelector, append_history, is_zero_variance, success_rate
+
+
+@dataclass(frozen=True)
+class DomainMixtureSelectorParams:
+    """Parameters of :class:`DomainMixtureSelector` (Keep the *realised* domain ratios on target)."""
+
+    targets: Optional[Dict[str, float]] = param(None, "``{domain: ratio}`` (default: equal shares).")
+    domains: Optional[List[str]] = param(None, "per-prompt labels (overrides examples).")
+    ema: float = param(0.8, "smoothing of the per-domain effective share.")
+    floor: float = param(0.05, "lowest effective share used in the correction.")
 
 
 @SELECTORS.register(
     "domain_mixture",
     paper="Apriel-Reasoner: adaptive multi-domain sampling (seed entry 50)",
     description="Ratio-preserving multi-domain sampling: quotas corrected by each domain's share of effective groups.",
+    params=DomainMixtureSelectorParams,
 )
 class DomainMixtureSelector(Selector):
     """Keep the *realised* domain ratios on target.
@@ -43,10 +55,11 @@ class DomainMixtureSelector(Selector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        targets: Optional[Dict[str, float]] = None,
-        domains: Optional[Sequence[str]] = None,
-        ema: float = 0.8,
-        floor: float = 0.05,
+        *,
+        targets: Optional[Dict[str, float]],
+        domains: Optional[Sequence[str]],
+        ema: float,
+        floor: float,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         self.targets_cfg = dict(targets or {})
@@ -169,10 +182,23 @@ def fit_irt_difficulty(h: Sequence[float], acc: Sequence[float], n: Sequence[flo
     return b
 
 
+@dataclass(frozen=True)
+class SeeleSelectorParams:
+    """Parameters of :class:`SeeleSelector` (Per-prompt hint length from an item-response-theory fit)."""
+
+    target: float = param(0.5, "accuracy to aim for.")
+    slope: float = param(6.0, "IRT discrimination ``a`` (per unit of hint fraction).")
+    prior_b: float = param(0.3, "prior mean of ``b_x`` (start hint = prior_b + logit(target) / a).")
+    prior_sd: float = param(0.5, "prior standard deviation of ``b_x``.")
+    max_hint: float = param(0.9, "largest hint fraction.")
+    threshold: float = param(0.5, "reward at or above which a rollout counts as a success.")
+
+
 @SELECTORS.register(
     "seele",
     paper="Staying in the Sweet Spot: Responsive Reasoning Evolution via Capability-Adaptive Hint Scaffolding (SEELE, arXiv:2509.06923)",
     description="Uniform prompts, each with a hint (prefix of its reference solution) sized by a per-prompt IRT fit to hit a target accuracy.",
+    params=SeeleSelectorParams,
 )
 class SeeleSelector(UniformSelector):
     """Per-prompt hint length from an item-response-theory fit.
@@ -217,12 +243,13 @@ class SeeleSelector(UniformSelector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        target: float = 0.5,
-        slope: float = 6.0,
-        prior_b: float = 0.3,
-        prior_sd: float = 0.5,
-        max_hint: float = 0.9,
-        threshold: float = 0.5,
+        *,
+        target: float,
+        slope: float,
+        prior_b: float,
+        prior_sd: float,
+        max_hint: float,
+        threshold: float,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         if not 0 < target < 1:

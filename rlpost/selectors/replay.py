@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
 
+from rlpost.registry import param
 from rlpost.selectors.base import SELECTORS, Role, UniformSelector, is_zero_variance
+
+
+@dataclass(frozen=True)
+class PopoSelectorParams:
+    """Parameters of :class:`PopoSelector` (Prioritized group replay)."""
+
+    buffer_size: int = param(64, "groups kept.")
+    max_age: int = param(8, "oldest replayable group, in steps.")
+    recency_tau: float = param(4.0, "recency scale of the priority, in steps.")
+    max_replays: int = param(2, "times one buffered group may be reused.")
 
 
 @SELECTORS.register(
     "popo",
     paper="POPO: Group Prioritized Off-Policy Optimization (seed entry 173)",
     description="Uniform prompts; zero-variance groups are swapped for buffered mixed-reward groups by priority.",
+    params=PopoSelectorParams,
 )
 class PopoSelector(UniformSelector):
     """Prioritized group replay.
@@ -46,10 +59,11 @@ class PopoSelector(UniformSelector):
         num_prompts: int,
         prompts_per_step: int,
         seed: int = 0,
-        buffer_size: int = 64,
-        max_age: int = 8,
-        recency_tau: float = 4.0,
-        max_replays: int = 2,
+        *,
+        buffer_size: int,
+        max_age: int,
+        recency_tau: float,
+        max_replays: int,
     ) -> None:
         super().__init__(num_prompts, prompts_per_step, seed)
         self.buffer_size, self.max_age = int(buffer_size), int(max_age)

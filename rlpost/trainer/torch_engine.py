@@ -248,9 +248,11 @@ class TorchTrainer:
 
     # ---------------------------------------------------------------- updates
     def _offpolicy_params(self) -> Dict[str, Any]:
-        lp = dict(self.algo.loss_params or {})
-        return {"proximal": lp.get("proximal", "recompute"), "vcpo": bool(lp.get("vcpo_lr", False)),
-                "vcpo_power": float(lp.get("vcpo_power", 1.0)), "vcpo_min_scale": float(lp.get("vcpo_min_scale", 0.1))}
+        from rlpost.algos.validate import trainer_loss_params
+
+        tp = trainer_loss_params(self.algo)  # defaults: rlpost.algos.validate.TrainerLossParams
+        return {"proximal": str(tp.proximal), "vcpo": bool(tp.vcpo_lr),
+                "vcpo_power": float(tp.vcpo_power), "vcpo_min_scale": float(tp.vcpo_min_scale)}
 
     def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
         """PPO-style update over ``algo.ppo_epochs`` x ``algo.mini_batches`` optimizer steps.
@@ -279,13 +281,14 @@ class TorchTrainer:
             TrainingDiverged: too many consecutive non-finite steps.
         """
         from rlpost.algos.offpolicy import a3po_proximal_logprobs, vcpo_lr_scale
+        from rlpost.algos.validate import loss_kwargs
         from rlpost.rollout.precision import mismatch_metrics
 
         a = self.algo
         acc = _MetricAcc()
         B = len(batch)
         params = [p for p in self.train_module.parameters() if p.requires_grad]
-        loss_params = {**dict(a.clip), **dict(a.loss_params or {})}
+        loss_params = loss_kwargs(a)  # the loss's declared defaults + algo.loss_params / algo.clip
         norm_const = a.loss_agg_norm or self.cfg.rollout.max_new_tokens
         offp = self._offpolicy_params()
         v_start = self.version
