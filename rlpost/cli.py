@@ -27,14 +27,41 @@ app = typer.Typer(
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from rlpost import __version__
+
+        typer.echo(f"rlpost {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the rlpost version and exit.")) -> None:
+    """rlpost: reinforcement-learning post-training of language models."""
+
+
 def _fail(err: RlpostError) -> None:
     typer.echo(f"error: {err}", err=True)
     raise typer.Exit(code=err.exit_code)
 
 
+def _check_recipe(overrides: List[str]) -> None:
+    """``recipe=NAME`` without ``+``: Hydra would say "Unknown config key 'recipe'"; say how to write it."""
+    from rlpost.config.compose import group_choices
+
+    for o in overrides:
+        if o.split("=", 1)[0] == "recipe":
+            name = o.split("=", 1)[1] if "=" in o else "NAME"
+            raise ConfigError(f"{o!r}: a recipe is added on top of the defaults, so it takes a leading +: "
+                              f"+recipe={name}. Recipes: {', '.join(group_choices('recipe'))}.")
+
+
 def _validate(overrides: List[str], multirun: bool) -> None:
     """Compose and validate every run of a (possibly swept) override list."""
     from rlpost.config.compose import compose_config, expand_sweep, validate_config
+
+    _check_recipe(overrides)
 
     combos = expand_sweep(overrides) if multirun else [overrides]
     if not multirun:
@@ -72,18 +99,46 @@ def _run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def _mark_failed(err: BaseException) -> None:
+    """Write ``<run dir>/FAILED`` holding the error, so a failed run is told apart from a finished one."""
+    import traceback
+
+    from rlpost.checkpoint import FAILED_MARKER
+
+    try:
+        d = _run_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        tb = "" if isinstance(err, RlpostError) else "\n" + "".join(traceback.format_exception(err))
+        (d / FAILED_MARKER).write_text(f"{type(err).__name__}: {err}\n{tb}")
+    except Exception:  # pragma: no cover - marking must never hide the error itself
+        pass
+
+
 def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Wrap a Hydra task so user errors exit cleanly (SystemExit passes through Hydra)."""
+    """Wrap a Hydra task so user errors exit cleanly (SystemExit passes through Hydra).
+
+    A run that fails gets a ``FAILED`` file with the error; an interrupted one
+    (:class:`rlpost.errors.Interrupted`) does not, since ``resume=auto`` continues it.
+    """
+    from rlpost.errors import Interrupted
+    from rlpost.tracking import log
 
     def wrapped(cfg: Any) -> Any:
         try:
             return fn(cfg)
+        except Interrupted as e:
+            log.warning(str(e))
+            sys.exit(e.exit_code)
         except RlpostError as e:
-            typer.echo(f"error: {e}", err=True)
+            _mark_failed(e)
+            log.error(f"error: {e}")
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
-            typer.echo("interrupted: the last checkpoint is intact; continue with resume=auto", err=True)
+            log.warning("interrupted; nothing was saved by this command")
             sys.exit(130)
+        except Exception as e:
+            _mark_failed(e)
+            raise
 
     wrapped.__name__ = fn.__name__
     return wrapped
@@ -122,10 +177,7 @@ def train(
     def task(cfg: Any) -> None:
         from rlpost.runner import train as run_train
 
-        run_dir = _run_dir()
-        last = run_train(cfg, run_dir)
-        acc = last.get("eval/accuracy")
-        typer.echo(f"done: {cfg.steps} steps in {run_dir}" + (f"; eval/accuracy={acc:.3f}" if acc is not None else ""))
+        run_train(cfg, _run_dir())  # logs the closing summary (console and cli.log)
 
     _launch(_guard(task), overrides, multirun)
 
@@ -140,7 +192,7 @@ def eval_cmd(ctx: typer.Context) -> None:
 
       rlpost eval eval.checkpoint=outputs/grpo-arithmetic/<time>/final
 
-      rlpost eval task=gsm8k task.path=../shared/data/gsm8k/test.jsonl eval.limit=100
+      rlpost eval task=gsm8k eval.limit=100        (written to outputs/eval-gsm8k/<time>/)
     """
     overrides = list(ctx.args)
     try:
@@ -148,10 +200,14 @@ def eval_cmd(ctx: typer.Context) -> None:
     except RlpostError as e:
         _fail(e)
 
+    if not any(o.split("=", 1)[0].lstrip("+") in ("name", "hydra.run.dir") for o in overrides):
+        overrides = ["name=eval-${task.name}"] + overrides  # outputs/eval-<task>/<time>, apart from training runs
+
     def task(cfg: Any) -> None:
         from omegaconf import OmegaConf
 
         from rlpost.eval.evaluate import evaluate
+        from rlpost.tracking import log
         from rlpost.models.loader import load_policy
         from rlpost.rollout import build_engine
         from rlpost.runner import pick_device, seed_everything
@@ -179,8 +235,8 @@ def eval_cmd(ctx: typer.Context) -> None:
         line = f"{cfg.task.name}: accuracy={res['accuracy']:.3f} (n={res['n']})"
         if "ci_low" in res:
             line += f" 95% CI [{res['ci_low']:.3f}, {res['ci_high']:.3f}]"
-        typer.echo(line)
-        typer.echo(f"wrote {run_dir / 'eval.json'}")
+        log.info(line)
+        log.info(f"wrote {run_dir / 'eval.json'}")
 
     _launch(_guard(task), overrides, False)
 
@@ -203,6 +259,7 @@ def config(
     from rlpost.config.compose import compose_config, validate_config
 
     try:
+        _check_recipe(list(ctx.args))
         cfg = compose_config(list(ctx.args))
         validate_config(cfg)
     except RlpostError as e:

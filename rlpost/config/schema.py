@@ -351,7 +351,8 @@ class EvalConfig:
         temperature: sampling temperature when n_samples > 1.
         ks: k values for pass@k.
         checkpoint: model checkpoint directory to evaluate (rlpost eval).
-        at_start, at_end: evaluate before the first / after the last step.
+        at_start, at_end: evaluate before the first / after the last step (both on by
+            default: the closing summary reports base and final accuracy).
         batch_size: prompts generated together.
         tasks: task presets (``conf/task/<name>.yaml``) evaluated besides the
             training task, each reported as ``eval/<task>/...``; empty: the
@@ -366,7 +367,7 @@ class EvalConfig:
     temperature: float = 1.0
     ks: List[int] = field(default_factory=lambda: [1])
     checkpoint: Optional[str] = None
-    at_start: bool = False
+    at_start: bool = True
     at_end: bool = True
     batch_size: int = 64
     tasks: List[str] = field(default_factory=list)
