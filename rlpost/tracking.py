@@ -32,6 +32,13 @@ class ConsoleFilter(logging.Filter):
         return not record.name.startswith("rlpost.step")
 
 
+class BelowWarning(logging.Filter):
+    """Passes records below WARNING (the stdout handler's share; warnings and errors go to stderr)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
 def step_line(m: Dict[str, Any], steps: int) -> str:
     """One human-readable line for a step's metrics (for ``cli.log``)."""
     parts = [f"step {int(m.get('step', 0))}/{steps}"]
