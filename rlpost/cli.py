@@ -124,6 +124,9 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     from rlpost.tracking import log
 
     def wrapped(cfg: Any) -> Any:
+        import logging
+
+        logging.captureWarnings(True)  # Python warnings: to stderr once each (OnceFilter) and into cli.log
         try:
             return fn(cfg)
         except Interrupted as e:
@@ -283,15 +286,34 @@ REGISTRY_GROUPS = {
 
 
 def _preset_description(path: Path) -> str:
+    """A preset's description: its leading comment, up to the end of the first sentence that ends a line.
+
+    Continuation lines are joined, so a sentence that runs over several comment
+    lines is shown whole (never cut at the first line's end).
+    """
+    block: List[str] = []
     for line in path.read_text().splitlines():
         s = line.strip()
         if s.startswith("# @package"):
             continue
-        if s.startswith("#"):
-            return s.lstrip("# ").strip()
-        if s:
+        if not s.startswith("#"):
             break
-    return ""
+        block.append(s.lstrip("#").strip())
+    out: List[str] = []
+    for s in block:
+        out.append(s)
+        if s.endswith((".", "!", "?", ")")):
+            break
+    return " ".join(out)
+
+
+def _wrap(text: str, indent: int) -> str:
+    """``text`` wrapped to the terminal width, continuation lines indented by ``indent``."""
+    import shutil
+    import textwrap
+
+    width = max(60, shutil.get_terminal_size((120, 24)).columns)
+    return "\n".join(textwrap.wrap(text, width=width, initial_indent="", subsequent_indent=" " * indent)) or text
 
 
 @app.command("list")
@@ -319,14 +341,14 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
         if g in conf_groups:
             typer.echo(f"{g}:")
             for name in group_choices(g):
-                typer.echo(f"  {name:<24} {_preset_description(conf_dir() / g / (name + '.yaml'))}")
+                typer.echo(_wrap(f"  {name:<24} {_preset_description(conf_dir() / g / (name + '.yaml'))}", 27))
         elif g in REGISTRY_GROUPS:
             mod, attr = REGISTRY_GROUPS[g]
             reg = getattr(importlib.import_module(mod), attr)
             typer.echo(f"{g} (registry):")
             for e in reg:
                 extra = f"  [{e.paper}]" if e.paper else ""
-                typer.echo(f"  {e.name:<24} {e.description}{extra}")
+                typer.echo(_wrap(f"  {e.name:<24} {e.description}{extra}", 27))
         else:
             valid = ", ".join(conf_groups + list(REGISTRY_GROUPS))
             _fail(ConfigError(f"Unknown group {g!r}. Valid groups: {valid}."))

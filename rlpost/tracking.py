@@ -32,6 +32,21 @@ class ConsoleFilter(logging.Filter):
         return not record.name.startswith("rlpost.step")
 
 
+class OnceFilter(logging.Filter):
+    """Lets each distinct message through once (console warnings: a library's retry notice is shown once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
 class BelowWarning(logging.Filter):
     """Passes records below WARNING (the stdout handler's share; warnings and errors go to stderr)."""
 

@@ -23,7 +23,7 @@ def _metrics(run_dir: Path):
 
 
 def _stable(rec):
-    return {k: v for k, v in rec.items() if not k.startswith(VOLATILE)}
+    return {k: v for k, v in rec.items() if not k.startswith(VOLATILE) and not k.endswith("time_s")}
 
 
 # ------------------------------------------------------------------ the run graph is what runs
