@@ -358,6 +358,9 @@ def main() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    # one progress bar on the console (rlpost's): no "Loading weights" / shard bars from transformers and
+    # the hub (HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back, e.g. for a long model download)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from rlpost.eval.compare import register_cli
 
     register_cli(app)  # `rlpost compare`

@@ -209,7 +209,7 @@ def format_summary(run_dir: Path, cfg: Any, wall_s: float, peak_mb: Dict[str, fl
                 recs.append(r)
     base, final = _read_json(run_dir / "eval_start.json"), _read_json(run_dir / "eval.json")
     n = (final or base or {}).get("n")
-    lines = [f"done: {cfg.name}, {len(recs)} steps"]
+    lines = [f"done: {cfg.name}, {len(recs)} step{'' if len(recs) == 1 else 's'}"]
     lines.append(f"  held-out accuracy ({cfg.task.name}{f', n={n}' if n else ''}, 95% CI): "
                  f"base {_acc(base)} -> final {_acc(final)}")
     if recs:

@@ -292,3 +292,30 @@ def test_compare_takes_one_sweep_folder_and_compares_its_methods(tmp_path):
         (d / "eval.json").write_text(json.dumps({"task": "t", "seed": seed, "records": [{"index": 0, "correct": 1.0}]}))
     with pytest.raises(DataError, match="holds one method"):
         compare([str(seeds_only)])
+
+
+def test_list_descriptions_end_at_a_sentence_end():
+    """`rlpost list` joins a description's continuation lines: no preset's is cut mid-sentence."""
+    from rlpost.cli import _preset_description
+    from rlpost.config.compose import conf_dir
+
+    for f in sorted(conf_dir().glob("*/*.yaml")):
+        d = _preset_description(f)
+        block = []
+        for line in f.read_text().splitlines():
+            if not line.strip().startswith("#"):
+                break
+            if not line.startswith("# @package"):
+                block.append(line.lstrip("#").strip())
+        assert d.endswith((".", "!", "?", ")")) or d == " ".join(block), (f, d)
+    async_desc = _preset_description(conf_dir() / "executor" / "async.yaml")
+    assert async_desc.startswith("Rollouts from a background worker") and async_desc.endswith(".")
+
+
+def test_package_sets_passive_openmp_wait_policy_unless_set():
+    code = "import os, rlpost; print(os.environ['OMP_WAIT_POLICY'] or 'empty')"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env={**e, "PYTHONPATH": str(REPO)},  # noqa: E731
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    assert run(env) == "PASSIVE"
+    assert run({**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
