@@ -319,3 +319,23 @@ def test_package_sets_passive_openmp_wait_policy_unless_set():
                                    capture_output=True, text=True, check=True).stdout.strip()
     assert run(env) == "PASSIVE"
     assert run({**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+
+
+@pytest.mark.parametrize("task,n_eval,n_train", [("gsm8k", 300, 1019), ("aime24", 30, 0), ("amc23", 40, 0)])
+def test_task_presets_read_the_shipped_files(compose, task, n_eval, n_train):
+    """No hub and no ../shared: each preset reads its file from rlpost/data, every row with a gold answer."""
+    from rlpost.data import DATA_DIR
+    from rlpost.tasks import build_task
+
+    cfg = compose([f"task={task}"])
+    assert cfg.task.path == str(DATA_DIR / task / "test.jsonl")
+    from rlpost.errors import DataError
+
+    t = build_task(cfg.task)
+    train = t.train_examples() if n_train else []
+    assert len(t.eval_examples()) == n_eval and len(train) == n_train
+    if not n_train:  # evaluation-only sets: training on them is refused with the fix named
+        with pytest.raises(DataError, match="task.eval_size=N"):
+            t.train_examples()
+    assert all(e.answer is not None and str(e.answer).strip() for e in t.eval_examples() + train)
+    assert (DATA_DIR / "SOURCES.md").read_text().count(f"{task}/test.jsonl") == 1
