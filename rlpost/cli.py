@@ -127,6 +127,13 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         import logging
 
         logging.captureWarnings(True)  # Python warnings: to stderr once each (OnceFilter) and into cli.log
+        try:  # transformers' warnings through the same handlers (it has its own stderr handler by default)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_default_handler()
+            hf_logging.enable_propagation()
+        except ImportError:  # pragma: no cover - transformers is a dependency
+            pass
         try:
             return fn(cfg)
         except Interrupted as e:

@@ -1,9 +1,16 @@
 """The run graph and its executor: one readable training loop.
 
 A config becomes an explicit list of stages (:func:`build_graph`), which
-``rlpost config --graph`` prints. :func:`train` runs them every step:
+``rlpost config --graph`` prints and the runner executes, each enabled stage
+through its own callable:
 
-    select -> rollout -> reward -> logprobs -> advantages -> update -> sync -> evaluate -> checkpoint -> log
+    produce (Run.collect):  select -> rollout -> reward
+    learn (Run.learn):      algo_inputs -> old_logprobs -> ref_logprobs -> values -> advantages
+                            -> critic_update -> policy_update -> sync
+    finish (train):         evaluate -> log -> checkpoint
+
+Disabled stages (no critic, no KL, ...) are printed as skipped and never run;
+:attr:`Run.executed` records what ran for each step.
 
 Everything algorithmic is a registered pure function in :mod:`rlpost.algos`; this
 module only moves tensors between stages.
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import resource
@@ -729,9 +737,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
                 saved["path"], saved["step"] = run.checkpoint(), run.step
             return True
 
-        import logging
-
-        step_log = logging.getLogger("rlpost.step")
+        step_log = logging.getLogger("rlpost.step")  # one line per step, to cli.log only
         finish = bind_stages(run.graph, FINISH, {"evaluate": evaluate, "log": log_metrics, "checkpoint": checkpoint})
         progress = _progress(cfg.steps, run.step, enabled=main)
         try:

@@ -339,3 +339,23 @@ def test_task_presets_read_the_shipped_files(compose, task, n_eval, n_train):
             t.train_examples()
     assert all(e.answer is not None and str(e.answer).strip() for e in t.eval_examples() + train)
     assert f"| {task}/test.jsonl |" in (DATA_DIR / "SOURCES.md").read_text()  # its source and licence
+
+
+def test_second_sigint_exits_at_once_without_a_new_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    p = _cli("train", *tiny_overrides("steps=50", "checkpoint.every=100"), f"hydra.run.dir={run}",
+             start_new_session=True)
+    deadline = time.time() + 600
+    while not ((run / "metrics.jsonl").exists() and '"step": 1' in (run / "metrics.jsonl").read_text()):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130
+    assert "second interrupt: exiting now without a new checkpoint" in err
+    assert "Traceback" not in err and "ForkPoolWorker" not in err
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").glob("step_*"))
+    assert not (run / "DONE").exists()
