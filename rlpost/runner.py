@@ -741,7 +741,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         finish = bind_stages(run.graph, FINISH, {"evaluate": evaluate, "log": log_metrics, "checkpoint": checkpoint})
         progress = _progress(cfg.steps, run.step, enabled=main)
         try:
-            if cfg.eval.at_start and run.step == 0 and main:
+            if cfg.eval.at_start and run.step == 0 and main and not stop.requested:
                 with executor.paused():
                     em, res0 = run.evaluate()
                 (run_dir / "eval_start.json").write_text(json.dumps(_eval_summary(res0), indent=1, default=str))
