@@ -1,11 +1,19 @@
-"""Atomic checkpoints and resume.
+"""Atomic checkpoints and resume: one map of stateful components, saved and loaded here.
 
 Layout: ``<run dir>/checkpoints/step_000010/`` holding ``policy/`` (Hugging Face
-format, loadable by ``rlpost eval eval.checkpoint=...``), ``trainer.pt``
-(optimizer, scheduler, critic, reference), ``state.pt`` (step, RNG states,
-selector, sampler and algorithm state, e.g. MSSR's Beta tracker and HAPO's
-entropy statistics). A checkpoint is written to ``step_N.tmp`` and
-renamed into place, so a crash mid-write never leaves a partial checkpoint.
+format, loadable by ``rlpost eval eval.checkpoint=...``), ``trainer.pt`` (the
+``trainer`` component: optimizer, scheduler, critic, reference) and ``state.pt``
+(the step, the global RNG states and every other component's ``state_dict()``
+under its name: selector, sampler, algorithm state such as MSSR's Beta tracker
+and HAPO's entropy statistics, the update generator, the partial-rollout
+buffer). A checkpoint is written to ``step_N.tmp`` and renamed into place, so a
+crash mid-write never leaves a partial checkpoint.
+
+The runner lists its stateful components once (:meth:`rlpost.runner.Run.stateful`);
+:func:`save_checkpoint` and :func:`load_checkpoint` both walk that map, so a new
+stateful component is one line there. A component is anything with
+``state_dict()`` / ``load_state_dict(sd)``; ``None`` entries (a component this
+config does not build) are skipped on save and on load.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -22,6 +30,8 @@ import torch
 from rlpost.errors import RlpostError
 
 DONE_MARKER = "DONE"
+FAILED_MARKER = "FAILED"
+TRAINER_KEY = "trainer"  # the one component stored in its own file (large; collective under DeepSpeed)
 
 
 def rng_state() -> Dict[str, Any]:
@@ -36,10 +46,75 @@ def set_rng_state(s: Dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
 
 
-def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, trainer_state: Dict[str, Any],
-                    state: Dict[str, Any], keep_last: int = 2) -> Path:
+class GeneratorState:
+    """Adapts a ``torch.Generator`` to the ``state_dict`` / ``load_state_dict`` protocol."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.gen = gen
+
+    def state_dict(self) -> torch.Tensor:
+        """The generator's state (a uint8 tensor)."""
+        return self.gen.get_state()
+
+    def load_state_dict(self, sd: torch.Tensor) -> None:
+        """Restore :meth:`state_dict`."""
+        self.gen.set_state(sd)
+
+
+def save_hf(policy, tokenizer, path: Path) -> None:
+    """``save_pretrained`` of the policy and tokenizer into ``path``, quietly.
+
+    No "Writing model shards" progress bar (a checkpoint is one line of the
+    run's log), and no DeepSpeed import when DeepSpeed is not in use:
+    ``save_pretrained`` asks accelerate to unwrap the model, which imports
+    DeepSpeed whenever it is installed (printing "Setting accelerator to CPU"
+    on a CPU machine) only to test whether the model is a ``DeepSpeedEngine``;
+    a model is one only if DeepSpeed was already imported.
+    """
+    import contextlib
+    import sys
+    from unittest import mock
+
+    from transformers.utils import logging as hf_logging
+
+    no_ds = contextlib.nullcontext()
+    if "deepspeed" not in sys.modules:
+        try:
+            import accelerate.utils.other as acc_other
+
+            no_ds = mock.patch.object(acc_other, "is_deepspeed_available", lambda: False)
+        except (ImportError, AttributeError):  # another accelerate layout: save as is
+            pass
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with no_ds:
+            policy.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def collect_states(components: Dict[str, Any]) -> Dict[str, Any]:
+    """``{name: component.state_dict()}`` for every non-None component.
+
+    Call it on every rank: the DeepSpeed trainer's ``state_dict`` is a collective.
+    """
+    return {k: c.state_dict() for k, c in components.items() if c is not None}
+
+
+def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, states: Dict[str, Any],
+                    keep_last: int = 2) -> Path:
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``.
 
+    Args:
+        run_dir: the run directory (checkpoints go to ``run_dir/checkpoints``).
+        step: RL steps completed.
+        policy, tokenizer: saved in Hugging Face format under ``policy/``.
+        states: :func:`collect_states` of the run's components; ``trainer`` goes to
+            ``trainer.pt``, the rest to ``state.pt``.
+        keep_last: complete checkpoints to keep (at least 1).
     Returns:
         the checkpoint directory.
     """
@@ -50,10 +125,10 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, trainer_state: 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    policy.save_pretrained(tmp / "policy")
-    tokenizer.save_pretrained(tmp / "policy")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+    save_hf(policy, tokenizer, tmp / "policy")
+    states = dict(states)
+    torch.save(states.pop(TRAINER_KEY, {}), tmp / "trainer.pt")
+    torch.save({**states, "step": step, "rng": rng_state()}, tmp / "state.pt")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -61,6 +136,50 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, trainer_state: 
     for old in ckpts[: max(0, len(ckpts) - max(1, keep_last))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def load_checkpoint(ckpt: Path, policy, components: Dict[str, Any]) -> int:
+    """Load checkpoint ``ckpt`` into ``policy`` and ``components``; returns its step.
+
+    The policy weights come from ``policy/*.safetensors`` (tied embeddings re-tied),
+    ``trainer`` from ``trainer.pt``, every other component from its entry in
+    ``state.pt`` (a component absent from an older checkpoint keeps its fresh
+    state), then the global RNG states.
+    """
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt)
+    sd: Dict[str, torch.Tensor] = {}
+    for f in sorted((ckpt / "policy").glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    policy.load_state_dict(sd, strict=False)
+    if getattr(policy.config, "tie_word_embeddings", False):
+        policy.tie_weights()
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    for name, comp in components.items():
+        if comp is None:
+            continue
+        if name == TRAINER_KEY:
+            comp.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=False))
+        elif state.get(name) is not None:
+            comp.load_state_dict(state[name])
+    set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def describe_checkpoint(ckpt: Path) -> str:
+    """One line naming what a checkpoint holds and its size on disk, e.g. for the interrupt message."""
+    ckpt = Path(ckpt)
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    parts: List[str] = ["policy weights"]
+    if (ckpt / "trainer.pt").exists():
+        parts.append("optimizer/trainer state")
+    try:
+        names = [k for k in torch.load(ckpt / "state.pt", weights_only=False) if k not in ("step", "rng")]
+    except Exception:  # pragma: no cover - a description must never fail
+        names = []
+    parts += names + ["RNG states"]
+    return f"{ckpt} ({', '.join(parts)}; {size / 2**20:.1f} MiB)"
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:

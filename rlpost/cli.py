@@ -27,14 +27,41 @@ app = typer.Typer(
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from rlpost import __version__
+
+        typer.echo(f"rlpost {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the rlpost version and exit.")) -> None:
+    """rlpost: reinforcement-learning post-training of language models."""
+
+
 def _fail(err: RlpostError) -> None:
     typer.echo(f"error: {err}", err=True)
     raise typer.Exit(code=err.exit_code)
 
 
+def _check_recipe(overrides: List[str]) -> None:
+    """``recipe=NAME`` without ``+``: Hydra would say "Unknown config key 'recipe'"; say how to write it."""
+    from rlpost.config.compose import group_choices
+
+    for o in overrides:
+        if o.split("=", 1)[0] == "recipe":
+            name = o.split("=", 1)[1] if "=" in o else "NAME"
+            raise ConfigError(f"{o!r}: a recipe is added on top of the defaults, so it takes a leading +: "
+                              f"+recipe={name}. Recipes: {', '.join(group_choices('recipe'))}.")
+
+
 def _validate(overrides: List[str], multirun: bool) -> None:
     """Compose and validate every run of a (possibly swept) override list."""
     from rlpost.config.compose import compose_config, expand_sweep, validate_config
+
+    _check_recipe(overrides)
 
     combos = expand_sweep(overrides) if multirun else [overrides]
     if not multirun:
@@ -72,18 +99,56 @@ def _run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def _mark_failed(err: BaseException) -> None:
+    """Write ``<run dir>/FAILED`` holding the error, so a failed run is told apart from a finished one."""
+    import traceback
+
+    from rlpost.checkpoint import FAILED_MARKER
+
+    try:
+        d = _run_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        tb = "" if isinstance(err, RlpostError) else "\n" + "".join(traceback.format_exception(err))
+        (d / FAILED_MARKER).write_text(f"{type(err).__name__}: {err}\n{tb}")
+    except Exception:  # pragma: no cover - marking must never hide the error itself
+        pass
+
+
 def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Wrap a Hydra task so user errors exit cleanly (SystemExit passes through Hydra)."""
+    """Wrap a Hydra task so user errors exit cleanly (SystemExit passes through Hydra).
+
+    A run that fails gets a ``FAILED`` file with the error; an interrupted one
+    (:class:`rlpost.errors.Interrupted`) does not, since ``resume=auto`` continues it.
+    """
+    from rlpost.errors import Interrupted
+    from rlpost.tracking import log
 
     def wrapped(cfg: Any) -> Any:
+        import logging
+
+        logging.captureWarnings(True)  # Python warnings: to stderr once each (OnceFilter) and into cli.log
+        try:  # transformers' warnings through the same handlers (it has its own stderr handler by default)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_default_handler()
+            hf_logging.enable_propagation()
+        except ImportError:  # pragma: no cover - transformers is a dependency
+            pass
         try:
             return fn(cfg)
+        except Interrupted as e:
+            log.warning(str(e))
+            sys.exit(e.exit_code)
         except RlpostError as e:
-            typer.echo(f"error: {e}", err=True)
+            _mark_failed(e)
+            log.error(f"error: {e}")
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
-            typer.echo("interrupted: the last checkpoint is intact; continue with resume=auto", err=True)
+            log.warning("interrupted; nothing was saved by this command")
             sys.exit(130)
+        except Exception as e:
+            _mark_failed(e)
+            raise
 
     wrapped.__name__ = fn.__name__
     return wrapped
@@ -122,10 +187,7 @@ def train(
     def task(cfg: Any) -> None:
         from rlpost.runner import train as run_train
 
-        run_dir = _run_dir()
-        last = run_train(cfg, run_dir)
-        acc = last.get("eval/accuracy")
-        typer.echo(f"done: {cfg.steps} steps in {run_dir}" + (f"; eval/accuracy={acc:.3f}" if acc is not None else ""))
+        run_train(cfg, _run_dir())  # logs the closing summary (console and cli.log)
 
     _launch(_guard(task), overrides, multirun)
 
@@ -140,7 +202,7 @@ def eval_cmd(ctx: typer.Context) -> None:
 
       rlpost eval eval.checkpoint=outputs/grpo-arithmetic/<time>/final
 
-      rlpost eval task=gsm8k task.path=../shared/data/gsm8k/test.jsonl eval.limit=100
+      rlpost eval task=gsm8k eval.limit=100        (written to outputs/eval-gsm8k/<time>/)
     """
     overrides = list(ctx.args)
     try:
@@ -148,10 +210,14 @@ def eval_cmd(ctx: typer.Context) -> None:
     except RlpostError as e:
         _fail(e)
 
+    if not any(o.split("=", 1)[0].lstrip("+") in ("name", "hydra.run.dir") for o in overrides):
+        overrides = ["name=eval-${task.name}"] + overrides  # outputs/eval-<task>/<time>, apart from training runs
+
     def task(cfg: Any) -> None:
         from omegaconf import OmegaConf
 
         from rlpost.eval.evaluate import evaluate
+        from rlpost.tracking import log
         from rlpost.models.loader import load_policy
         from rlpost.rollout import build_engine
         from rlpost.runner import pick_device, seed_everything
@@ -179,8 +245,8 @@ def eval_cmd(ctx: typer.Context) -> None:
         line = f"{cfg.task.name}: accuracy={res['accuracy']:.3f} (n={res['n']})"
         if "ci_low" in res:
             line += f" 95% CI [{res['ci_low']:.3f}, {res['ci_high']:.3f}]"
-        typer.echo(line)
-        typer.echo(f"wrote {run_dir / 'eval.json'}")
+        log.info(line)
+        log.info(f"wrote {run_dir / 'eval.json'}")
 
     _launch(_guard(task), overrides, False)
 
@@ -206,6 +272,7 @@ def config(
     from rlpost.config.compose import compose_config, validate_config
 
     try:
+        _check_recipe(list(ctx.args))
         cfg = compose_config(list(ctx.args))
         validate_config(cfg)
     except RlpostError as e:
@@ -237,15 +304,34 @@ REGISTRY_GROUPS = {
 
 
 def _preset_description(path: Path) -> str:
+    """A preset's description: its leading comment, up to the end of the first sentence that ends a line.
+
+    Continuation lines are joined, so a sentence that runs over several comment
+    lines is shown whole (never cut at the first line's end).
+    """
+    block: List[str] = []
     for line in path.read_text().splitlines():
         s = line.strip()
         if s.startswith("# @package"):
             continue
-        if s.startswith("#"):
-            return s.lstrip("# ").strip()
-        if s:
+        if not s.startswith("#"):
             break
-    return ""
+        block.append(s.lstrip("#").strip())
+    out: List[str] = []
+    for s in block:
+        out.append(s)
+        if s.endswith((".", "!", "?", ")")):
+            break
+    return " ".join(out)
+
+
+def _wrap(text: str, indent: int) -> str:
+    """``text`` wrapped to the terminal width, continuation lines indented by ``indent``."""
+    import shutil
+    import textwrap
+
+    width = max(60, shutil.get_terminal_size((120, 24)).columns)
+    return "\n".join(textwrap.wrap(text, width=width, initial_indent="", subsequent_indent=" " * indent)) or text
 
 
 @app.command("list")
@@ -277,14 +363,14 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
         if g in conf_groups:
             typer.echo(f"{g}:")
             for name in group_choices(g):
-                typer.echo(f"  {name:<24} {_preset_description(conf_dir() / g / (name + '.yaml'))}")
+                typer.echo(_wrap(f"  {name:<24} {_preset_description(conf_dir() / g / (name + '.yaml'))}", 27))
         elif g in REGISTRY_GROUPS:
             mod, attr = REGISTRY_GROUPS[g]
             reg = getattr(importlib.import_module(mod), attr)
             typer.echo(f"{g} (registry):")
             for e in reg:
                 extra = f"  [{e.paper}]" if e.paper else ""
-                typer.echo(f"  {e.name:<24} {e.description}{extra}")
+                typer.echo(_wrap(f"  {e.name:<24} {e.description}{extra}", 27))
                 if reg.typed_params:  # the component's declared parameters, defaults and docs
                     for pname, ptype, default, doc in param_rows(e.params):
                         typer.echo(f"      {pname} = {default!r} ({ptype}): {doc}")
@@ -297,6 +383,9 @@ def main() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    # one progress bar on the console (rlpost's): no "Loading weights" / shard bars from transformers and
+    # the hub (HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back, e.g. for a long model download)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from rlpost.eval.compare import register_cli
 
     register_cli(app)  # `rlpost compare`

@@ -43,3 +43,12 @@ class TrainingDiverged(RlpostError):
     """
 
     exit_code = 5
+
+
+class Interrupted(RlpostError):
+    """The run stopped on SIGINT/SIGTERM after saving a checkpoint; the message says what was saved.
+
+    Exits with status 130 (the shell's code for Ctrl-C).
+    """
+
+    exit_code = 130

@@ -1,9 +1,16 @@
 """The run graph and its executor: one readable training loop.
 
 A config becomes an explicit list of stages (:func:`build_graph`), which
-``rlpost config --graph`` prints. :func:`train` runs them every step:
+``rlpost config --graph`` prints and the runner executes, each enabled stage
+through its own callable:
 
-    select -> rollout -> reward -> logprobs -> advantages -> update -> sync -> evaluate -> checkpoint -> log
+    produce (Run.collect):  select -> rollout -> reward
+    learn (Run.learn):      algo_inputs -> old_logprobs -> ref_logprobs -> values -> advantages
+                            -> critic_update -> policy_update -> sync
+    finish (train):         evaluate -> log -> checkpoint
+
+Disabled stages (no critic, no KL, ...) are printed as skipped and never run;
+:attr:`Run.executed` records what ran for each step.
 
 Everything algorithmic is a registered pure function in :mod:`rlpost.algos`; this
 module only moves tensors between stages.
@@ -13,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -28,46 +36,90 @@ from omegaconf import DictConfig, OmegaConf
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.regularizers import kl_penalty
 from rlpost.batch import RolloutBatch
-from rlpost.checkpoint import DONE_MARKER, find_resume_checkpoint, save_checkpoint, set_rng_state
+from rlpost.checkpoint import DONE_MARKER, describe_checkpoint, find_resume_checkpoint, save_checkpoint, save_hf
 from rlpost.rollout.base import SamplingParams
+
+
+PRODUCE, LEARN, FINISH = "produce", "learn", "finish"
+PRODUCER_STAGES = ("select", "rollout", "reward")
 
 
 @dataclass
 class Stage:
-    """One node of the run graph: a name, what it does, and whether this config runs it."""
+    """One node of the run graph.
+
+    Attributes:
+        name: stage name (printed by ``rlpost config --graph``, recorded in
+            :attr:`Run.executed` when it runs).
+        description: what it does under this config.
+        enabled: whether this config runs it.
+        phase: ``produce`` (select -> rollout -> reward: one call,
+            :meth:`Run.collect`, because the sampler driver interleaves them:
+            selectors refill after scoring), ``learn`` (run in order by
+            :meth:`Run.learn`) or ``finish`` (run in order by :func:`train` after
+            each step: evaluate, log, checkpoint; they decide themselves whether
+            this step is one of theirs).
+        fn: the callable that runs it (bound by :func:`build_graph` from ``fns``);
+            ``learn`` stages take a :class:`LearnContext`, ``finish`` stages a
+            step's metrics dict and return whether they ran.
+    """
 
     name: str
     description: str
     enabled: bool = True
+    phase: str = LEARN
+    fn: Optional[Callable[..., Any]] = None
 
 
 def build_graph(cfg: DictConfig) -> List[Stage]:
-    """The stages a config runs each step, in order (disabled ones are listed too)."""
+    """The stages a config runs each step, in order (disabled ones are listed too).
+
+    This list is both what ``rlpost config --graph`` prints and what the runner
+    executes: :class:`Run` binds the learn stages' callables and :meth:`Run.learn`
+    iterates them, :func:`train` binds and runs the finish stages
+    (:func:`bind_stages`), the executor runs the producer stages.
+    """
     a = cfg.algo
-    need_old = needs_old_logprobs(a)
-    return [
-        Stage("select", f"selector={cfg.selector.name}: choose {cfg.selector.prompts_per_step} prompts of task={cfg.task.name}"),
+    from rlpost.algos.stages import algo_requirements
+
+    req = algo_requirements(a)
+    inputs = [w for w, on in (("reference answers (SFT)", req.reference_responses), ("token entropy", req.entropy),
+                               ("greedy baseline rollout", req.baseline_rollout),
+                               ("per-prompt Beta baseline", req.beta_baseline)) if on]
+    async_ex = cfg.executor.name == "async"
+    ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
+                          ("after the last step", cfg.eval.at_end)) if on]
+    graph = [
+        Stage("select", f"selector={cfg.selector.name}: choose {cfg.selector.prompts_per_step} prompts of task={cfg.task.name}",
+              phase=PRODUCE),
         Stage("rollout", f"sampler={cfg.sampler.name} x{a.n_samples_per_prompt} via rollout={cfg.rollout.engine} "
               f"({cfg.precision.rollout_dtype}, T={cfg.rollout.temperature}, max_new_tokens={cfg.rollout.max_new_tokens})"
               + (f"; partial rollouts: chunks of {cfg.executor.partial_chunk_tokens} tokens, "
                  f"over_provision {cfg.executor.over_provision}, unfinished groups carried over"
-                 if cfg.executor.get("partial_rollout", False) else "")),
-        Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping"),
-        Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)", need_old),
+                 if cfg.executor.get("partial_rollout", False) else ""), phase=PRODUCE),
+        Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping", phase=PRODUCE),
+        Stage("algo_inputs", "algorithm inputs: " + (", ".join(inputs) or "none"), bool(inputs)),
+        Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)",
+              needs_old_logprobs(a)),
         Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})", a.kl.coef > 0),
         Stage("values", "critic values V(s_t)", a.critic.enabled),
         Stage("advantages", f"adv_estimator={a.adv_estimator}"
-              + (f" (baseline={(a.adv_params or {}).get('baseline')})" if (a.adv_params or {}).get("baseline") else "")),
-        Stage("critic_update", "value-loss regression on returns", a.critic.enabled),
+              + (f" (baseline={(a.adv_params or {}).get('baseline')})" if (a.adv_params or {}).get("baseline") else "")
+              + (f"; KL penalty in the reward ({a.kl.estimator})" if a.kl.coef > 0 and a.kl.in_reward else "")),
+        Stage("critic_update", f"value-loss regression on returns (policy frozen for {a.critic.warmup_steps} warm-up steps)",
+              a.critic.enabled),
         Stage("policy_update", f"loss={a.loss} agg={a.loss_agg} epochs={a.ppo_epochs} mini_batches={a.mini_batches} "
               f"trainer={cfg.trainer.engine} ({cfg.precision.trainer_dtype})"
               + (f" correction={cfg.precision.correction}" if cfg.precision.correction != "none" else "")),
-        Stage("sync", "push updated weights to the rollout engine"),
-        Stage("evaluate", f"greedy accuracy on {cfg.eval.limit} held-out prompts every {cfg.eval.every} steps"
-              + (" and at the end" if cfg.eval.at_end else ""), cfg.eval.every > 0 or cfg.eval.at_end),
-        Stage("checkpoint", f"every {cfg.checkpoint.every} steps, keep {cfg.checkpoint.keep_last}"),
-        Stage("log", f"metrics.jsonl + logger={cfg.logger.backend}"),
+        Stage("sync", "the producer loads the newest weights before its next step (executor=async)" if async_ex
+              else "push updated weights to the rollout engine"),
+        Stage("evaluate", f"greedy accuracy on {cfg.eval.limit} held-out prompts " + (", ".join(ev) or "never"),
+              bool(ev), phase=FINISH),
+        Stage("log", f"metrics.jsonl + logger={cfg.logger.backend}", phase=FINISH),
+        Stage("checkpoint", (f"every {cfg.checkpoint.every} steps and " if cfg.checkpoint.every > 0 else "")
+              + f"after the last step or an interrupt, keep the last {cfg.checkpoint.keep_last}", phase=FINISH),
     ]
+    return graph
 
 
 def needs_old_logprobs(a: Any) -> bool:
@@ -100,8 +152,23 @@ class Collected:
     weights_step: int = -1  # RL steps completed by the engine weights of this collect
 
 
+# the stages whose seconds make up ``time/update_s`` (log-probs, values, advantages and the updates)
+UPDATE_STAGES = ("old_logprobs", "ref_logprobs", "values", "advantages", "critic_update", "policy_update")
+
+
+@dataclass
+class LearnContext:
+    """What the learn-phase stages of one step share: the collected step, its batch, its metrics."""
+
+    c: Collected
+    batch: RolloutBatch
+    metrics: Dict[str, Any]
+    sync_engine: bool = True
+    seconds: Dict[str, float] = field(default_factory=dict)
+
+
 def format_graph(cfg: DictConfig) -> str:
-    """Human-readable run graph."""
+    """Human-readable run graph: one numbered line per stage, ``(skipped)`` when this config does not run it."""
     lines = []
     for i, s in enumerate(build_graph(cfg)):
         mark = "" if s.enabled else "  (skipped)"
@@ -192,6 +259,9 @@ class Run:
         self.step = 0
         self.update_rng = torch.Generator().manual_seed(cfg.seed)
         self.partial = self._build_partial()
+        self.graph = build_graph(cfg)  # what `rlpost config --graph` prints; train() binds the finish stages
+        bind_stages(self.graph, LEARN, self.stage_fns())
+        self.executed: Dict[int, List[str]] = {}  # step -> names of the stages that ran for it, in order
 
     def _build_partial(self):
         """The APRIL / CoPRIS partial-rollout producer when ``executor.partial_rollout=true``, else None."""
@@ -217,50 +287,41 @@ class Run:
         return TorchTrainer(self.policy, self.cfg, self.device)
 
     # ------------------------------------------------------------- resume
-    def restore(self, ckpt: Path) -> None:
-        """Load a checkpoint written by :meth:`checkpoint` and continue after its step.
+    def stateful(self) -> Dict[str, Any]:
+        """Every component with cross-step state, by checkpoint key (None: not built by this config).
 
-        Restores the policy, the trainer (optimizer, scheduler, critic, reference),
-        the selector, the sampler, the algorithm's cross-step state
-        (:class:`rlpost.algos.stages.AlgoState`: MSSR's Beta tracker, HAPO's
-        entropy statistics), the update generator and the global RNGs.
+        :func:`rlpost.checkpoint.save_checkpoint` and
+        :func:`rlpost.checkpoint.load_checkpoint` walk this map; a new stateful
+        component is one line here. The policy weights and the global RNG
+        states are saved beside it.
         """
-        from safetensors.torch import load_file
+        from rlpost.checkpoint import GeneratorState
 
-        files = sorted((ckpt / "policy").glob("*.safetensors"))
-        sd: Dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
-        self.trainer.policy.load_state_dict(sd, strict=False)
-        if getattr(self.trainer.policy.config, "tie_word_embeddings", False):
-            self.trainer.policy.tie_weights()
-        self.trainer.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=False))
-        state = torch.load(ckpt / "state.pt", weights_only=False)
-        self.selector.load_state_dict(state["selector"])
-        self.sampler.load_state_dict(state.get("sampler", {}))
-        self.algo_state.load_state_dict(state.get("algo_state", {}))  # absent in checkpoints before it was saved
-        if self.partial is not None and state.get("partial") is not None:
-            self.partial.load_state_dict(state["partial"])
-        self.update_rng.set_state(state["update_rng"])
-        set_rng_state(state["rng"])
-        self.step = int(state["step"])
+        return {
+            "trainer": self.trainer,  # optimizer, scheduler, critic, reference (trainer.pt)
+            "selector": self.selector,
+            "sampler": self.sampler,
+            "algo_state": self.algo_state,  # MSSR's Beta tracker, HAPO's entropy statistics
+            "update_rng": GeneratorState(self.update_rng),
+            "partial": self.partial,  # the partial-rollout carry-over buffer
+        }
+
+    def restore(self, ckpt: Path) -> None:
+        """Load a checkpoint written by :meth:`checkpoint` and continue after its step."""
+        from rlpost.checkpoint import load_checkpoint
+
+        self.step = load_checkpoint(ckpt, self.trainer.policy, self.stateful())
         self.engine.sync_weights(self.trainer.policy)
 
     def checkpoint(self) -> Optional[Path]:
-        """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks).
+        """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks)."""
+        from rlpost.checkpoint import collect_states
 
-        ``state.pt`` holds every piece of cross-step state :meth:`restore` reads back.
-        """
-        trainer_state = self.trainer.state_dict()  # collective for trainer=deepspeed: every rank calls it
+        states = collect_states(self.stateful())  # collective for trainer=deepspeed: every rank calls it
         if not is_main_process():
             return None
-        return save_checkpoint(
-            self.run_dir, self.step, self.trainer.policy, self.tokenizer, trainer_state,
-            {"selector": self.selector.state_dict(), "sampler": self.sampler.state_dict(),
-             "algo_state": self.algo_state.state_dict(), "update_rng": self.update_rng.get_state(),
-             "partial": self.partial.state_dict() if self.partial is not None else None},
-            keep_last=self.cfg.checkpoint.keep_last,
-        )
+        return save_checkpoint(self.run_dir, self.step, self.trainer.policy, self.tokenizer, states,
+                               keep_last=self.cfg.checkpoint.keep_last)
 
     # --------------------------------------------------------------- stages
     def prompt_ids(self, i: int) -> List[int]:
@@ -354,6 +415,7 @@ class Run:
         examples = [self.train_examples[int(i)] for i in out.row_prompt_index]
         batch = out.to_batch([e.answer for e in examples], version, weights_step)
         t_rollout = time.perf_counter() - t_step - scorer.seconds
+        self.mark(step, *PRODUCER_STAGES)
         return Collected(step, batch, examples, out.group_rewards(), out.reward_metrics, out, t_step, t_rollout,
                          scorer.seconds, weights_step)
 
@@ -407,17 +469,40 @@ class Run:
             pass
         return out
 
-    def learn(self, c: "Collected", sync_engine: bool = True) -> Dict[str, Any]:
-        """Learner half of a step: log-probs -> advantages -> update (-> sync the engine); returns metrics."""
-        cfg, a = self.cfg, self.cfg.algo
-        step, batch, examples, per_prompt, rm = c.step, c.batch, c.examples, c.per_prompt, c.reward_metrics
-        step_out, sres, gen = c.step_out, c.step_out.result, c.step_out.result.generation
-        gi, rewards, lengths = batch.group_index, batch.rewards, batch.response_mask.sum(-1)
-        t_rollout, t_reward, t_step = c.t_rollout, c.t_reward, c.t_start
-        m: Dict[str, Any] = {"step": step}
+    def mark(self, step: int, *names: str) -> None:
+        """Record that stages ``names`` ran for ``step`` (:attr:`executed`; read by tests and the summary)."""
+        self.executed.setdefault(step, []).extend(names)
 
-        # algorithm-specific inputs (entropy, greedy baseline, Beta baseline, SFT references)
+    def stage_fns(self) -> Dict[str, Callable[["LearnContext"], None]]:
+        """The callables of the learn-phase stages of :func:`build_graph`, by stage name."""
+        return {"algo_inputs": self._algo_inputs, "old_logprobs": self._old_logprobs, "ref_logprobs": self._ref_logprobs,
+                "values": self._values, "advantages": self._advantages, "critic_update": self._critic_update,
+                "policy_update": self._policy_update, "sync": self._sync}
+
+    def learn(self, c: "Collected", sync_engine: bool = True) -> Dict[str, Any]:
+        """Learner half of a step: the enabled ``learn`` stages of :attr:`graph`, in order; returns metrics.
+
+        Args:
+            c: the producer half's output.
+            sync_engine: load the updated weights into the rollout engine (the
+                asynchronous executor loads its engine itself).
+        """
+        ctx = LearnContext(c, c.batch, {"step": c.step}, sync_engine)
+        for st in self.graph:
+            if st.phase == LEARN and st.enabled:
+                t0 = time.perf_counter()
+                st.fn(ctx)
+                ctx.seconds[st.name] = time.perf_counter() - t0
+                self.mark(c.step, st.name)
+        self.step = c.step
+        return self._step_metrics(ctx)
+
+    # learn-phase stages: each reads and extends ctx.batch.extras / ctx.metrics
+    def _algo_inputs(self, ctx: "LearnContext") -> None:
+        """Algorithm-specific inputs (SFT references, entropy, greedy baseline, Beta baseline)."""
         from rlpost.algos.stages import prepare_algo_inputs
+
+        batch, step = ctx.batch, ctx.c.step
 
         def greedy_rewards() -> torch.Tensor:
             uniq = sorted({int(i) for i in batch.prompt_index})
@@ -429,29 +514,30 @@ class Run:
             pos = {p: k for k, p in enumerate(uniq)}
             return torch.stack([r_g[pos[int(i)]] for i in batch.prompt_index]).float()
 
-        m.update(prepare_algo_inputs(
+        ctx.metrics.update(prepare_algo_inputs(
             self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, tokenizer=self.tokenizer,
-            answer_format=cfg.task.answer_format, max_len=cfg.rollout.max_new_tokens,
+            answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
         ))
 
-        # log-probs, values
-        t0 = time.perf_counter()
-        if needs_old_logprobs(a):
-            batch.extras["old_logprobs"], _ = self.trainer.compute_logprobs(batch)
-        if a.kl.coef > 0:
-            batch.extras["ref_logprobs"], _ = self.trainer.compute_logprobs(batch, "ref")
-        if a.critic.enabled:
-            batch.extras["values"] = self.trainer.compute_values(batch)
+    def _old_logprobs(self, ctx: "LearnContext") -> None:
+        ctx.batch.extras["old_logprobs"], _ = self.trainer.compute_logprobs(ctx.batch)
 
-        # advantages
+    def _ref_logprobs(self, ctx: "LearnContext") -> None:
+        ctx.batch.extras["ref_logprobs"], _ = self.trainer.compute_logprobs(ctx.batch, "ref")
+
+    def _values(self, ctx: "LearnContext") -> None:
+        ctx.batch.extras["values"] = self.trainer.compute_values(ctx.batch)
+
+    def _advantages(self, ctx: "LearnContext") -> None:
+        a, batch = self.cfg.algo, ctx.batch
         token_rewards = None
         if a.kl.coef > 0 and a.kl.in_reward:
             kl = kl_penalty(a.kl.estimator, batch.extras["old_logprobs"], batch.extras["ref_logprobs"])
             token_rewards = -a.kl.coef * kl * batch.response_mask
-            m["actor/kl_ref"] = float((kl * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
+            ctx.metrics["actor/kl_ref"] = float((kl * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
         out = compute_advantages(
             a.adv_estimator,
-            AdvantageInput(rewards=rewards, response_mask=batch.response_mask, group_index=gi,
+            AdvantageInput(rewards=batch.rewards, response_mask=batch.response_mask, group_index=batch.group_index,
                            values=batch.extras.get("values"), token_rewards=token_rewards,
                            baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs),
@@ -463,36 +549,44 @@ class Run:
         if out.returns is not None:
             batch.extras["returns"] = out.returns
 
-        # update
-        if a.critic.enabled:
-            m.update(self.trainer.critic_update(batch))
-        if step > a.critic.warmup_steps or not a.critic.enabled:
-            m.update(self.trainer.policy_update(batch, self.update_rng))
+    def _critic_update(self, ctx: "LearnContext") -> None:
+        ctx.metrics.update(self.trainer.critic_update(ctx.batch))
+
+    def _policy_update(self, ctx: "LearnContext") -> None:
+        a = self.cfg.algo
+        if ctx.c.step > a.critic.warmup_steps or not a.critic.enabled:
+            ctx.metrics.update(self.trainer.policy_update(ctx.batch, self.update_rng))
         else:
-            m["actor/frozen_for_critic_warmup"] = 1.0
-        t_update = time.perf_counter() - t0
+            ctx.metrics["actor/frozen_for_critic_warmup"] = 1.0
 
-        # sync (the asynchronous executor loads its engine itself)
-        if sync_engine:
+    def _sync(self, ctx: "LearnContext") -> None:
+        if ctx.sync_engine:  # else the asynchronous executor's producer loads the weights itself
             self.engine.sync_weights(self.trainer.policy)
-        self.step = step
 
+    def _step_metrics(self, ctx: "LearnContext") -> Dict[str, Any]:
+        """The step's logged metrics from the producer's output and the learn stages' results."""
+        c, batch, m = ctx.c, ctx.batch, ctx.metrics
+        step, per_prompt, step_out = c.step, c.per_prompt, c.step_out
+        sres, gen = step_out.result, step_out.result.generation
+        rewards, lengths = batch.rewards, batch.response_mask.sum(-1)
+        adv = batch.extras["advantages"]
+        t_update = sum(ctx.seconds.get(n, 0.0) for n in UPDATE_STAGES)
         ntok = gen.num_tokens
         zero_var = sum(1 for g in per_prompt if len(g) > 1 and max(g) == min(g))
         m.update({
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            **rm,
+            **c.reward_metrics,
             "response/length_mean": float(lengths.float().mean()),
             "response/truncated_frac": float((~gen.finished).float().mean()),
             "rollout/rollouts_spent": float(sres.rollouts_spent),
             "rollout/zero_var_group_frac": zero_var / max(1, len(per_prompt)),
             "rollout/policy_version": float(batch.policy_version.float().mean()),
-            "adv/mean": float((out.advantages * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)),
-            "time/rollout_s": t_rollout,
-            "time/reward_s": t_reward,
+            "adv/mean": float((adv * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)),
+            "time/rollout_s": c.t_rollout,
+            "time/reward_s": c.t_reward,
             "time/update_s": t_update,
-            "throughput/rollout_tokens_per_s": ntok / max(t_rollout, 1e-9),
+            "throughput/rollout_tokens_per_s": ntok / max(c.t_rollout, 1e-9),
             **step_out.metrics,
         })
         if "token_policy_step" in batch.extras:  # partial rollouts: per-token staleness in RL steps (CoPRIS)
@@ -501,7 +595,7 @@ class Run:
             m["partial/token_staleness_mean"] = float(st.mean()) if st.numel() else 0.0
             m["partial/token_staleness_max"] = float(st.max()) if st.numel() else 0.0
         m["bench/update_tokens"] = float(batch.prompt_mask.sum() + batch.response_mask.sum())
-        m["time/step_s"] = time.perf_counter() - t_step
+        m["time/step_s"] = time.perf_counter() - c.t_start
         m["memory/peak_rss_mb"] = peak_rss_mb()
         return m
 
@@ -529,69 +623,150 @@ class Run:
         self.engine.close()
 
 
+def bind_stages(graph: List[Stage], phase: str, fns: Dict[str, Callable[..., Any]]) -> List[Stage]:
+    """Give every enabled stage of ``phase`` its callable from ``fns``; returns those stages in order.
+
+    Raises:
+        KeyError: an enabled stage of ``phase`` has no callable in ``fns``.
+    """
+    out = []
+    for st in graph:
+        if st.phase == phase and st.enabled:
+            st.fn = fns[st.name]
+            out.append(st)
+    return out
+
+
 def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     """Train per ``cfg`` in ``run_dir``; returns the last step's metrics.
 
-    Resumes from ``cfg.resume`` (see :func:`rlpost.checkpoint.find_resume_checkpoint`);
-    when that checkpoint belongs to another run directory, the run continues
-    there. Writes ``config.yaml``, ``metrics.jsonl``, checkpoints, ``final/``
-    (the trained policy in Hugging Face format) and ``eval.json``.
-    """
-    from rlpost.executor import build_executor
-    from rlpost.tracking import RunLogger
+    Resumes from ``cfg.resume`` (see :func:`rlpost.checkpoint.find_resume_checkpoint`)
+    and says from which step, or that it starts fresh; when that checkpoint
+    belongs to another run directory, the run continues there. Each step runs
+    the producer stages (:meth:`Run.collect`, via the executor), the learn
+    stages (:meth:`Run.learn`) and then the finish stages of the run graph
+    (evaluate, log, checkpoint). Writes ``config.yaml``, ``metrics.jsonl``,
+    checkpoints, ``eval_start.json`` (``eval.at_start``), ``eval.json``,
+    ``final/`` (the trained policy in Hugging Face format) and ``DONE``, and
+    logs a closing summary (:func:`rlpost.tracking.format_summary`) to the
+    ``rlpost`` logger (console and ``cli.log`` under the CLI).
 
+    Raises:
+        Interrupted: after SIGINT/SIGTERM: the step in progress was finished and
+            checkpointed; the message names the checkpoint and what it holds.
+    """
+    from rlpost.errors import Interrupted
+    from rlpost.executor import build_executor
+    from rlpost.interrupts import StopRequest
+    from rlpost.tracking import RunLogger, format_summary, log, step_line
+
+    t_wall = time.time()
     main = is_main_process()  # under trainer.num_procs > 1 only rank 0 logs, evaluates and writes files
     run_dir = Path(run_dir)
     ckpt = find_resume_checkpoint(cfg.resume, run_dir)
     if ckpt is not None:
         run_dir = ckpt.parent.parent
+    if main and cfg.resume not in (None, "", "none", "null"):
+        if ckpt is not None:
+            log.info(f"resume={cfg.resume}: resuming from {ckpt} (step {int(ckpt.name.split('_')[-1])} of {cfg.steps})")
+        else:
+            log.info(f"resume={cfg.resume}: no checkpoint in {run_dir} or an unfinished run beside it; "
+                     f"starting fresh from step 0")
     run_dir.mkdir(parents=True, exist_ok=True)
     if main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    run = Run(cfg, run_dir)
-    if ckpt is not None:
-        run.restore(ckpt)
-    logger = RunLogger(
-        run_dir, cfg.logger.backend, OmegaConf.to_container(cfg, resolve=True), name=f"{cfg.name}",
-        project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode, tags=list(cfg.logger.tags),
-        resume_step=run.step if ckpt is not None else None,
-    ) if main else _NullLogger()
-    executor = build_executor(cfg, run)
-    last: Dict[str, Any] = {}
-    progress = _progress(cfg.steps, run.step, enabled=main)
-    try:
-        if cfg.eval.at_start and run.step == 0 and main:
+    stop = StopRequest()
+    with stop:
+        run = Run(cfg, run_dir)
+        stop.step = lambda: run.step
+        if ckpt is not None:
+            run.restore(ckpt)
+        start_step = run.step
+        logger = RunLogger(
+            run_dir, cfg.logger.backend, OmegaConf.to_container(cfg, resolve=True), name=f"{cfg.name}",
+            project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode, tags=list(cfg.logger.tags),
+            resume_step=run.step if ckpt is not None else None,
+        ) if main else _NullLogger()
+        executor = build_executor(cfg, run)
+        last: Dict[str, Any] = {}
+        saved: Dict[str, Any] = {"step": start_step if ckpt is not None else None, "path": ckpt}
+
+        # the finish stages of the run graph: each decides whether this step is one of its steps
+        def evaluate(m: Dict[str, Any]) -> bool:
+            at_end = run.step == cfg.steps and cfg.eval.at_end
+            if not main or not (at_end or (cfg.eval.every > 0 and run.step % cfg.eval.every == 0 and run.step < cfg.steps)):
+                return False
             with executor.paused():
-                em, _ = run.evaluate()
-            logger.log({"step": 0, **em})
-        while run.step < cfg.steps:
-            m = executor.step()
-            if main and cfg.eval.every > 0 and run.step % cfg.eval.every == 0 and run.step < cfg.steps:
-                with executor.paused():
-                    em, _ = run.evaluate()
-                m.update(em)
-            if main and run.step == cfg.steps and cfg.eval.at_end:
-                with executor.paused():
-                    em, res = run.evaluate()
-                m.update(em)
-                (run_dir / "eval.json").write_text(json.dumps(_eval_summary(res), indent=1))
+                em, res = run.evaluate()
+            m.update(em)
+            if at_end:
+                (run_dir / "eval.json").write_text(json.dumps(_eval_summary(res), indent=1, default=str))
+            return True
+
+        def log_metrics(m: Dict[str, Any]) -> bool:
             logger.log(m)
-            if (cfg.checkpoint.every > 0 and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps:
+            if main:
+                step_log.info(step_line(m, cfg.steps))
+            return True
+
+        def checkpoint(m: Dict[str, Any]) -> bool:
+            if not ((cfg.checkpoint.every > 0 and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps
+                    or stop.requested):
+                return False
+            with executor.paused():
+                saved["path"], saved["step"] = run.checkpoint(), run.step
+            return True
+
+        step_log = logging.getLogger("rlpost.step")  # one line per step, to cli.log only
+        finish = bind_stages(run.graph, FINISH, {"evaluate": evaluate, "log": log_metrics, "checkpoint": checkpoint})
+        progress = _progress(cfg.steps, run.step, enabled=main)
+        try:
+            if cfg.eval.at_start and run.step == 0 and main and not stop.requested:
                 with executor.paused():
-                    run.checkpoint()
-            last = m
-            progress.update(m)
-        if main:
-            final = run_dir / "final"
-            run.trainer.policy.save_pretrained(final)
-            run.tokenizer.save_pretrained(final)
-            (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
-    finally:
-        executor.close()
-        progress.close()
-        logger.close()
-        run.close()
+                    em, res0 = run.evaluate()
+                (run_dir / "eval_start.json").write_text(json.dumps(_eval_summary(res0), indent=1, default=str))
+                logger.log({"step": 0, **em})
+                run.mark(0, "evaluate", "log")
+            while run.step < cfg.steps and not stop.requested:
+                m = executor.step()
+                for st in finish:
+                    if st.fn(m):
+                        run.mark(run.step, st.name)
+                last = m
+                progress.update(m)
+            if stop.requested:
+                if run.step > start_step and saved["step"] != run.step:
+                    with executor.paused():
+                        saved["path"], saved["step"] = run.checkpoint(), run.step
+                if saved["path"] is not None and saved["step"] is not None:
+                    what = (f"saved {describe_checkpoint(saved['path'])}" if saved["step"] > start_step or ckpt is None
+                            else f"no step finished since the checkpoint it resumed from, {saved['path']}")
+                    msg = (f"interrupted ({stop.name}) after step {run.step} of {cfg.steps}: {what}. "
+                           f"Continue with: rlpost train resume=auto hydra.run.dir={run_dir}")
+                else:
+                    msg = (f"interrupted ({stop.name}) before the first step finished: nothing to save "
+                           f"(no checkpoint exists); the next run starts fresh")
+                raise Interrupted(msg)
+            if main:
+                save_hf(run.trainer.policy, run.tokenizer, run_dir / "final")
+                (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
+        finally:
+            executor.close()
+            progress.close()
+            logger.close()
+            run.close()
+    if main:
+        log.info(format_summary(run_dir, cfg, wall_s=time.time() - t_wall, peak_mb=peak_memory_mb(run.device),
+                                wandb=getattr(logger, "wandb_info", None)))
     return last
+
+
+def peak_memory_mb(device: torch.device) -> Dict[str, float]:
+    """``{"rss": peak resident MiB of this process}``, plus ``"cuda"`` (peak allocated MiB) on a GPU."""
+    out = {"rss": peak_rss_mb()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
 
 
 def _eval_summary(res: Dict[str, Any]) -> Dict[str, Any]:
@@ -609,7 +784,7 @@ class _NullLogger:
 
 
 class _progress:
-    """Console progress bar (rich) with live reward and throughput."""
+    """Console progress bar (tqdm, on stderr) with live reward, throughput and the last eval accuracy."""
 
     def __init__(self, total: int, start: int, enabled: bool = True) -> None:
         from tqdm import tqdm
@@ -618,8 +793,8 @@ class _progress:
                         disable=not enabled)
 
     def update(self, m: Dict[str, Any]) -> None:
-        post = {"reward": f"{m.get('reward/mean', 0):.3f}", "tok/s": f"{m.get('throughput/rollout_tokens_per_s', 0):.0f}",
-                "s/step": f"{m.get('time/step_s', 0):.1f}"}
+        # tqdm prints the s/step figure itself; the postfix adds only what it cannot know
+        post = {"reward": f"{m.get('reward/mean', 0):.3f}", "tok/s": f"{m.get('throughput/rollout_tokens_per_s', 0):.0f}"}
         if "eval/accuracy" in m:
             post["eval_acc"] = f"{m['eval/accuracy']:.3f}"
         self.bar.set_postfix(post)

@@ -1,4 +1,10 @@
-"""Run logging: metrics.jsonl (always), Weights & Biases (online or offline), console.
+"""Run logging: metrics.jsonl (always), Weights & Biases (online or offline), console, cli.log.
+
+Messages for the user go to the ``rlpost`` logger (:data:`log`); under the CLI,
+Hydra's job logging (``hydra.job_logging`` in ``conf/config.yaml``) sends them
+to the console as bare lines and to ``<run dir>/cli.log`` with timestamps.
+One line per step goes to ``rlpost.step``, which reaches ``cli.log`` only
+(:class:`ConsoleFilter`): the console has the progress bar.
 
 ``logger=wandb`` runs online when ``WANDB_API_KEY`` is set (or the machine is
 logged in) and the mode is ``auto``/``online``, and offline otherwise, writing
@@ -9,11 +15,54 @@ uploads it later.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
+
+log = logging.getLogger("rlpost")
+
+
+class ConsoleFilter(logging.Filter):
+    """Keeps the per-step lines (logger ``rlpost.step``) off the console; ``cli.log`` still gets them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith("rlpost.step")
+
+
+class OnceFilter(logging.Filter):
+    """Lets each distinct message through once (console warnings: a library's retry notice is shown once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+class BelowWarning(logging.Filter):
+    """Passes records below WARNING (the stdout handler's share; warnings and errors go to stderr)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
+def step_line(m: Dict[str, Any], steps: int) -> str:
+    """One human-readable line for a step's metrics (for ``cli.log``)."""
+    parts = [f"step {int(m.get('step', 0))}/{steps}"]
+    for key, fmt in (("reward/mean", "reward {:.3f}"), ("response/length_mean", "length {:.1f}"),
+                     ("loss/policy", "loss {:.4f}"), ("eval/accuracy", "eval/accuracy {:.3f}"),
+                     ("time/step_s", "{:.1f} s/step")):
+        if m.get(key) is not None:
+            parts.append(fmt.format(float(m[key])))
+    return "  ".join(parts)
 
 
 def _clean(v: Any) -> Any:
@@ -63,6 +112,7 @@ class RunLogger:
         self._fh = open(self.path, "a")
         self.wandb = None
         self.wandb_mode: Optional[str] = None
+        self.wandb_info: Optional[Dict[str, str]] = None  # mode, run directory and URL, kept after close()
         if backend == "wandb":
             self._init_wandb(config or {}, name, project, entity, mode, tags or [])
 
@@ -90,6 +140,9 @@ class RunLogger:
             settings=wandb.Settings(silent=True, console="off"),
         )
         self.wandb_mode = mode
+        run_path = Path(self.wandb.dir).parent  # <run dir>/wandb/<offline-run|run>-<time>-<id>
+        url = (getattr(self.wandb, "url", None) or "") if mode == "online" else ""  # offline: wandb warns on .url
+        self.wandb_info = {"mode": mode, "dir": str(run_path), "url": url}
 
     def log(self, metrics: Dict[str, Any]) -> None:
         """Append one record (must contain ``step``)."""
@@ -106,3 +159,83 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _acc(res: Optional[Dict[str, Any]]) -> str:
+    if not res or res.get("accuracy") is None:
+        return "not evaluated"
+    ci = f" [{res['ci_low']:.3f}, {res['ci_high']:.3f}]" if res.get("ci_low") is not None else ""
+    return f"{res['accuracy']:.3f}{ci}"
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600} h {s % 3600 // 60} min" if s >= 3600 else (f"{s // 60} min {s % 60} s" if s >= 60 else f"{s} s")
+
+
+def format_summary(run_dir: Path, cfg: Any, wall_s: float, peak_mb: Dict[str, float],
+                   wandb: Optional[Dict[str, str]] = None) -> str:
+    """The closing summary of a finished run (several lines).
+
+    Reads ``metrics.jsonl`` (reward and response length at the start and end:
+    means over the first and last ``min(5, ceil(steps / 2))`` logged steps),
+    ``eval_start.json`` (base accuracy, ``eval.at_start``) and ``eval.json``
+    (final accuracy); accuracies carry their 95% bootstrap CIs.
+
+    Args:
+        run_dir: the run directory.
+        cfg: the run's config (task name, steps).
+        wall_s: wall time in seconds.
+        peak_mb: ``{"rss": MiB}`` and optionally ``{"cuda": MiB}``.
+        wandb: :attr:`RunLogger.wandb_info` or None (no W&B).
+    """
+    run_dir = Path(run_dir)
+    recs: List[Dict[str, Any]] = []
+    mpath = run_dir / "metrics.jsonl"
+    if mpath.exists():
+        for line in mpath.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("step", 0) > 0 and r.get("reward/mean") is not None:
+                recs.append(r)
+    base, final = _read_json(run_dir / "eval_start.json"), _read_json(run_dir / "eval.json")
+    n = (final or base or {}).get("n")
+    lines = [f"done: {cfg.name}, {len(recs)} step{'' if len(recs) == 1 else 's'}"]
+    lines.append(f"  held-out accuracy ({cfg.task.name}{f', n={n}' if n else ''}, 95% CI): "
+                 f"base {_acc(base)} -> final {_acc(final)}")
+    if recs:
+        k = min(5, max(1, (len(recs) + 1) // 2))
+        first, lastk = recs[:k], recs[-k:]
+
+        def mean(rs: List[Dict[str, Any]], key: str) -> float:
+            v = [float(r[key]) for r in rs if r.get(key) is not None]
+            return sum(v) / max(1, len(v))
+
+        span = lambda rs: f"steps {rs[0]['step']}-{rs[-1]['step']}" if len(rs) > 1 else f"step {rs[0]['step']}"  # noqa: E731
+        lines.append(f"  reward/mean: {mean(first, 'reward/mean'):.3f} ({span(first)}) -> "
+                     f"{mean(lastk, 'reward/mean'):.3f} ({span(lastk)})")
+        lines.append(f"  response length: {mean(first, 'response/length_mean'):.1f} -> "
+                     f"{mean(lastk, 'response/length_mean'):.1f} tokens")
+    mem = f"peak memory {peak_mb['rss'] / 1024:.2f} GiB resident"
+    if "cuda" in peak_mb:
+        mem += f", {peak_mb['cuda'] / 1024:.2f} GiB GPU"
+    lines.append(f"  wall time {_duration(wall_s)}, {mem}")
+    lines.append(f"  run directory: {run_dir}")
+    if final is not None:
+        lines.append(f"  eval.json: {run_dir / 'eval.json'}")
+    if wandb:
+        if wandb.get("mode") == "offline":
+            lines.append(f"  W&B (offline): {wandb['dir']}")
+            lines.append(f"  upload with: wandb sync {wandb['dir']}")
+        else:
+            lines.append(f"  W&B: {wandb.get('url') or wandb['dir']}")
+    return "\n".join(lines)

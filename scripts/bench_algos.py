@@ -59,7 +59,7 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     t0 = time.perf_counter()
     try:
-        base = [f"algo={name}", f"steps={steps}", "logger=jsonl", "eval.at_end=false", "checkpoint.every=0"]
+        base = [f"algo={name}", f"steps={steps}", "logger=jsonl", "eval.at_start=false", "eval.at_end=false", "checkpoint.every=0"]
         cfg = compose_config([*base, *overrides])
         if rollouts_per_step > 0:
             k = max(1, rollouts_per_step // int(cfg.algo.n_samples_per_prompt))

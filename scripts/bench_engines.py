@@ -47,7 +47,7 @@ SETTINGS = [
 
 def run(name, overrides, steps, extra, root):
     run_dir = Path(root) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-    args = [sys.executable, "-m", "rlpost.cli", "train", *overrides, f"steps={steps}", "eval.at_end=false",
+    args = [sys.executable, "-m", "rlpost.cli", "train", *overrides, f"steps={steps}", "eval.at_start=false", "eval.at_end=false",
             "checkpoint.every=0", "logger=jsonl", *extra, f"hydra.run.dir={run_dir}"]
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()

@@ -45,7 +45,7 @@ def base_overrides(args, seed: int) -> List[str]:
     o = ["algo=grpo", f"model={args.model}", f"seed={seed}", "logger=jsonl", f"steps={args.steps}",
          f"selector.prompts_per_step={args.prompts}", f"algo.n_samples_per_prompt={args.n}",
          f"rollout.max_new_tokens={args.max_new_tokens}", "checkpoint.every=0",
-         f"eval.at_end={'true' if args.eval_limit > 0 else 'false'}", f"eval.limit={max(1, args.eval_limit)}"]
+         "eval.at_start=false", f"eval.at_end={'true' if args.eval_limit > 0 else 'false'}", f"eval.limit={max(1, args.eval_limit)}"]
     return o + list(args.extra)
 
 

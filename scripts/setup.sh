@@ -5,12 +5,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# pip's build step (rlpost's own editable build, DeepSpeed's sdist) prints setuptools'
+# deprecation notices: blocks that start with "...SetuptoolsDeprecationWarning: ..." and
+# end with a "!!" line and the offending source line. They concern packaging metadata,
+# not the user, so they are dropped; everything else pip prints is kept.
+quiet() {
+  awk '
+    /Setuptools[A-Za-z]*Warning/ { skip = 1; bangs = 0; next }
+    skip && /^[[:space:]]*!!/ { bangs++; if (bangs == 2) { skip = 2 }; next }
+    skip == 2 { skip = 0; next }   # the source line printed after the closing "!!"
+    skip { next }
+    /is ignored/ { next }
+    { print }
+  '
+}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | quiet
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | quiet
 fi
-.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -c "import torch, transformers, hydra, deepspeed, rlpost; print('rlpost ready: torch', torch.__version__)"
+.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | quiet
+# deepspeed is checked, not imported: importing it prints an accelerator warning on CPU machines
+.venv/bin/python -c "import importlib.util, torch, transformers, hydra, rlpost; assert importlib.util.find_spec('deepspeed'), 'deepspeed missing'; print('rlpost ready: torch', torch.__version__)"

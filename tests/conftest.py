@@ -23,6 +23,7 @@ TINY = [
     "selector.prompts_per_step=4",
     "algo.n_samples_per_prompt=4",
     "eval.limit=8",
+    "eval.at_start=false",  # unit tests log steps 1..N only (the summary test turns it on)
     "eval.max_new_tokens=12",
     "task.train_size=64",
     "task.eval_size=16",

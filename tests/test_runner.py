@@ -338,7 +338,7 @@ def test_two_steps_end_to_end_on_real_model(compose, tmp_path):
     from rlpost.runner import train
 
     cfg = compose(["logger=wandb", "steps=2", "selector.prompts_per_step=2", "algo.n_samples_per_prompt=4",
-                   "rollout.max_new_tokens=24", "eval.limit=8", "eval.max_new_tokens=24", "task.train_size=64",
+                   "rollout.max_new_tokens=24", "eval.limit=8", "eval.max_new_tokens=24", "task.train_size=64", "eval.at_start=false",
                    "task.eval_size=16"])
     run_dir = tmp_path / "real"
     train(cfg, run_dir)

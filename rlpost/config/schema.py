@@ -432,7 +432,8 @@ class EvalConfig:
         temperature: sampling temperature when n_samples > 1.
         ks: k values for pass@k.
         checkpoint: model checkpoint directory to evaluate (rlpost eval).
-        at_start, at_end: evaluate before the first / after the last step.
+        at_start, at_end: evaluate before the first / after the last step (both on by
+            default: the closing summary reports base and final accuracy).
         batch_size: prompts generated together.
         tasks: task presets (``conf/task/<name>.yaml``) evaluated besides the
             training task, each reported as ``eval/<task>/...``; empty: the
@@ -447,7 +448,7 @@ class EvalConfig:
     temperature: float = 1.0
     ks: List[int] = field(default_factory=lambda: [1])
     checkpoint: Optional[str] = None
-    at_start: bool = False
+    at_start: bool = True
     at_end: bool = True
     batch_size: int = 64
     tasks: List[str] = field(default_factory=list)
@@ -536,6 +537,9 @@ GROUP_SCHEMAS = {
 
 def register_schemas() -> None:
     """Store ``base_config`` and ``<group>/base_<group>`` in Hydra's ConfigStore (idempotent)."""
+    from rlpost.data import register_resolver
+
+    register_resolver()  # ${rlpost_data:...}: the data files shipped with the package (task presets)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RootConfig)
     for group, schema in GROUP_SCHEMAS.items():

@@ -1,7 +1,10 @@
 """``rlpost compare``: paired comparison of methods over matched seeds and problems.
 
 Each method is given as one or more run directories (a run directory, a folder
-of runs such as a Hydra multirun sweep, or a glob). Every run holds an
+of runs, or a glob). Given a single Hydra sweep folder (``multirun/<time>/``),
+its runs are split into methods by the overrides they differ in, seed aside
+(:func:`split_sweep`): ``rlpost train -m algo=grpo,dr_grpo seed=1,2`` then
+``rlpost compare multirun/<time>`` compares dr_grpo against grpo over seeds 1-2. Every run holds an
 ``eval.json`` written by ``rlpost train`` / ``rlpost eval`` with per-problem
 records. Runs of two methods are paired by seed and task, problems by their
 index (and text); the difference B - A gets a paired bootstrap 95% CI
@@ -111,6 +114,47 @@ def discover_runs(spec: str) -> List[Path]:
     if not runs:
         raise DataError(f"no run with {EVAL_FILE} found under {spec!r}; give a run directory, a sweep folder or a glob")
     return runs
+
+
+def _run_overrides(run_dir: Path) -> Dict[str, str]:
+    """A sweep run's own overrides (``.hydra/overrides.yaml``), ``{key: value}``, without ``hydra.*``."""
+    f = run_dir / ".hydra" / "overrides.yaml"
+    out: Dict[str, str] = {}
+    if f.is_file():
+        from omegaconf import OmegaConf
+
+        for o in OmegaConf.load(f) or []:
+            k, _, v = str(o).partition("=")
+            k = k.lstrip("+~")
+            if not k.startswith("hydra."):
+                out[k] = v
+    return out
+
+
+def split_sweep(folder: str | Path) -> List[Tuple[str, List[Path]]]:
+    """Split the runs of one sweep folder into methods: ``[(label, run dirs)]``, in job order.
+
+    Runs with the same overrides apart from ``seed`` form one method; its label
+    names the overrides whose values differ between methods (e.g. ``algo=dr_grpo``).
+    The first method (lowest job number) is the baseline.
+
+    Raises:
+        DataError: no run with eval.json under ``folder``.
+    """
+    runs = discover_runs(str(folder))
+    ovs = [_run_overrides(r) for r in runs]
+    keys = sorted({k for o in ovs for k in o if k != "seed"})
+    varying = [k for k in keys if len({o.get(k) for o in ovs}) > 1]
+    groups: Dict[Tuple[Tuple[str, Optional[str]], ...], List[Path]] = {}
+    for r, o in zip(runs, ovs):
+        groups.setdefault(tuple((k, o.get(k)) for k in varying), []).append(r)
+
+    def job(p: Path) -> int:
+        head = p.name.split("_", 1)[0]
+        return int(head) if head.isdigit() else 0
+
+    ordered = sorted(groups.items(), key=lambda kv: min(job(p) for p in kv[1]))
+    return [(",".join(f"{k}={v}" for k, v in key) or str(folder), paths) for key, paths in ordered]
 
 
 def _by_seed(runs: List[RunEval], label: str) -> Dict[int, RunEval]:
@@ -230,20 +274,32 @@ def format_report(cmp: Dict[str, Any], metric: str = "correct") -> str:
 def compare(
     specs: Sequence[str], metric: str = "correct", n_boot: int = 2000, seed: int = 0
 ) -> Tuple[str, List[Dict[str, Any]]]:
-    """What ``rlpost compare A B [C ...]`` runs: every method against the first.
+    """What ``rlpost compare A B [C ...]`` (or ``rlpost compare SWEEP``) runs: every method against the first.
 
     Args:
-        specs: method specs (see :func:`discover_runs`); the first is the baseline.
+        specs: method specs (see :func:`discover_runs`); the first is the
+            baseline. One spec: a sweep folder, split into methods by
+            :func:`split_sweep`.
         metric: record field compared (see :func:`load_run`).
     Returns:
         ``(report text, list of compare_methods results)``.
     Raises:
         DataError: fewer than two methods, or any loading/matching problem.
     """
-    if len(specs) < 2:
-        raise DataError("rlpost compare needs at least two methods: rlpost compare RUN_A RUN_B [RUN_C ...]")
-    methods = [[load_run(p, metric) for p in discover_runs(s)] for s in specs]
-    results = [compare_methods(methods[0], m, specs[0], s, n_boot=n_boot, seed=seed) for s, m in zip(specs[1:], methods[1:])]
+    if len(specs) == 1:
+        groups = split_sweep(specs[0])
+        if len(groups) < 2:
+            raise DataError(f"{specs[0]!r} holds one method (its runs differ in seed only), and rlpost compare needs "
+                            f"at least two: rlpost compare RUN_A RUN_B, or a sweep of two methods "
+                            f"(rlpost train -m algo=grpo,dr_grpo seed=1,2; rlpost compare multirun/<time>)")
+    elif not specs:
+        raise DataError("rlpost compare needs a sweep folder or two methods: rlpost compare multirun/<time> | RUN_A RUN_B")
+    else:
+        groups = [(s, discover_runs(s)) for s in specs]
+    labels = [g[0] for g in groups]
+    methods = [[load_run(p, metric) for p in paths] for _, paths in groups]
+    results = [compare_methods(methods[0], m, labels[0], lab, n_boot=n_boot, seed=seed)
+               for lab, m in zip(labels[1:], methods[1:])]
     return "\n\n".join(format_report(r, metric) for r in results), results
 
 
@@ -256,7 +312,8 @@ def register_cli(app: Any) -> None:
 
     @app.command("compare")
     def compare_cmd(
-        runs: List[str] = typer.Argument(..., help="Methods: run dirs, sweep folders or globs; the first is the baseline."),
+        runs: List[str] = typer.Argument(..., help="One sweep folder (multirun/<time>: its methods are compared), or "
+                                         "methods as run dirs, folders or globs; the first is the baseline."),
         metric: str = typer.Option("correct", help="Record field: correct (greedy accuracy), pass@k, maj@k, mean@n."),
         n_boot: int = typer.Option(2000, "--n-boot", help="Bootstrap replicates."),
         seed: int = typer.Option(0, help="Seed of the bootstrap."),
@@ -266,7 +323,9 @@ def register_cli(app: Any) -> None:
 
         Examples:
 
-          rlpost compare outputs/grpo-gsm8k multirun/2026-01-01_00-00-00
+          rlpost compare multirun/2026-01-01_00-00-00     (after rlpost train -m algo=grpo,dr_grpo seed=1,2)
+
+          rlpost compare outputs/grpo-gsm8k outputs/dr_grpo-gsm8k
 
           rlpost compare 'outputs/uniform-*' 'outputs/vade-*' --metric pass@4
         """

