@@ -537,9 +537,6 @@ GROUP_SCHEMAS = {
 
 def register_schemas() -> None:
     """Store ``base_config`` and ``<group>/base_<group>`` in Hydra's ConfigStore (idempotent)."""
-    from rlpost.data import register_resolver
-
-    register_resolver()  # ${rlpost_data:...}: the data files shipped with the package (task presets)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RootConfig)
     for group, schema in GROUP_SCHEMAS.items():
