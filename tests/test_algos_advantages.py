@@ -325,11 +325,9 @@ def test_zero_variance_group_gets_exactly_zero(name):
         pytest.skip(f"{name}: {ZERO_VARIANCE_EXCEPTIONS[name]}")
     x = _two_group_input()
     for extra in ({}, {"baseline": "min_variance"}):
-        try:
-            out = compute_advantages(name, x, **extra)
-        except TypeError:
-            continue
-        a = out.advantages
+        if extra and name in ("hapo", "mc_grpo"):
+            continue  # no min-variance form
+        a = compute_advantages(name, x, **extra).advantages
         assert a.dtype == torch.float32
         assert torch.equal(a[:8], torch.zeros_like(a[:8])), (name, extra, a[:8].abs().max())
         assert a[8:].abs().sum() > 0  # the group with variance still learns

@@ -49,8 +49,7 @@ def test_each_core_algo_runs_two_steps_on_tiny(compose, tmp_path, algo):
     assert (run_dir / "final" / "config.json").exists()
     assert (run_dir / "checkpoints" / "step_000002" / "policy" / "config.json").exists()
     assert (run_dir / "config.yaml").exists() and (run_dir / "eval.json").exists()
-    if algo != "grpo":
-        assert "critic/value_loss" in recs[-1]
+    assert ("critic/value_loss" in recs[-1]) == (algo != "grpo")  # a critic only for the critic-based preset
 
 
 def test_rollout_logprobs_match_trainer_logprobs_fp32():
@@ -208,15 +207,18 @@ def test_crashing_verifier_does_not_stop_the_run(compose, tmp_path, monkeypatch)
     calls = {"n": 0}
 
     def bad_score(self, response, example):
+        calls["n"] += 1  # counts only if the verifier ran in the trainer's own process
         raise RuntimeError("verifier bug")
 
     monkeypatch.setattr(ReasoningGymTask, "score", bad_score)
     run_dir = _train(compose, tmp_path, "steps=2", "eval.at_end=false", "task.reward.timeout_s=2")
     recs = _metrics(run_dir)
     assert len(recs) == 2
-    assert recs[0]["reward/verifier_errors"] == 16  # every sample failed ...
-    assert recs[0]["reward/mean"] == 0.0  # ... and scored 0
-    assert calls["n"] == 0
+    for r in recs:  # both steps ran to the end ...
+        assert r["reward/verifier_errors"] == 16  # ... every sample failed ...
+        assert r["reward/mean"] == 0.0  # ... and scored 0
+        assert math.isfinite(r["loss/policy"])
+    assert calls["n"] == 0  # the crashing verifier ran in the isolated worker, never in this process
 
 
 def _launch(run_dir: Path, steps: int, *extra: str):
