@@ -136,6 +136,19 @@ class TorchTrainer:
         t = batch.extras.get("temperatures")
         return t if t is not None else float(self.cfg.rollout.temperature)
 
+    def _truncation(self) -> Dict[str, Any]:
+        """The sampler's top-k/top-p, so trainer log-probs are those of the distribution rollouts came from.
+
+        Off for losses trained on reference responses (``sft``): those tokens were
+        not sampled, and truncation would cut the gradient of every reference
+        token outside the model's nucleus. See docs/ALGORITHMS.md ("Sampling
+        distribution parity").
+        """
+        if POLICY_LOSSES.tag(self.algo.loss, "needs_reference_responses", False):
+            return {"top_k": 0, "top_p": 1.0}
+        r = self.cfg.rollout
+        return {"top_k": int(r.top_k or 0), "top_p": float(r.top_p if r.top_p is not None else 1.0)}
+
     def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False):
         attn = batch.extras.get("response_attn", (batch.response_mask > 0).long())
         T = self._temperature(batch)
@@ -149,6 +162,7 @@ class TorchTrainer:
                 temperature=T,
                 chunk_size=self.tcfg.logprob_chunk_size,
                 with_entropy=with_entropy,
+                **self._truncation(),
             )
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
