@@ -44,6 +44,7 @@ def test_one_time_budget_per_sample():
     """A slow input returns 0 within the verifier's own budget (it used to retry three parses, each with the
     whole 5 s budget, so the reward worker was killed first)."""
     hostile = "(" * 3000 + "1" + ")" * 3000 + "^" * 500
+    assert math_verify_answer("1", "1") == 1.0  # imports math-verify/sympy outside the timed call
     t0 = time.monotonic()
     assert math_verify_answer(hostile, r"x^{2^{2^{2^{2^{2^{2}}}}}}", timeout=1.0) == 0.0
     assert time.monotonic() - t0 < 2.0

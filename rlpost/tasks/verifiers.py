@@ -67,8 +67,13 @@ def normalize_math_answer(text: Any) -> str:
     return _SCI.sub(lambda m: f"{m.group(1)}\\times10^{{{int(m.group(2))}}}", s)
 
 
-class _Budget(Exception):
-    """The per-sample time budget of :func:`math_verify_answer` ran out."""
+class _Budget(BaseException):
+    """The per-sample time budget of :func:`math_verify_answer` ran out.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) so that math-verify's and
+    sympy's own ``except Exception`` handlers cannot swallow it and go on
+    parsing past the budget.
+    """
 
 
 @contextmanager
