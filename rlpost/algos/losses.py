@@ -53,7 +53,8 @@ class PolicyLossInput:
             Losses tagged ``batch_statistics`` take their statistics from it.
         rows: ``[B]`` long, the rows of ``batch`` that this input holds (with ``batch``).
         seed: seed of the random draws a loss makes over the whole batch
-            (``clip_cov``), the same for every micro-batch of a mini-batch; None
+            (``clip_cov``), the same for every micro-batch of a mini-batch and every
+            process (the trainer derives it from the run seed and the step); None
             uses torch's global RNG.
     """
 

@@ -343,7 +343,7 @@ class TorchTrainer:
         for epoch in range(a.ppo_epochs):
             order = torch.randperm(B, generator=rng) if (rng is not None and a.mini_batches > 1) else torch.arange(B)
             minis = [order[i :: a.mini_batches] if a.mini_batches > 1 else order for i in range(a.mini_batches)]
-            for mini_idx in minis:
+            for mini_no, mini_idx in enumerate(minis):
                 mini = batch.select(mini_idx)
                 denom = agg_count(a.loss_agg, mini.response_mask)
                 bad = False
@@ -351,8 +351,9 @@ class TorchTrainer:
                 mini.extras["_row"] = torch.arange(len(mini))
                 micro = self._micro_batches(mini)
                 whole = self._whole_batch_input(mini, v_start) if (len(micro) > 1 and batch_stats) else None
-                # one draw per mini-batch, shared by its micro-batches, for losses that sample tokens
-                seed = int(torch.randint(0, 2**62, (1,))) if batch_stats else None
+                # One seed per mini-batch, shared by its micro-batches (and by every process, so a
+                # distributed engine draws the same tokens everywhere), for losses that sample tokens.
+                seed = (int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no) if batch_stats else None
                 for mb in micro:
                     m = mb.response_mask.to(self.device)
                     lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy)
