@@ -77,3 +77,20 @@ def test_every_gold_of_every_shipped_task_verifies_against_itself(compose, name)
     assert not bad, f"{len(bad)} of {len(examples)} golds do not verify against themselves: {bad[:5]}"
     bad = [ex.answer for ex in examples if task.score(f"The answer is \\boxed{{{answer_text(ex.answer)}}}.", ex) != 1.0]
     assert not bad, f"{len(bad)} of {len(examples)} boxed golds score 0: {bad[:5]}"
+
+
+_WRAP = {"tags": "<answer>{}</answer>", "last_number": "So the result is {}", "boxed": "\\boxed{{{}}}",
+         "hashes": "#### {}", "auto": "\\boxed{{{}}}"}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "conf" / "task").glob("*.yaml")
+                                        if "kind: reasoning_gym" in p.read_text()))
+def test_every_gold_of_every_generated_task_scores_one(compose, name):
+    """Reasoning-gym presets: each held-out gold, written in the task's answer format, scores 1."""
+    cfg = compose([f"task={name}", "task.eval_size=24", "task.train_size=8"]).task
+    task = build_task(cfg)
+    examples = task.eval_examples()
+    assert len(examples) == 24
+    wrap = _WRAP[cfg.answer_format]
+    bad = [ex.answer for ex in examples if task.score(wrap.format(answer_text(ex.answer)), ex) != 1.0]
+    assert not bad, f"{len(bad)} of {len(examples)} golds score below 1: {bad[:5]}"
