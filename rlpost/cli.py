@@ -238,7 +238,7 @@ def eval_cmd(ctx: typer.Context) -> None:
         policy.to(device).eval()
         engine = build_engine(cfg, policy, tok, device)
         t = build_task(cfg.task)
-        res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed)
+        res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         (run_dir / "eval.json").write_text(json.dumps(res, indent=1, default=str))

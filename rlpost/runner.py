@@ -608,7 +608,7 @@ class Run:
         """
         from rlpost.eval.evaluate import build_eval_tasks, evaluate, evaluate_tasks, scalar_metrics
 
-        res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed)
+        res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed, rollout_cfg=self.cfg.rollout)
         name = self.cfg.task.name
         out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
         if self.cfg.eval.get("tasks"):

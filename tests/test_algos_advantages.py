@@ -296,3 +296,103 @@ def test_min_variance_baseline_errors():
         compute_advantages("grpo", x, baseline="min_variance")
     with pytest.raises(ValueError, match="mean, min_variance"):
         compute_advantages("grpo", x, baseline="median")
+
+
+# ---- zero-variance groups and float64 baselines (fault class: floating-point residue) ----
+
+#: estimators whose baseline is not the group's own rewards: a zero-variance group
+#: gets the paper's value, not 0 (see the module docstring of rlpost.algos.advantages)
+ZERO_VARIANCE_EXCEPTIONS = {
+    "gae": "critic baseline",
+    "sao": "critic baseline",
+    "reinforce": "no baseline",
+    "reinforce_pp": "global whitening over the batch",
+    "reinforce_pp_baseline": "group mean, then global whitening shifts every token",
+    "remax": "greedy-rollout baseline",
+    "mssr": "per-prompt running baseline",
+}
+
+LENGTHS8 = [15, 24, 6, 32, 2, 6, 7, 13]
+
+
+def _two_group_input():
+    """Group 0: eight equal rewards 0.9 (the reported lengths); group 1: rewards with variance."""
+    rewards = [0.9] * 8 + [1.0, 0.0, 0.5, 0.25]
+    lengths = LENGTHS8 + [3, 5, 7, 9]
+    B = len(rewards)
+    return inp(rewards, lengths, [0] * 8 + [1] * 4, values=torch.zeros(B, 32), entropy=torch.full((B, 32), 0.5),
+               baseline_rewards=torch.full((B,), 0.9), old_logprobs=torch.zeros(B, 32),
+               rollout_logprobs=torch.zeros(B, 32))
+
+
+def test_every_estimator_is_classified_for_zero_variance():
+    """A new estimator must either give 0 to zero-variance groups or be listed as a documented exception."""
+    for name in ADV_ESTIMATORS.names():
+        assert ADV_ESTIMATORS.tag(name, "needs_group") or name in ZERO_VARIANCE_EXCEPTIONS, name
+
+
+@pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
+def test_zero_variance_group_gets_exactly_zero(name):
+    """All 8 rewards 0.9, lengths [15, 24, 6, 32, 2, 6, 7, 13]: hapo gave -0.1065 per token before."""
+    if name in ZERO_VARIANCE_EXCEPTIONS:
+        pytest.skip(f"{name}: {ZERO_VARIANCE_EXCEPTIONS[name]}")
+    x = _two_group_input()
+    for extra in ({}, {"baseline": "min_variance"}):
+        if extra and name in ("hapo", "mc_grpo"):
+            continue  # no min-variance form
+        a = compute_advantages(name, x, **extra).advantages
+        assert a.dtype == torch.float32
+        assert torch.equal(a[:8], torch.zeros_like(a[:8])), (name, extra, a[:8].abs().max())
+        assert a[8:].abs().sum() > 0  # the group with variance still learns
+
+
+@pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
+def test_batch_of_equal_rewards_gives_zero_or_the_papers_value(name):
+    """Every estimator on a batch whose rewards are all 0.9: finite, and exactly 0 unless the paper says otherwise."""
+    x = inp([0.9] * 8, LENGTHS8, [0] * 8, values=torch.zeros(8, 32), entropy=torch.full((8, 32), 0.5),
+            baseline_rewards=torch.full((8,), 0.9))
+    a = compute_advantages(name, x).advantages
+    assert torch.isfinite(a).all()
+    if name in ("gae", "sao", "reinforce"):
+        return  # critic baseline (values 0 here) / no baseline: the advantage is the return
+    assert torch.equal(a, torch.zeros_like(a)), (name, a.abs().max())
+
+
+def test_hapo_zero_variance_reported_case():
+    x = inp([0.9] * 8, LENGTHS8, [0] * 8)
+    a = compute_advantages("hapo", x).advantages
+    assert torch.equal(a, torch.zeros_like(a))
+
+
+def _f64(rewards):
+    return torch.tensor(rewards, dtype=torch.float32).double()
+
+
+def test_grpo_low_variance_group_baseline_is_float64():
+    """Rewards [0.5, 0.5005, 0.5, 0.5005]: 0.8630359 (float64 baseline), not 0.8631387 (fp32 cast)."""
+    x = inp([0.5, 0.5005, 0.5, 0.5005], [1, 1, 1, 1], [0] * 4)
+    a = seq_adv(compute_advantages("grpo", x), x)
+    r = _f64([0.5, 0.5005, 0.5, 0.5005])
+    want = ((r - r.mean()) / (r.std() + 1e-6)).float()
+    assert abs(float(want[1]) - 0.8630359) < 1e-6
+    assert torch.allclose(a, want, rtol=1e-6, atol=0)
+
+
+def test_low_variance_baselines_match_float64_references():
+    rewards, lengths = [0.5, 0.5005, 0.5, 0.5005], [3, 1, 2, 5]
+    x = inp(rewards, lengths, [0] * 4)
+    r, L = _f64(rewards), torch.tensor(lengths, dtype=torch.float64)
+    want = {
+        "rloo": torch.stack([r[i] - (r.sum() - r[i]) / 3 for i in range(4)]),
+        "opo": r - (L * r).sum() / L.sum(),
+        "gpg": (r - r.mean()) / (r.std() + 1e-6),
+        "grpo": (r - r.mean()) / (r.std() + 1e-6),
+    }
+    for name, w in want.items():
+        a = seq_adv(compute_advantages(name, x), x)
+        assert torch.allclose(a.double(), w, rtol=2e-7, atol=0), (name, a, w)
+    # HAPO: token-level group mean and population std over the tokens
+    mu = (L * r).sum() / L.sum()
+    sd = ((L * (r - mu) ** 2).sum() / L.sum()).sqrt()
+    a = seq_adv(compute_advantages("hapo", x, max_abs=1e9), x)
+    assert torch.allclose(a.double(), (r - mu) / (sd + 1e-6), rtol=2e-7, atol=0)

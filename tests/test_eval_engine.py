@@ -55,3 +55,29 @@ def test_training_on_gsm8k_logs_periodic_eval(compose, tmp_path):
     assert all(0.0 <= m["eval/gsm8k/accuracy"] <= 1.0 for m in evals)
     final = json.loads((Path(tmp_path) / "eval.json").read_text())
     assert final["task"] == "gsm8k" and final["n"] == 4 and len(final["records"]) == 4
+
+
+@needs_data
+def test_evaluation_uses_trainings_stop_strings(compose):
+    """evaluate(rollout_cfg=cfg.rollout) stops where training's rollouts stop (rollout.stop); it ignored them."""
+    from omegaconf import OmegaConf
+
+    from rlpost.config.schema import ModelConfig
+    from rlpost.eval import evaluate
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout.hf import HFRolloutEngine
+    from rlpost.tasks import build_task
+
+    cfg = compose(tiny_overrides("task=gsm8k", *GSM8K, "eval.limit=2", "eval.max_new_tokens=12", "eval.n_boot=10"))
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
+    engine = HFRolloutEngine(model, tok, batch_size=4, share_weights=True)
+    task = build_task(cfg.task)
+    free = evaluate(engine, tok, task, cfg.eval, seed=0, rollout_cfg=cfg.rollout)
+    text = free["records"][0]["response"]
+    assert free["records"][0]["length"] == 12 and len(text) >= 6, text
+    stop = text[2:5]  # a stop string training would honour, inside the unstopped greedy response
+    rollout = OmegaConf.merge(cfg.rollout, {"stop": [stop]})
+    stopped = evaluate(engine, tok, task, cfg.eval, seed=0, rollout_cfg=rollout)
+    r = stopped["records"][0]
+    assert r["length"] < 12, (stop, r["response"])
+    assert text.startswith(r["response"].split(stop)[0])

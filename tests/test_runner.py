@@ -49,8 +49,7 @@ def test_each_core_algo_runs_two_steps_on_tiny(compose, tmp_path, algo):
     assert (run_dir / "final" / "config.json").exists()
     assert (run_dir / "checkpoints" / "step_000002" / "policy" / "config.json").exists()
     assert (run_dir / "config.yaml").exists() and (run_dir / "eval.json").exists()
-    if algo != "grpo":
-        assert "critic/value_loss" in recs[-1]
+    assert ("critic/value_loss" in recs[-1]) == (algo != "grpo")  # a critic only for the critic-based preset
 
 
 def test_rollout_logprobs_match_trainer_logprobs_fp32():
@@ -159,6 +158,7 @@ def test_hive_prunes_by_the_policy_prompt_entropy_on_tiny(compose, tmp_path, mon
     assert [r["selector/entropy_checked"] for r in recs] == [8.0, 8.0, 8.0]
     assert [r["selector/pruned_stale"] for r in recs] == [0.0, 4.0, 4.0]
     assert [r["rollout/prompts_skipped"] for r in recs] == [0.0, 4.0, 4.0]
+    assert len(calls) == len(recs) == 3
     for (_, e), r in zip(calls, recs):
         assert r["selector/prompt_entropy_mean"] == pytest.approx(sum(e) / len(e))
     assert calls[1][1] != calls[0][1]  # computed with the updated weights, not the initial ones
@@ -208,15 +208,18 @@ def test_crashing_verifier_does_not_stop_the_run(compose, tmp_path, monkeypatch)
     calls = {"n": 0}
 
     def bad_score(self, response, example):
+        calls["n"] += 1  # counts only if the verifier ran in the trainer's own process
         raise RuntimeError("verifier bug")
 
     monkeypatch.setattr(ReasoningGymTask, "score", bad_score)
     run_dir = _train(compose, tmp_path, "steps=2", "eval.at_end=false", "task.reward.timeout_s=2")
     recs = _metrics(run_dir)
     assert len(recs) == 2
-    assert recs[0]["reward/verifier_errors"] == 16  # every sample failed ...
-    assert recs[0]["reward/mean"] == 0.0  # ... and scored 0
-    assert calls["n"] == 0
+    for r in recs:  # both steps ran to the end ...
+        assert r["reward/verifier_errors"] == 16  # ... every sample failed ...
+        assert r["reward/mean"] == 0.0  # ... and scored 0
+        assert math.isfinite(r["loss/policy"])
+    assert calls["n"] == 0  # the crashing verifier ran in the isolated worker, never in this process
 
 
 def _launch(run_dir: Path, steps: int, *extra: str):
@@ -248,7 +251,7 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
     assert p.returncode == 0, err[-2000:]
     a = [_stable(r) for r in _metrics(straight)]
     b = [_stable(r) for r in _metrics(killed)]
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [1, 2, 3, 4, 5, 6]  # zip cannot drop a step
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys()
         for k in ra:
@@ -276,7 +279,7 @@ def _stop_after_checkpoint(monkeypatch, step: int) -> None:
 def _assert_same_metrics(a_dir: Path, b_dir: Path, steps: int) -> None:
     a = [_stable(r) for r in _metrics(a_dir)]
     b = [_stable(r) for r in _metrics(b_dir)]
-    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, steps + 1))  # zip cannot drop a step
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys()
         for k in ra:

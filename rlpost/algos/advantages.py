@@ -6,6 +6,21 @@ Estimators are pure: no model, no config object. Each estimator's ``<params>``
 are declared once, by the frozen dataclass registered with it (``params=``:
 the paper's defaults, one doc line per field; :mod:`rlpost.registry`).
 
+Numerics shared by every estimator: rewards are promoted to float64 and every
+baseline (group mean, leave-one-out mean, length-weighted mean, median, VCPO's
+baseline) and std stays float64 until the advantage itself is formed; only the
+returned advantages are float32. A zero-variance group is recognised from its
+rewards being exactly equal (:func:`rlpost.algos.utils.group_all_equal`), never
+from a computed std being positive, and its members get advantage exactly 0 in
+every group-baseline estimator (``grpo``, ``rloo``, ``opo``, ``gpg``,
+``mc_grpo``, ``hapo``). Estimators whose baseline is not the group's own
+rewards follow their paper instead: ``gae`` and ``sao`` (critic baseline),
+``reinforce`` (no baseline), ``reinforce_pp`` (global whitening),
+``reinforce_pp_baseline`` (group mean then global whitening: a zero-variance
+group has return exactly 0 before the batch-wide shift), ``remax`` (greedy
+rollout baseline) and ``mssr`` (per-prompt running baseline). In all of them a
+batch whose values are all equal whitens to exactly 0.
+
 The group-baseline estimators ``grpo`` (and Dr. GRPO), ``rloo``, ``gpg``,
 ``opo`` and ``reinforce_pp_baseline`` take ``baseline``: ``"mean"`` (their
 own baseline, the default) or ``"min_variance"``, VCPO's minimum-variance
@@ -25,7 +40,7 @@ import torch
 
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.registry import Choice, param
-from rlpost.algos.utils import group_ids, group_median, group_stats, masked_mean, masked_whiten
+from rlpost.algos.utils import group_all_equal, group_ids, group_median, group_stats, masked_mean, masked_whiten
 
 
 @dataclass
@@ -179,7 +194,8 @@ def min_variance_group_baseline(
                          "importance weights pi_old / pi_behav); the runner computes old_logprobs for it")
     lw = sequence_log_weights(inp.old_logprobs, inp.rollout_logprobs, inp.response_mask)
     w = group_normalized_weights(lw, inp.group_index)
-    return min_variance_baseline(inp.rewards.float(), w, inp.group_index, score_sq, leave_one_out)
+    sq = None if score_sq is None else score_sq.double()
+    return min_variance_baseline(inp.rewards.double(), w, inp.group_index, sq, leave_one_out)
 
 
 def _check_baseline(baseline: str) -> None:
@@ -206,7 +222,7 @@ class AdvantageOutput:
 
 
 def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
-    """``[B, R]`` rewards with the outcome reward on each sequence's last response token.
+    """``[B, R]`` float64 rewards with the outcome reward on each sequence's last response token.
 
     ``inp.token_rewards`` (if any) is added on every token.
     """
@@ -214,11 +230,11 @@ def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
     B, R = mask.shape
     lengths = mask.sum(-1).long()
     last = (lengths - 1).clamp(min=0)
-    tr = torch.zeros(B, R, dtype=torch.float32)
+    tr = torch.zeros(B, R, dtype=torch.float64)
     has = lengths > 0
-    tr[torch.arange(B)[has], last[has]] = inp.rewards.float()[has]
+    tr[torch.arange(B)[has], last[has]] = inp.rewards.double()[has]
     if inp.token_rewards is not None:
-        tr = tr + inp.token_rewards.float() * mask
+        tr = tr + inp.token_rewards.double() * mask.double()
     return tr
 
 
@@ -259,15 +275,16 @@ def grpo_advantage(
         ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
     _check_baseline(baseline)
-    r = inp.rewards.float()
+    r = inp.rewards.double()
     mean, std, _ = group_stats(r, inp.group_index)
+    flat = group_all_equal(r, inp.group_index)
     if baseline == "min_variance":
-        mean = torch.where(std > 0, min_variance_group_baseline(inp), mean)
+        mean = torch.where(flat, mean, min_variance_group_baseline(inp))
     adv = r - mean
     if norm_by_std:
         adv = adv / (std + eps)
-    adv = torch.where(std > 0, adv, torch.zeros_like(adv)) if norm_by_std else adv
-    return AdvantageOutput(advantages=adv[:, None] * inp.response_mask, returns=None)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask), returns=None)
 
 
 def discounted_gae(
@@ -287,14 +304,15 @@ def discounted_gae(
         token_rewards, values, mask: ``[B, R]``.
         gamma: discount, lam: GAE lambda.
     Returns:
-        ``(advantages [B, R], returns [B, R])``, float32.
+        ``(advantages [B, R], returns [B, R])``, float64.
     """
     B, R = mask.shape
-    mask = mask.float()
-    values = values.float() * mask
-    adv = torch.zeros(B, R)
-    last = torch.zeros(B)
-    next_v = torch.zeros(B)
+    mask = mask.double()
+    values = values.double() * mask
+    token_rewards = token_rewards.double()
+    adv = torch.zeros(B, R, dtype=torch.float64)
+    last = torch.zeros(B, dtype=torch.float64)
+    next_v = torch.zeros(B, dtype=torch.float64)
     for t in range(R - 1, -1, -1):
         m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_v - values[:, t]
@@ -333,7 +351,7 @@ def gae_advantage(
     adv, ret = discounted_gae(tr, inp.values, inp.response_mask, gamma, lam)
     if whiten:
         adv = masked_whiten(adv, inp.response_mask)
-    return AdvantageOutput(advantages=adv, returns=ret)
+    return AdvantageOutput(advantages=adv.float(), returns=ret.float())
 
 
 @ADV_ESTIMATORS.register(
@@ -368,12 +386,12 @@ def sao_advantage(
     adv, ret = discounted_gae(tr, inp.values, inp.response_mask, gamma, lam)
     if whiten:
         adv = masked_whiten(adv, inp.response_mask)
-    return AdvantageOutput(advantages=adv, returns=ret)
+    return AdvantageOutput(advantages=adv.float(), returns=ret.float())
 
 
 def _broadcast(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` sequence advantages -> ``[B, R]`` on the response tokens."""
-    return adv.float()[:, None] * mask.float()
+    """``[B]`` sequence advantages (any float dtype) -> float32 ``[B, R]`` on the response tokens."""
+    return (adv.double()[:, None] * mask.double()).float()
 
 
 def reverse_cumsum(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
@@ -383,13 +401,14 @@ def reverse_cumsum(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
         token_rewards, mask: ``[B, R]``.
         gamma: discount.
     Returns:
-        ``[B, R]`` returns, 0 outside ``mask``.
+        ``[B, R]`` float64 returns, 0 outside ``mask``.
     """
     B, R = mask.shape
-    out = torch.zeros(B, R)
-    run = torch.zeros(B)
+    token_rewards = token_rewards.double()
+    out = torch.zeros(B, R, dtype=torch.float64)
+    run = torch.zeros(B, dtype=torch.float64)
     for t in range(R - 1, -1, -1):
-        m = mask[:, t].float()
+        m = mask[:, t].double()
         run = (token_rewards[:, t] + gamma * run) * m
         out[:, t] = run
     return out
@@ -431,11 +450,13 @@ def rloo_advantage(inp: AdvantageInput, *, baseline: str) -> AdvantageOutput:
         ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
     _check_baseline(baseline)
-    r = inp.rewards.float()
+    r = inp.rewards.double()
     mean, std, cnt = group_stats(r, inp.group_index)
+    flat = group_all_equal(r, inp.group_index)
     adv = torch.where(cnt > 1, (r - mean) * cnt / (cnt - 1).clamp(min=1), torch.zeros_like(r))
     if baseline == "min_variance":
-        adv = torch.where(std > 0, r - min_variance_group_baseline(inp, leave_one_out=True), adv)
+        adv = r - min_variance_group_baseline(inp, leave_one_out=True)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
     return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask))
 
 
@@ -461,7 +482,7 @@ def reinforce_pp_advantage(inp: AdvantageInput, *, gamma: float) -> AdvantageOut
     """
     tr = outcome_token_rewards(inp)
     ret = reverse_cumsum(tr, inp.response_mask, gamma)
-    return AdvantageOutput(advantages=masked_whiten(ret, inp.response_mask), returns=ret)
+    return AdvantageOutput(advantages=masked_whiten(ret, inp.response_mask).float(), returns=ret.float())
 
 
 @ADV_ESTIMATORS.register(
@@ -487,14 +508,15 @@ def reinforce_pp_baseline_advantage(
         ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
     _check_baseline(baseline)
-    r = inp.rewards.float()
+    r = inp.rewards.double()
     mean, std, _ = group_stats(r, inp.group_index)
+    flat = group_all_equal(r, inp.group_index)
     if baseline == "min_variance":
-        mean = torch.where(std > 0, min_variance_group_baseline(inp), mean)
-    shifted = AdvantageInput(**{**inp.__dict__, "rewards": r - mean})
+        mean = torch.where(flat, mean, min_variance_group_baseline(inp))
+    shifted = AdvantageInput(**{**inp.__dict__, "rewards": torch.where(flat, torch.zeros_like(r), r - mean)})
     tr = outcome_token_rewards(shifted)
     ret = reverse_cumsum(tr, inp.response_mask, gamma)
-    return AdvantageOutput(advantages=masked_whiten(ret, inp.response_mask), returns=ret)
+    return AdvantageOutput(advantages=masked_whiten(ret, inp.response_mask).float(), returns=ret.float())
 
 
 @ADV_ESTIMATORS.register(
@@ -519,8 +541,8 @@ def remax_advantage(inp: AdvantageInput) -> AdvantageOutput:
         raise ValueError("ReMax needs baseline_rewards: the reward of a greedy rollout per prompt")
     tr = outcome_token_rewards(inp)
     ret = reverse_cumsum(tr, inp.response_mask, 1.0)
-    adv = (ret - inp.baseline_rewards.float()[:, None]) * inp.response_mask
-    return AdvantageOutput(advantages=adv, returns=ret)
+    adv = (ret - inp.baseline_rewards.double()[:, None]) * inp.response_mask.double()
+    return AdvantageOutput(advantages=adv.float(), returns=ret.float())
 
 
 @ADV_ESTIMATORS.register(
@@ -546,16 +568,18 @@ def opo_advantage(inp: AdvantageInput, *, baseline: str) -> AdvantageOutput:
         ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
     _check_baseline(baseline)
-    r = inp.rewards.float()
-    L = inp.response_mask.float().sum(-1)
+    r = inp.rewards.double()
+    L = inp.response_mask.double().sum(-1)
     inv, G = group_ids(inp.group_index)
-    num = torch.zeros(G).index_add_(0, inv, L * r)
-    den = torch.zeros(G).index_add_(0, inv, L)
+    num = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, L * r)
+    den = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, L)
     mean, std, _ = group_stats(r, inp.group_index)
+    flat = group_all_equal(r, inp.group_index)
     b = torch.where(den[inv] > 0, num[inv] / den[inv].clamp(min=1e-12), mean)
     if baseline == "min_variance":
-        b = torch.where(std > 0, min_variance_group_baseline(inp, score_sq=L), b)
-    return AdvantageOutput(advantages=_broadcast(r - b, inp.response_mask))
+        b = min_variance_group_baseline(inp, score_sq=L)
+    adv = torch.where(flat, torch.zeros_like(r), r - b)
+    return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask))
 
 
 @ADV_ESTIMATORS.register(
@@ -581,11 +605,11 @@ def gpg_advantage(
         ValueError: unknown ``baseline``, or ``min_variance`` without log-probs.
     """
     _check_baseline(baseline)
-    r = inp.rewards.float()
+    r = inp.rewards.double()
     mean, std, cnt = group_stats(r, inp.group_index)
+    valid = ~group_all_equal(r, inp.group_index)
     if baseline == "min_variance":
-        mean = torch.where(std > 0, min_variance_group_baseline(inp), mean)
-    valid = std > 0
+        mean = torch.where(valid, min_variance_group_baseline(inp), mean)
     B = r.numel()
     n_valid = int(valid.sum())
     alpha = B / n_valid if n_valid > 0 else 1.0
@@ -619,12 +643,14 @@ def mc_grpo_advantage(
     Returns:
         AdvantageOutput with ``advantages [B, R]`` and ``loss_mask [B, R]``.
     """
-    r = inp.rewards.float()
+    r = inp.rewards.double()
     med = group_median(r, inp.group_index)
     _, std, _ = group_stats(r, inp.group_index)
+    flat = group_all_equal(r, inp.group_index)
     adv = r - med
     if norm_by_std:
-        adv = torch.where(std > 0, adv / (std + eps), torch.zeros_like(adv))
+        adv = adv / (std + eps)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
     inv, G = group_ids(inp.group_index)
     keep = torch.ones_like(r)
     for g in range(G):
@@ -632,7 +658,7 @@ def mc_grpo_advantage(
         if idx.numel():
             keep[idx[0]] = 0.0
     adv = adv * keep
-    return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask), loss_mask=keep[:, None] * inp.response_mask)
+    return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask), loss_mask=(keep[:, None] * inp.response_mask.double()).float())
 
 
 @ADV_ESTIMATORS.register(
@@ -657,20 +683,24 @@ def hapo_advantage(
     (a very skewed length/reward mix) falls back to the sequence-level GRPO
     advantage. Zero-variance groups get 0.
     """
-    r = inp.rewards.float()
-    L = inp.response_mask.float().sum(-1)
+    r = inp.rewards.double()
+    L = inp.response_mask.double().sum(-1)
     inv, G = group_ids(inp.group_index)
-    den = torch.zeros(G).index_add_(0, inv, L).clamp(min=1e-12)
-    mu = torch.zeros(G).index_add_(0, inv, L * r) / den
-    var = torch.zeros(G).index_add_(0, inv, L * (r - mu[inv]) ** 2) / den
+    f64 = dict(dtype=torch.float64)
+    den = torch.zeros(G, **f64).index_add_(0, inv, L).clamp(min=1e-12)
+    mu = torch.zeros(G, **f64).index_add_(0, inv, L * r) / den
+    var = torch.zeros(G, **f64).index_add_(0, inv, L * (r - mu[inv]) ** 2) / den
     sd = var.sqrt()[inv]
+    # Equal rewards, or rewards that differ only on empty responses (L = 0 carries no token).
+    flat = group_all_equal(torch.where(L > 0, r, mu[inv]), inp.group_index)
     adv = r - mu[inv]
     if norm_by_std:
         adv = adv / (sd + eps)
-    adv = torch.where(sd > 0, adv, torch.zeros_like(adv))
-    grpo = grpo_advantage(inp, norm_by_std=norm_by_std, eps=eps).advantages
-    grpo_seq = torch.where(L > 0, (grpo.sum(-1) / L.clamp(min=1)), torch.zeros_like(r))
-    too_big = torch.zeros(G).index_add_(0, inv, (adv.abs() >= max_abs).float()) > 0
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    mean_g, std_g, _ = group_stats(r, inp.group_index)
+    grpo_seq = (r - mean_g) / (std_g + eps) if norm_by_std else r - mean_g
+    grpo_seq = torch.where(group_all_equal(r, inp.group_index), torch.zeros_like(r), grpo_seq)
+    too_big = torch.zeros(G, **f64).index_add_(0, inv, (adv.abs() >= max_abs).double()) > 0
     adv = torch.where(too_big[inv], grpo_seq, adv)
     return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask))
 
@@ -713,15 +743,16 @@ def mssr_advantage(
         raise ValueError("mssr needs per-token entropy (inp.entropy) of the rollout tokens")
     if entropy_kappa <= 1.0:
         raise ValueError(f"entropy_kappa must be > 1 so shaping cannot flip the sign, got {entropy_kappa}")
-    r = inp.rewards.float()
-    b = inp.baseline_rewards.float() if inp.baseline_rewards is not None else r.mean().expand_as(r)
+    r = inp.rewards.double()
+    b = inp.baseline_rewards.double() if inp.baseline_rewards is not None else r.mean().expand_as(r)
     adv = r - b
-    if batch_norm and adv.numel() > 1:
-        sd = adv.std()
-        adv = adv / (sd + eps) if sd > 0 else adv
+    if inp.baseline_rewards is None and bool((r == r[0]).all()):
+        adv = torch.zeros_like(r)  # equal rewards, batch-mean baseline: exactly 0, no rounding residue
+    if batch_norm and adv.numel() > 1 and not bool((adv == adv[0]).all()):
+        adv = adv / (adv.std() + eps)
     A = _broadcast(adv, inp.response_mask)
     bonus = torch.minimum(entropy_alpha * inp.entropy.float().detach().clamp(min=0), A.abs() / entropy_kappa)
-    return AdvantageOutput(advantages=(A + bonus) * inp.response_mask)
+    return AdvantageOutput(advantages=((A + bonus) * inp.response_mask).float())
 
 
 def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> AdvantageOutput:

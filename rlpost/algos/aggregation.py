@@ -12,9 +12,14 @@ Training: A Critical Perspective" (Dr. GRPO, arXiv:2503.20783):
   (Dr. GRPO: removes the length bias of per-sequence normalisation).
 
 Gradient accumulation: to make the sum of micro-batch losses equal the loss of
-the whole mini-batch, pass ``denom`` = number of tokens (token-mean) or number of
-sequences (seq-* modes) of the whole mini-batch. Without ``denom`` the
-micro-batch's own count is used.
+the whole mini-batch, pass ``denom`` = :func:`agg_count` of the whole mini-batch
+(its number of response tokens for token-mean, its number of sequences with at
+least one response token for the seq-* modes). Without ``denom`` the
+micro-batch's own count is used. A sequence whose mask is empty adds nothing to
+the numerator and is not counted in the seq-* denominators either (as verl does,
+``seq_mask = mask.sum(-1) > 0``), so an all-masked padding row, which a
+distributed engine adds to keep processes in step, changes neither the loss nor
+its gradient.
 """
 
 from __future__ import annotations
@@ -24,6 +29,27 @@ from typing import Optional
 import torch
 
 from rlpost.algos.registries import LOSS_AGGS
+
+
+def agg_count(mode: str, mask: torch.Tensor) -> float:
+    """The denominator of aggregation ``mode`` for ``mask`` ``[B, R]``.
+
+    Response tokens for ``token-mean``; sequences with at least one response
+    token for the seq-* modes. The sum over micro-batches of this count is the
+    count of the whole mini-batch, which makes the micro-batch losses (and
+    their counts as weights of a logged mean) add up to the mini-batch's.
+
+    Raises:
+        ConfigError: unknown mode.
+    """
+    LOSS_AGGS.get(mode)
+    if mode == "token-mean":
+        return float(mask.sum())
+    return float((mask.sum(-1) > 0).sum())
+
+
+def _seqs(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.sum(-1) > 0).sum().to(mask.dtype if mask.is_floating_point() else torch.float32)
 
 
 def _denom(default: torch.Tensor, denom: Optional[float]) -> torch.Tensor:
@@ -55,10 +81,11 @@ def seq_mean_token_mean(
 ) -> torch.Tensor:
     """Per-sequence token mean, then the mean over sequences (``denom`` = sequence count).
 
-    Sequences with an empty mask contribute 0. Shapes as :func:`token_mean`.
+    Sequences with an empty mask are left out (numerator and count). Shapes as
+    :func:`token_mean`.
     """
     per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-    return per_seq.sum() / _denom(torch.tensor(float(mask.shape[0])), denom)
+    return per_seq.sum() / _denom(_seqs(mask), denom)
 
 
 @LOSS_AGGS.register("seq-mean-token-sum", paper="verl loss_agg_mode")
@@ -67,7 +94,7 @@ def seq_mean_token_sum(
 ) -> torch.Tensor:
     """Per-sequence token sum, then the mean over sequences. Shapes as :func:`token_mean`."""
     per_seq = (loss_mat * mask).sum(-1)
-    return per_seq.sum() / _denom(torch.tensor(float(mask.shape[0])), denom)
+    return per_seq.sum() / _denom(_seqs(mask), denom)
 
 
 @LOSS_AGGS.register("seq-mean-token-sum-norm", paper="Dr. GRPO (arXiv:2503.20783)")
@@ -81,7 +108,7 @@ def seq_mean_token_sum_norm(
     """
     c = float(norm_const) if norm_const else float(loss_mat.shape[-1])
     per_seq = (loss_mat * mask).sum(-1) / c
-    return per_seq.sum() / _denom(torch.tensor(float(mask.shape[0])), denom)
+    return per_seq.sum() / _denom(_seqs(mask), denom)
 
 
 def aggregate(

@@ -2,8 +2,19 @@
 
 Calling convention: ``fn(inp: PolicyLossInput, *, <params>) -> (loss_mat, metrics)``
 where ``loss_mat`` is ``[B, R]`` (to be minimised; the caller aggregates it with a
-:mod:`rlpost.algos.aggregation` mode) and ``metrics`` maps names to 0-d tensors
-(masked means over response tokens).
+:mod:`rlpost.algos.aggregation` mode) and ``metrics`` maps names to 0-d tensors:
+masked means over response tokens, except names starting ``seq_``, which are
+means over the sequences with at least one response token (the trainer weights
+each micro-batch's value by its token or sequence count, so the logged value
+is the mean over the whole mini-batch).
+
+Losses that take statistics over "the batch" (``hapo``, ``aepo``: entropy
+normalisation; ``clip_cov``, ``kl_cov``: token covariance and the tokens it
+selects) are tagged ``batch_statistics`` and take them over the whole
+mini-batch of the optimizer step: the trainer hands each micro-batch the
+detached whole mini-batch in :attr:`PolicyLossInput.batch` and the micro-batch's
+rows in it, so their gradient does not depend on ``trainer.micro_batch_size``.
+Called on one batch (no ``batch``), the batch is ``inp`` itself.
 
 Standard metric names: ``clip_frac`` (share of tokens whose gradient is cut by the
 clip), ``clip_frac_low`` / ``clip_frac_high`` (per side), ``ratio_mean``,
@@ -44,6 +55,15 @@ class PolicyLossInput:
         rollout_logprobs: log-probs reported by the rollout engine (behaviour
             policy), or None.
         entropy: per-token policy entropy (nats), detached, or None.
+        batch: the whole mini-batch this input is a micro-batch of (detached
+            ``logprobs``, ``old_logprobs``, ``advantages``, ``response_mask``,
+            ``entropy``; ``[N, R]``), or None when ``inp`` is the whole batch.
+            Losses tagged ``batch_statistics`` take their statistics from it.
+        rows: ``[B]`` long, the rows of ``batch`` that this input holds (with ``batch``).
+        seed: seed of the random draws a loss makes over the whole batch
+            (``clip_cov``), the same for every micro-batch of a mini-batch and every
+            process (the trainer derives it from the run seed and the step); None
+            uses torch's global RNG.
     """
 
     logprobs: torch.Tensor
@@ -52,6 +72,27 @@ class PolicyLossInput:
     response_mask: torch.Tensor
     rollout_logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+    batch: Optional["PolicyLossInput"] = None
+    rows: Optional[torch.Tensor] = None
+    seed: Optional[int] = None
+
+
+def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
+    """``(whole batch, rows of inp in it)`` for losses with batch statistics.
+
+    ``inp.batch`` and ``inp.rows`` when the trainer split a mini-batch into
+    micro-batches, else ``inp`` itself with rows ``0..B-1``. Per-token
+    statistics computed on the whole batch ``[N, R]`` are taken back to ``inp``
+    with ``x[rows]``.
+
+    Raises:
+        ValueError: ``batch`` without ``rows``, or widths that differ.
+    """
+    if inp.batch is None:
+        return inp, torch.arange(inp.response_mask.shape[0], device=inp.response_mask.device)
+    if inp.rows is None or inp.batch.response_mask.shape[-1] != inp.response_mask.shape[-1]:
+        raise ValueError("PolicyLossInput.batch needs rows and the same padded width as the micro-batch")
+    return inp.batch, inp.rows.to(inp.response_mask.device)
 
 
 def _ratio(inp: PolicyLossInput, max_log_ratio: float = 20.0) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +254,12 @@ def strict_double_clip_loss(
     return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
 
 
+def _nonempty_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mean of the per-sequence values ``x`` ``[B]`` over sequences with a response token (1 when none)."""
+    keep = m.sum(-1) > 0
+    return x[keep].mean() if bool(keep.any()) else torch.tensor(1.0, device=x.device)
+
+
 def _seq_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``[B]`` masked mean over each sequence's tokens."""
     return masked_mean(x, m, dim=-1)
@@ -262,7 +309,7 @@ def gspo_loss(
         low = ((s_t < 1.0 - eps_low) & (A < 0)).float()
         high = ((s_t > 1.0 + eps_high) & (A > 0)).float()
         metrics = _clip_metrics(ratio, log_ratio, low, high, m)
-        metrics["seq_ratio_mean"] = torch.exp(log_s).mean() if log_s.numel() else torch.tensor(1.0)
+        metrics["seq_ratio_mean"] = _nonempty_mean(torch.exp(log_s), m)
     return loss, metrics
 
 
@@ -310,7 +357,7 @@ def gmpo_loss(
         low = ((lr < -eps_low) & (sgn < 0)).float()
         high = ((lr > eps_high) & (sgn > 0)).float()
         metrics = _clip_metrics(ratio, lr, low, high, m)
-        metrics["seq_ratio_mean"] = seq_ratio.mean() if seq_ratio.numel() else torch.tensor(1.0)
+        metrics["seq_ratio_mean"] = _nonempty_mean(seq_ratio.detach(), m)
     return loss, metrics
 
 
@@ -465,6 +512,12 @@ def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: tor
         return (lp - masked_mean(lp, mask)) * (A - masked_mean(A, mask)) * mask
 
 
+def _batch_covariance(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor, torch.Tensor]:
+    """``(batch, rows, cov [N, R])``: :func:`token_covariance` over the whole batch (see :func:`batch_view`)."""
+    full, rows = batch_view(inp)
+    return full, rows, token_covariance(full.logprobs, full.advantages, full.response_mask)
+
+
 def _n_select(ratio: float, n_tokens: int) -> int:
     return max(1, int(round(ratio * n_tokens))) if n_tokens > 0 else 0
 
@@ -492,6 +545,7 @@ class ClipCovParams:
     "clip_cov",
     paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov, arXiv:2505.22617)",
     params=ClipCovParams,
+    batch_statistics=True,
 )
 def clip_cov_loss(
     inp: PolicyLossInput,
@@ -504,24 +558,26 @@ def clip_cov_loss(
 
     Among response tokens whose covariance (:func:`token_covariance`) lies in
     ``[cov_lb, cov_ub]``, ``max(1, round(clip_cov_ratio * N))`` are drawn at
-    random (``N`` = response tokens in the batch passed in; torch's global RNG)
-    and get ``loss = -A sg(r)`` (value kept, gradient 0); all other tokens use
-    the unclipped surrogate ``-A r``, as in the paper (no PPO clip).
-    Defaults are the paper's (ratio 2e-4, bounds 1 and 5). The statistics are
-    those of the micro-batch the trainer passes (with one micro-batch per step,
-    the whole batch).
+    random (``N`` = response tokens of the whole mini-batch, :func:`batch_view`;
+    drawn with ``inp.seed``, else torch's global RNG) and get
+    ``loss = -A sg(r)`` (value kept, gradient 0); all other tokens use the
+    unclipped surrogate ``-A r``, as in the paper (no PPO clip). Defaults are
+    the paper's (ratio 2e-4, bounds 1 and 5).
     """
     ratio, log_ratio = _ratio(inp)
     A = inp.advantages
     m = inp.response_mask
-    cov = token_covariance(inp.logprobs, A, m)
-    cand = torch.nonzero(((cov >= cov_lb) & (cov <= cov_ub) & (m > 0)).flatten(), as_tuple=False).flatten()
-    sel = torch.zeros(A.numel(), dtype=torch.bool, device=A.device)
-    k = min(_n_select(clip_cov_ratio, int(m.sum())), cand.numel())
+    full, rows, cov_all = _batch_covariance(inp)
+    fm = full.response_mask
+    cand = torch.nonzero(((cov_all >= cov_lb) & (cov_all <= cov_ub) & (fm > 0)).flatten(), as_tuple=False).flatten()
+    sel_all = torch.zeros(fm.numel(), dtype=torch.bool, device=fm.device)
+    k = min(_n_select(clip_cov_ratio, int(fm.sum())), cand.numel())
     if k > 0:
-        pick = cand[torch.randperm(cand.numel(), device=cand.device)[:k]]
-        sel[pick] = True
-    sel = sel.view_as(A)
+        gen = None if inp.seed is None else torch.Generator(device="cpu").manual_seed(int(inp.seed))
+        perm = torch.randperm(cand.numel(), generator=gen).to(cand.device)
+        sel_all[cand[perm[:k]]] = True
+    sel = sel_all.view_as(fm)[rows]
+    cov = cov_all[rows]
     r_used = torch.where(sel, ratio.detach(), ratio)
     loss = -A * r_used
     return loss, _cov_metrics(ratio, log_ratio, sel, A, cov, m)
@@ -539,6 +595,7 @@ class KLCovParams:
     "kl_cov",
     paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov, arXiv:2505.22617)",
     params=KLCovParams,
+    batch_statistics=True,
 )
 def kl_cov_loss(
     inp: PolicyLossInput, *, kl_cov_ratio: float, kl_coef: float
@@ -549,20 +606,23 @@ def kl_cov_loss(
     covariance (:func:`token_covariance`) get
     ``loss = -A r + kl_coef * |log pi - log pi_old|``; all others ``-A r``
     (no PPO clip). ``kl_cov_ratio = 2e-3`` is the paper's setting for 7B-class
-    models, ``kl_coef = 1``. ``clip_frac`` reports the share of penalised
-    tokens.
+    models, ``kl_coef = 1``. ``N`` and the top tokens are those of the whole
+    mini-batch (:func:`batch_view`). ``clip_frac`` reports the share of
+    penalised tokens.
     """
     ratio, log_ratio = _ratio(inp)
     A = inp.advantages
     m = inp.response_mask
-    cov = token_covariance(inp.logprobs, A, m)
-    n = int(m.sum())
+    full, rows, cov_all = _batch_covariance(inp)
+    fm = full.response_mask
+    n = int(fm.sum())
     k = min(_n_select(kl_cov_ratio, n), n)
-    sel = torch.zeros(A.numel(), dtype=torch.bool, device=A.device)
+    sel_all = torch.zeros(fm.numel(), dtype=torch.bool, device=fm.device)
     if k > 0:
-        masked = torch.where(m > 0, cov, torch.full_like(cov, float("-inf"))).flatten()
-        sel[torch.topk(masked, k).indices] = True
-    sel = sel.view_as(A)
+        masked = torch.where(fm > 0, cov_all, torch.full_like(cov_all, float("-inf"))).flatten()
+        sel_all[torch.topk(masked, k).indices] = True
+    sel = sel_all.view_as(fm)[rows]
+    cov = cov_all[rows]
     loss = -A * ratio + kl_coef * sel.float() * (inp.logprobs - inp.old_logprobs).abs()
     return loss, _cov_metrics(ratio, log_ratio, sel, A, cov, m)
 
@@ -623,6 +683,7 @@ class HAPOParams:
     "(HAPO, arXiv:2509.16591): Asymmetric Adaptive Clipping + Differential Advantage Redistribution",
     params=HAPOParams,
     needs_entropy=True,
+    batch_statistics=True,
 )
 def hapo_loss(
     inp: PolicyLossInput,
@@ -640,7 +701,7 @@ def hapo_loss(
 
     From the detached token entropies, ``h_hat`` in [-1, 1]
     (:func:`rlpost.algos.hapo.entropy_hhat`, statistics over the response
-    tokens passed in) sets per token:
+    tokens of the whole mini-batch, :func:`batch_view`) sets per token:
 
     * Asymmetric Adaptive Clipping (:func:`rlpost.algos.hapo.adaptive_clip_range`):
       low-entropy tokens get a wider lower bound, high-entropy ones a wider
@@ -666,7 +727,8 @@ def hapo_loss(
         raise ValueError("hapo loss needs per-token entropy (PolicyLossInput.entropy)")
     m = inp.response_mask
     ratio, log_ratio = _ratio(inp)
-    h_hat, _ = entropy_hhat(inp.entropy, m, entropy_pivot)
+    full, rows = batch_view(inp)
+    h_hat = entropy_hhat(full.entropy, full.response_mask, entropy_pivot)[0][rows]
     if adaptive_clip:
         lo, hi = adaptive_clip_range(h_hat, eps_low, eps_high, clip_alpha)
     else:
@@ -699,6 +761,7 @@ class AEPOParams:
     paper="Agentic Entropy-Balanced Policy Optimization (AEPO, arXiv:2510.14545): entropy-balanced update",
     params=AEPOParams,
     needs_entropy=True,
+    batch_statistics=True,
 )
 def aepo_loss(
     inp: PolicyLossInput,
@@ -711,12 +774,13 @@ def aepo_loss(
     """AEPO's Entropy-Balanced Policy Optimization (the update side).
 
     1. Entropy-aware advantage: ``A' = A * (1 + alpha * z)`` with ``z`` the token
-       entropy standardised over the response tokens passed in and clipped to
+       entropy standardised over the response tokens of the whole mini-batch
+       (:func:`batch_view`) and clipped to
        [-1, 1], so uncertain tokens weigh more (``alpha = 0.3``; our reading of
        the paper's entropy-advantage term, whose tool-call structure a
        single-turn task does not have).
     2. Stop-gradient in the high-entropy clipping term: for a token with
-       ``A' > 0``, ``r > 1 + eps_high`` and entropy above the batch's
+       ``A' > 0``, ``r > 1 + eps_high`` and entropy above the mini-batch's
        ``entropy_quantile``, the clipped constant ``(1 + eps_high) A'`` is
        rewritten as ``sg((1 + eps_high) / r) * r * A'``: the same value, but the
        gradient ``(1 + eps_high) A' grad log pi`` survives (rescaled to the clip
@@ -733,13 +797,15 @@ def aepo_loss(
         raise ValueError("aepo loss needs per-token entropy (PolicyLossInput.entropy)")
     m = inp.response_mask
     ratio, log_ratio = _ratio(inp)
+    full, _rows = batch_view(inp)
     with torch.no_grad():
         H = inp.entropy.float()
-        mu = masked_mean(H, m)
-        sd = masked_mean((H - mu) ** 2, m).sqrt()
+        H_all, m_all = full.entropy.float(), full.response_mask
+        mu = masked_mean(H_all, m_all)
+        sd = masked_mean((H_all - mu) ** 2, m_all).sqrt()
         z = torch.where(sd > 0, ((H - mu) / sd.clamp(min=1e-8)).clamp(-1.0, 1.0), torch.zeros_like(H))
         A = inp.advantages * (1.0 + entropy_adv_alpha * z)
-        thr = masked_quantile(H, m, entropy_quantile)
+        thr = masked_quantile(H_all, m_all, entropy_quantile)
         high_ent = H > thr
     loss, low, high, _extra = _ppo_core(ratio, A, torch.full_like(A, eps_low), torch.full_like(A, eps_high), None, m)
     keep = (high > 0) & high_ent

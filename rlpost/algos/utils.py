@@ -30,23 +30,40 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over masked positions."""
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over masked positions.
+
+    Computed in float64 and returned in ``x.dtype``. When every masked value is
+    equal (no variance: e.g. a batch whose rewards are all equal) the result is
+    exactly 0 with ``shift_mean`` (``x`` itself without): the check compares the
+    values, never a floating-point variance, so rounding residue cannot leak in.
+    Shapes: ``x``, ``mask`` ``[B, R]`` -> ``[B, R]``, 0 outside ``mask``.
+    """
+    x64, m64 = x.double(), mask.double()
+    sel = x64[mask > 0]
+    if sel.numel() == 0 or bool((sel == sel[0]).all()):
+        return (torch.zeros_like(x64) if shift_mean else x64 * m64).to(x.dtype)
+    mean = masked_mean(x64, m64)
+    var = masked_var(x64, m64)
+    out = (x64 - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * mask
+    return (out * m64).to(x.dtype)
 
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor):
-    """Per-group mean, unbiased std and size, broadcast back to each element.
+    """Per-group mean, unbiased std and size, broadcast back to each element, in float64.
+
+    The statistics stay float64 (never cast back to ``values.dtype``) so that a
+    baseline subtracted from float32 rewards costs no rounding: in a
+    low-variance group a float32 mean is off by ~1e-4 relative after division
+    by the std. Do not test ``std > 0`` to find zero-variance groups (rounding
+    can leave a tiny positive std); use :func:`group_all_equal`.
 
     Args:
         values: ``[B]`` float.
         group_index: ``[B]`` long group ids (any integers).
     Returns:
-        ``(mean [B], std [B], count [B])``; std is 0 for groups of one element.
+        ``(mean [B], std [B], count [B])`` float64; std is 0 for groups of one element.
     """
     _, inv = torch.unique(group_index, return_inverse=True)
     G = int(inv.max().item()) + 1 if inv.numel() else 0
@@ -56,7 +73,26 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor):
     mean = s / cnt
     sq = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, (v - mean[inv]) ** 2)
     std = torch.where(cnt > 1, (sq / (cnt - 1).clamp(min=1)).sqrt(), torch.zeros_like(cnt))
-    return mean[inv].to(values.dtype), std[inv].to(values.dtype), cnt[inv].to(values.dtype)
+    return mean[inv], std[inv], cnt[inv]
+
+
+def group_all_equal(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: True where every member of the element's group has exactly the same value.
+
+    The zero-variance test of the group-baseline estimators: it compares the
+    rewards themselves (group max == group min), so a group of equal rewards is
+    recognised whatever rounding a mean or std computation would leave. A group
+    of one element is all-equal.
+
+    Args:
+        values: ``[B]`` float.
+        group_index: ``[B]`` long group ids (any integers).
+    """
+    inv, G = group_ids(group_index)
+    v = values.double()
+    hi = torch.full((G,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, inv, v, reduce="amax")
+    lo = torch.full((G,), torch.inf, dtype=torch.float64).scatter_reduce_(0, inv, v, reduce="amin")
+    return (hi == lo)[inv]
 
 
 def group_ids(group_index: torch.Tensor):

@@ -76,6 +76,7 @@ def evaluate(
     seed: int = 0,
     reward_fn: Any = None,
     n_boot: Optional[int] = None,
+    rollout_cfg: Any = None,
 ) -> Dict[str, Any]:
     """Evaluate ``task``'s held-out split with ``engine``.
 
@@ -101,6 +102,13 @@ def evaluate(
             default one is built with the task's ``reward.timeout_s`` and closed
             afterwards.
         n_boot: bootstrap replicates (default ``eval.n_boot``, else 1000).
+        rollout_cfg: the run's ``rollout`` config. Evaluation generates with
+            training's stop strings (``rollout.stop``) and, for the sampled
+            generations, training's ``top_k``/``top_p``, unless ``eval.stop``
+            (when the eval config has one) says otherwise: the same weights
+            must be judged on the responses training would produce (ignoring
+            ``rollout.stop`` changed accuracy from 0.1875 to 0.375 on a
+            16-problem check). None: no stop strings, no truncation.
     Returns:
         A dict with ``task``, ``n`` (problems), ``accuracy`` with
         ``accuracy_ci_low``/``accuracy_ci_high`` (also as ``ci_low``/``ci_high``), ``response_length_mean``
@@ -138,16 +146,22 @@ def evaluate(
     if own_reward:
         rcfg = getattr(task.cfg, "reward", None)
         reward_fn = RewardFunction(task, timeout_s=float(_cfg_get(rcfg, "timeout_s", 5.0)))
+    eval_stop = _cfg_get(eval_cfg, "stop", None)
+    stop = [str(s) for s in (eval_stop if eval_stop is not None else (_cfg_get(rollout_cfg, "stop", None) or []))]
+    top_k = int(_cfg_get(rollout_cfg, "top_k", 0) or 0)
+    top_p = float(_cfg_get(rollout_cfg, "top_p", 1.0) or 1.0)
     try:
         prompts = [task.render_prompt(ex, tokenizer) for ex in examples]
         greedy = _generate_scored(
-            engine, prompts, examples, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed), reward_fn, batch_size
+            engine, prompts, examples, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed, stop=stop),
+            reward_fn, batch_size,
         )
         sampled = None
         if n_samples > 1:
             rep_prompts = [p for p in prompts for _ in range(n_samples)]
             rep_examples = [e for e in examples for _ in range(n_samples)]
-            params = SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed)
+            params = SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed, stop=stop,
+                                    top_k=top_k, top_p=top_p)
             sampled = _generate_scored(engine, rep_prompts, rep_examples, params, reward_fn, batch_size)
     finally:
         if own_reward:

@@ -47,16 +47,30 @@ def build_inputs(
     return ids, attn, pos
 
 
+#: log-prob (nats) given to a token outside the trainer's own top-k/top-p set (no gradient)
+TRUNCATED_LOGPROB = -30.0
+
+
 def _chunk_logprobs(
-    head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, want_entropy: bool
+    head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, want_entropy: bool,
+    top_k: int = 0, top_p: float = 1.0,
 ):
     logits = head(h).float() * inv_temp[..., None]
+    truncated = bool(top_k) or top_p < 1.0
+    if truncated:
+        from rlpost.rollout.sampling import apply_top_k_top_p
+
+        shape = logits.shape
+        logits = apply_top_k_top_p(logits.reshape(-1, shape[-1]), top_k, top_p).reshape(shape)
     logz = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz
+    if truncated:
+        lp = lp.clamp(min=TRUNCATED_LOGPROB)
     if not want_entropy:
         return lp, torch.zeros_like(lp)
     p = torch.softmax(logits, dim=-1)
-    ent = logz - (p * logits).sum(-1)
+    plogit = torch.where(p > 0, p * logits, torch.zeros_like(logits)) if truncated else p * logits
+    ent = logz - plogit.sum(-1)
     return lp, ent
 
 
@@ -123,6 +137,8 @@ def response_logprobs(
     with_entropy: bool = False,
     checkpoint_chunks: Optional[bool] = None,
     share_prefix: bool = True,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs (nats) of ``response_ids`` under ``model`` at ``temperature``.
 
@@ -149,6 +165,14 @@ def response_logprobs(
             checkpointing would only add work).
         share_prefix: compute each distinct prompt once (off automatically under
             gradient checkpointing, which cannot return a KV cache).
+        top_k, top_p: the sampler's truncation (0 and 1 = off). The log-probs are
+            those of the distribution the rollout engine drew from: the
+            temperature-scaled logits truncated by
+            :func:`rlpost.rollout.sampling.apply_top_k_top_p` and renormalised,
+            so on the sampling weights they equal the engine's rollout
+            log-probs. A token outside this model's own truncated set (possible
+            once the weights moved) gets ``TRUNCATED_LOGPROB`` (-30 nats) and no
+            gradient; the entropy is that of the truncated distribution.
     Returns:
         ``(logprobs [B, R], entropy [B, R] or None)``, float32. Values on padding
         positions are meaningless; mask them.
@@ -175,7 +199,7 @@ def response_logprobs(
     lps, ents = [], []
     for s in range(0, R, chunk_size):
         e = min(R, s + chunk_size)
-        args = (head, h[:, s:e], response_ids[:, s:e].to(h.device), inv_temp[:, s:e], with_entropy)
+        args = (head, h[:, s:e], response_ids[:, s:e].to(h.device), inv_temp[:, s:e], with_entropy, top_k, top_p)
         if use_ckpt:
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:

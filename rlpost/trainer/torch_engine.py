@@ -15,8 +15,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from rlpost.algos.aggregation import aggregate
+from rlpost.algos.aggregation import agg_count, aggregate
 from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
+from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.regularizers import kl_penalty, value_loss
 from rlpost.algos.utils import masked_mean
 from rlpost.batch import RolloutBatch
@@ -135,6 +136,19 @@ class TorchTrainer:
         t = batch.extras.get("temperatures")
         return t if t is not None else float(self.cfg.rollout.temperature)
 
+    def _truncation(self) -> Dict[str, Any]:
+        """The sampler's top-k/top-p, so trainer log-probs are those of the distribution rollouts came from.
+
+        Off for losses trained on reference responses (``sft``): those tokens were
+        not sampled, and truncation would cut the gradient of every reference
+        token outside the model's nucleus. See docs/ALGORITHMS.md ("Sampling
+        distribution parity").
+        """
+        if POLICY_LOSSES.tag(self.algo.loss, "needs_reference_responses", False):
+            return {"top_k": 0, "top_p": 1.0}
+        r = self.cfg.rollout
+        return {"top_k": int(r.top_k or 0), "top_p": float(r.top_p if r.top_p is not None else 1.0)}
+
     def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False):
         attn = batch.extras.get("response_attn", (batch.response_mask > 0).long())
         T = self._temperature(batch)
@@ -148,6 +162,7 @@ class TorchTrainer:
                 temperature=T,
                 chunk_size=self.tcfg.logprob_chunk_size,
                 with_entropy=with_entropy,
+                **self._truncation(),
             )
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -254,6 +269,39 @@ class TorchTrainer:
         return {"proximal": str(tp.proximal), "vcpo": bool(tp.vcpo_lr),
                 "vcpo_power": float(tp.vcpo_power), "vcpo_min_scale": float(tp.vcpo_min_scale)}
 
+    def _old_logprobs(self, mb: RolloutBatch, lp: torch.Tensor, v_start: int) -> torch.Tensor:
+        """The proximal log-probs ``[b, R]`` of micro-batch ``mb`` given its current log-probs ``lp``."""
+        from rlpost.algos.offpolicy import a3po_proximal_logprobs
+
+        old = mb.extras.get("old_logprobs")
+        if old is not None:
+            return old.to(self.device)
+        if self._offpolicy_params()["proximal"] == "a3po" and mb.policy_version is not None:
+            bv = mb.extras.get("token_version", mb.policy_version)  # per token for partial rollouts
+            return a3po_proximal_logprobs(mb.rollout_logprobs.to(self.device), lp, bv, v_start, self.version)
+        return lp.detach()
+
+    @torch.no_grad()
+    def _whole_batch_input(self, mini: RolloutBatch, v_start: int) -> PolicyLossInput:
+        """The detached whole mini-batch for losses with batch statistics (:func:`rlpost.algos.losses.batch_view`).
+
+        One extra no-grad forward over ``mini`` under the current weights, which
+        are those of every micro-batch's forward until the optimizer step, run
+        only when the loss is tagged ``batch_statistics`` and ``mini`` spans
+        more than one micro-batch.
+        """
+        lps, ents, olds = [], [], []
+        for sl in self._micro_slices(len(mini)):
+            part = mini.select(list(range(len(mini)))[sl])
+            lp, ent = self._logprobs(self.train_module, part, with_entropy=True)
+            lps.append(lp.float())
+            ents.append(ent.float())
+            olds.append(self._old_logprobs(part, lp, v_start).float())
+        return PolicyLossInput(
+            logprobs=torch.cat(lps), old_logprobs=torch.cat(olds), entropy=torch.cat(ents),
+            advantages=mini.extras["advantages"].to(self.device), response_mask=mini.response_mask.to(self.device),
+        )
+
     def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
         """PPO-style update over ``algo.ppo_epochs`` x ``algo.mini_batches`` optimizer steps.
 
@@ -280,7 +328,7 @@ class TorchTrainer:
         Raises:
             TrainingDiverged: too many consecutive non-finite steps.
         """
-        from rlpost.algos.offpolicy import a3po_proximal_logprobs, vcpo_lr_scale
+        from rlpost.algos.offpolicy import vcpo_lr_scale
         from rlpost.algos.validate import loss_kwargs
         from rlpost.rollout.precision import mismatch_metrics
 
@@ -293,27 +341,27 @@ class TorchTrainer:
         offp = self._offpolicy_params()
         v_start = self.version
         need_entropy = True
+        batch_stats = bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False))
         mm_rows: List[List[torch.Tensor]] = [[], [], []]  # rollout lp, old lp, mask (first epoch)
         for epoch in range(a.ppo_epochs):
             order = torch.randperm(B, generator=rng) if (rng is not None and a.mini_batches > 1) else torch.arange(B)
             minis = [order[i :: a.mini_batches] if a.mini_batches > 1 else order for i in range(a.mini_batches)]
-            for mini_idx in minis:
+            for mini_no, mini_idx in enumerate(minis):
                 mini = batch.select(mini_idx)
-                denom = float(mini.response_mask.sum()) if a.loss_agg == "token-mean" else float(len(mini))
+                denom = agg_count(a.loss_agg, mini.response_mask)
                 bad = False
                 ess_sums = [0.0, 0.0, 0.0]
-                for mb in self._micro_batches(mini):
+                mini.extras["_row"] = torch.arange(len(mini))
+                micro = self._micro_batches(mini)
+                whole = self._whole_batch_input(mini, v_start) if (len(micro) > 1 and batch_stats) else None
+                # One seed per mini-batch, shared by its micro-batches (and by every process, so a
+                # distributed engine draws the same tokens everywhere), for losses that sample tokens.
+                seed = (int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no) if batch_stats else None
+                for mb in micro:
                     m = mb.response_mask.to(self.device)
                     lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy)
-                    old = mb.extras.get("old_logprobs")
                     rollout_lp = mb.rollout_logprobs.to(self.device)
-                    if old is not None:
-                        old = old.to(self.device)
-                    elif offp["proximal"] == "a3po" and mb.policy_version is not None:
-                        bv = mb.extras.get("token_version", mb.policy_version)  # per token for partial rollouts
-                        old = a3po_proximal_logprobs(rollout_lp, lp, bv, v_start, self.version)
-                    else:
-                        old = lp.detach()
+                    old = self._old_logprobs(mb, lp, v_start)
                     if epoch == 0:
                         mm_rows[0].append(mb.rollout_logprobs.cpu())
                         mm_rows[1].append(old.detach().cpu())
@@ -326,6 +374,9 @@ class TorchTrainer:
                         response_mask=m,
                         rollout_logprobs=rollout_lp,
                         entropy=None if ent is None else ent.detach(),
+                        batch=whole,
+                        rows=mb.extras["_row"].to(self.device) if whole is not None else None,
+                        seed=seed,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
                     w, wm = self._correction_weights(old, mb)
@@ -338,7 +389,12 @@ class TorchTrainer:
                             ess_sums = [ess_sums[0] + float(iw.sum()), ess_sums[1] + float((iw * iw).sum()),
                                         ess_sums[2] + float(m.sum())]
                     loss = aggregate(a.loss_agg, loss_mat, m, denom=denom, norm_const=norm_const)
-                    metrics: Dict[str, Any] = {"loss/policy": loss.detach() * (denom / max(1.0, _count(a.loss_agg, m)))}
+                    # Logged loss: the micro-batch's own aggregate, weighted by its share of the
+                    # mini-batch denominator, so the weighted mean is the mini-batch loss whatever
+                    # trainer.micro_batch_size is (a token-count weight was wrong for seq-* modes).
+                    n_agg = agg_count(a.loss_agg, m)
+                    acc.add({"loss/policy": loss.detach() * (max(denom, 1.0) / max(n_agg, 1.0))}, n_agg)
+                    metrics: Dict[str, Any] = {}
                     if self.ref is not None and "ref_logprobs" in mb.extras and not a.kl.in_reward:
                         kl = kl_penalty(a.kl.estimator, lp, mb.extras["ref_logprobs"].to(self.device))
                         loss = loss + a.kl.coef * aggregate(a.loss_agg, kl, m, denom=denom, norm_const=norm_const)
@@ -355,9 +411,11 @@ class TorchTrainer:
                     self._backward(loss)
                     with torch.no_grad():
                         metrics["rollout/logprob_gap"] = masked_mean((lp.detach() - inp.rollout_logprobs).abs(), m)
+                    seq_metrics = {}
                     for k, v in lm.items():
-                        metrics[k if "/" in k else f"actor/{k}"] = v
-                    acc.add(metrics, float(m.sum()))
+                        (seq_metrics if k.startswith("seq_") else metrics)[k if "/" in k else f"actor/{k}"] = v
+                    acc.add(metrics, float(m.sum()))  # token means, weighted by tokens
+                    acc.add(seq_metrics, float((m.sum(-1) > 0).sum()))  # sequence means, weighted by sequences
                 scale = 1.0
                 if offp["vcpo"]:
                     s1, s2, n = ess_sums
@@ -448,10 +506,6 @@ class TorchTrainer:
             self.critic_opt.load_state_dict(sd["critic_opt"])
         if self.ref is not None and "ref" in sd:
             self.ref.load_state_dict(sd["ref"])
-
-
-def _count(mode: str, m: torch.Tensor) -> float:
-    return float(m.sum()) if mode == "token-mean" else float(m.shape[0])
 
 
 def _cat_padded(ts: List[torch.Tensor]) -> torch.Tensor:
