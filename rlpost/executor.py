@@ -9,7 +9,7 @@ advantages -> update, :meth:`rlpost.runner.Run.learn`).
 * :class:`AsyncExecutor` runs the producer in a background thread with its own
   copy of the weights, so generation of the next steps overlaps the update of
   this one (the one-step-off / bounded-staleness pipelines of AReaL,
-  arXiv:2505.24298, and of SAO, seed entry 1). The producer may start step
+  arXiv:2505.24298, and of SAO, arXiv:2607.07508). The producer may start step
   ``t`` once the learner has *asked* for step ``t - max_staleness`` and has
   finished step ``t - 1 - max_staleness``; it then loads the newest weights.
   Hence every sample is at most ``executor.max_staleness`` policy versions
@@ -30,7 +30,7 @@ Each batch records the version of the weights that produced it
 waiting for rollouts).
 
 **Partial rollouts** (``executor.partial_rollout=true``; APRIL arXiv:2509.18521,
-CoPRIS seed catalog entry 14) work with both executors: the producer half runs
+CoPRIS arXiv:2511.05589) work with both executors: the producer half runs
 :class:`rlpost.partial.PartialRolloutProducer` (see :func:`check_partial`), and a
 response may then hold tokens of several policy versions
 (``extras['token_version']`` / ``extras['token_policy_step']``, ``[B, R]``). A
@@ -78,7 +78,7 @@ def build_executor(cfg: Any, run: Any) -> "SyncExecutor":
 
 
 def check_partial(cfg: Any) -> None:
-    """Validate the partial-rollout knobs (APRIL arXiv:2509.18521; CoPRIS, seed catalog entry 14).
+    """Validate the partial-rollout knobs (APRIL arXiv:2509.18521; CoPRIS arXiv:2511.05589).
 
     With ``executor.partial_rollout=true`` the producer half of every step
     (:meth:`rlpost.runner.Run.collect`, under ``executor=sync`` or

@@ -8,8 +8,8 @@ Implements the rollout side of
   budget is spent, train on what finished and keep the unfinished responses to
   continue in later rounds; and
 * **CoPRIS** -- "CoPRIS: Efficient and Stable Reinforcement Learning via
-  Concurrency-Controlled Partial Rollout with Importance Sampling" (seed
-  catalog entry 14): the continued response keeps, for every token, the
+  Concurrency-Controlled Partial Rollout with Importance Sampling"
+  (arXiv:2511.05589): the continued response keeps, for every token, the
   log-prob of the policy version that actually sampled it, so importance
   weights against the current trainer are per token and cross policy stages
   (cross-stage importance sampling).
@@ -438,7 +438,7 @@ class PartialStep:
 
 
 class PartialRolloutProducer:
-    """The per-step driver of partial rollouts (APRIL arXiv:2509.18521; CoPRIS, seed catalog entry 14).
+    """The per-step driver of partial rollouts (APRIL arXiv:2509.18521; CoPRIS arXiv:2511.05589).
 
     Holds the carry-over :class:`PartialRolloutBuffer`, the prompts drawn from
     the selector but not started yet, and the RL step of every policy version

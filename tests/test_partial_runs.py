@@ -1,4 +1,4 @@
-"""Partial rollouts in real runs on model=tiny (APRIL arXiv:2509.18521; CoPRIS, seed catalog entry 14).
+"""Partial rollouts in real runs on model=tiny (APRIL arXiv:2509.18521; CoPRIS arXiv:2511.05589).
 
 One round that finishes everything reproduces plain rollouts bit for bit; with
 carry-over, batches hold only complete groups, carried responses stitch tokens

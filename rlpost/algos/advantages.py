@@ -356,7 +356,7 @@ def gae_advantage(
 
 @ADV_ESTIMATORS.register(
     "sao",
-    paper="SAO: Single-rollout Asynchronous Optimization (seed abstract 1; GLM agentic RL)",
+    paper="Single-Rollout Asynchronous Optimization for Agentic Reinforcement Learning (SAO, arXiv:2607.07508)",
     params=SAOParams,
     needs_critic=True,
     uses_token_rewards=True,
@@ -622,7 +622,7 @@ def gpg_advantage(
 
 @ADV_ESTIMATORS.register(
     "mc_grpo",
-    paper="MC-GRPO: Median-Centered GRPO (seed catalog entry 102)",
+    paper="MC-GRPO: Median-Centered Group Relative Policy Optimization for Small-Rollout Reinforcement Learning (arXiv:2601.22582)",
     params=MCGRPOParams,
     needs_group=True,
     odd_group=True,

@@ -88,7 +88,7 @@ def seq_mean_token_mean(
     return per_seq.sum() / _denom(_seqs(mask), denom)
 
 
-@LOSS_AGGS.register("seq-mean-token-sum", paper="verl loss_agg_mode")
+@LOSS_AGGS.register("seq-mean-token-sum", paper="verl loss_agg_mode (github.com/volcengine/verl, verl/trainer/ppo/core_algos.py)")
 def seq_mean_token_sum(
     loss_mat: torch.Tensor, mask: torch.Tensor, denom: Optional[float] = None, norm_const: Optional[float] = None
 ) -> torch.Tensor:

@@ -100,8 +100,8 @@ class TISParams:
 
 @CORRECTIONS.register(
     "tis",
-    paper="Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (truncated IS, Yao et al. 2025); "
-    "FP8 rollout stack for LLM RL (seed catalog entry 17)",
+    paper="Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (truncated IS, Yao et al. 2025, fengyao.notion.site/off-policy-rl); "
+    "FP8-RL: A Practical and Stable Low-Precision Stack for LLM Reinforcement Learning (arXiv:2601.18150)",
     params=TISParams,
 )
 def tis(
@@ -136,7 +136,7 @@ class MISParams:
 
 @CORRECTIONS.register(
     "mis",
-    paper="Masked importance sampling for training-inference mismatch (token-level MIS; seed catalog entries 17, 19)",
+    paper="When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch (token-level MIS; Liu, Li et al., 2025, yingru.notion.site); FP8-RL (arXiv:2601.18150)",
     params=MISParams,
 )
 def mis(
@@ -190,7 +190,7 @@ class CISParams:
 
 @CORRECTIONS.register(
     "cis",
-    paper="CIS: Calibrated Importance Sampling for training-inference mismatch (seed catalog entry 195)",
+    paper="Rethinking Training-Inference Mismatch in LLM Reinforcement Learning: Where It Arises and How to Correct It (CIS, arXiv:2609.32444)",
     params=CISParams,
 )
 def cis(
@@ -233,7 +233,7 @@ class AISParams:
 
 @CORRECTIONS.register(
     "ais",
-    paper="AIS: Adaptive Importance Sampling for FP8 rollouts (seed catalog entry 15)",
+    paper="AIS: Adaptive Importance Sampling for Quantized RL (arXiv:2605.13907)",
     params=AISParams,
 )
 def ais(

@@ -222,7 +222,7 @@ class StrictDoubleClipParams:
 
 @POLICY_LOSSES.register(
     "strict_double_clip",
-    paper="SAO: Single-rollout Asynchronous Optimization (seed abstract 1)",
+    paper="Single-Rollout Asynchronous Optimization for Agentic Reinforcement Learning (SAO, arXiv:2607.07508)",
     params=StrictDoubleClipParams,
 )
 def strict_double_clip_loss(
@@ -844,7 +844,7 @@ class GAPOParams:
 
 @POLICY_LOSSES.register(
     "gapo",
-    paper="GAPO: Group Adaptive Clipping Policy Optimization (seed catalog entry 49)",
+    paper="GAPO: Group Adaptive Clipping Policy Optimization (arXiv:2609.00444)",
     params=GAPOParams,
 )
 def gapo_loss(

@@ -12,13 +12,13 @@ Three policies meet in asynchronous RL:
 Decoupled PPO ("Batch size-invariance for policy optimization", Hilton, Cobbe,
 Schulman, arXiv:2110.00641; used for asynchronous LLM RL by AReaL,
 arXiv:2505.24298) corrects with ``pi_prox / pi_behav`` and clips
-``pi_theta / pi_prox``. A-3PO (arXiv:2512.06547, seed entry 175) replaces the
+``pi_theta / pi_prox``. A-3PO (arXiv:2512.06547) replaces the
 forward pass that computes ``pi_prox`` by a version interpolation. VCPO
 ("Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs",
-arXiv:2602.17616, seed entry 170) damps the learning rate when the effective
+arXiv:2602.17616) damps the learning rate when the effective
 sample size of the importance weights collapses and uses a minimum-variance
-baseline. Cross-stage importance sampling for partial rollouts (CoPRIS, seed
-entry 14; APRIL, seed entry 94) needs nothing more than the stitched behaviour
+baseline. Cross-stage importance sampling for partial rollouts (CoPRIS,
+arXiv:2511.05589; APRIL, arXiv:2509.18521) needs nothing more than the stitched behaviour
 log-probs these functions already take.
 """
 
@@ -100,7 +100,7 @@ def a3po_proximal_logprobs(
     proximal_version: int,
     current_version: int,
 ) -> torch.Tensor:
-    """A-3PO's interpolated proximal log-probs (arXiv:2512.06547, seed entry 175).
+    """A-3PO's interpolated proximal log-probs (arXiv:2512.06547).
 
     ``log pi_prox ~= log pi_behav + alpha (log pi_theta - log pi_behav)`` with the
     staleness-aware coefficient ``alpha = (v_prox - v_behav) / (v_theta - v_behav)``
@@ -138,7 +138,7 @@ def a3po_proximal_logprobs(
 
 
 def vcpo_lr_scale(ess_frac: float, power: float = 1.0, min_scale: float = 0.1) -> float:
-    """VCPO's learning-rate multiplier from the effective sample size (arXiv:2602.17616, seed entry 170).
+    """VCPO's learning-rate multiplier from the effective sample size (arXiv:2602.17616).
 
     ``scale = clip(ess_frac ** power, min_scale, 1)`` where ``ess_frac`` in (0, 1]
     is the Kish ESS of the batch's importance weights divided by the token

@@ -21,13 +21,13 @@ from rlpost.algos.registries import KL_ESTIMATORS
 from rlpost.algos.utils import masked_mean
 
 
-@KL_ESTIMATORS.register("k1", paper="Schulman, Approximating KL Divergence (2020)")
+@KL_ESTIMATORS.register("k1", paper="Schulman, Approximating KL Divergence (2020, joschu.net/blog/kl-approx.html)")
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """``log pi - log pi_ref`` per token."""
     return logprobs - ref_logprobs
 
 
-@KL_ESTIMATORS.register("k2", paper="Schulman, Approximating KL Divergence (2020)")
+@KL_ESTIMATORS.register("k2", paper="Schulman, Approximating KL Divergence (2020, joschu.net/blog/kl-approx.html)")
 def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """``0.5 * (log pi - log pi_ref)^2`` per token."""
     return 0.5 * (logprobs - ref_logprobs) ** 2

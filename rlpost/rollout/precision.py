@@ -24,8 +24,8 @@ head stay in fp32, as fp8 inference engines (vLLM) keep ``lm_head`` unquantized.
 Mismatch metrics (:func:`mismatch_metrics`) compare the rollout engine's
 log-probs with the trainer's for the same tokens: the quantity behind
 "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
-(Yao et al., 2025) and the FP8-rollout studies of the seed catalog (entries 15,
-17, 195).
+(Yao et al., 2025) and the FP8-rollout studies: FP8-RL (arXiv:2601.18150), AIS
+(arXiv:2605.13907) and CIS (arXiv:2609.32444).
 """
 
 from __future__ import annotations

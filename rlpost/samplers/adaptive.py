@@ -62,7 +62,7 @@ class VigorSamplerParams:
 
 @SAMPLERS.register(
     "vigor",
-    paper="VIGOR: Variance-Guided Online Rollout allocation (seed entry 39)",
+    paper="Learning as Reasoning Unfolds: Progressive Rollout Allocation for Efficient Reinforcement Learning (VIGOR, arXiv:2607.22002)",
     description="Few rollouts per prompt, then rounds of top-ups for the highest-variance groups.",
     params=VigorSamplerParams,
 )
@@ -155,7 +155,7 @@ class DarsSamplerParams:
 
 @SAMPLERS.register(
     "dars",
-    paper="DARS: Difficulty Adaptive Rollout Sampling, from Depth-Breadth Synergy in RLVR (seed entry 8)",
+    paper="Depth-Breadth Synergy in RLVR: Unlocking LLM Reasoning Gains with Adaptive Exploration (DARS, arXiv:2508.13755)",
     description="Difficulty-adaptive rollout sampling: extra rollouts for low-accuracy prompts.",
     params=DarsSamplerParams,
 )
@@ -257,7 +257,7 @@ class PilotCommitSamplerParams:
 
 @SAMPLERS.register(
     "pilot_commit",
-    paper="Pilot-Commit two-phase rollout allocation (seed entry 35)",
+    paper="Spend Your Rollouts Where It Counts: Rollout Allocation for Group-Based RL Post-Training (Pilot-Commit, arXiv:2605.26606)",
     description="Pilot rollouts estimate each prompt's informativeness; the rest of the budget goes to informative prompts.",
     params=PilotCommitSamplerParams,
 )
@@ -368,7 +368,7 @@ class Ar3poSamplerParams:
 
 @SAMPLERS.register(
     "ar3po",
-    paper="AR3PO: adaptive rollout and response reuse policy optimization (seed entry 20)",
+    paper="Improving Sampling Efficiency in RLVR through Adaptive Rollout and Response Reuse (AR3PO, arXiv:2509.25808)",
     description="Staged rollouts that stop early on solved prompts, plus reuse of a past correct response in all-wrong groups.",
     params=Ar3poSamplerParams,
 )

@@ -66,7 +66,7 @@ class ParamPerturbSamplerParams:
 
 @SAMPLERS.register(
     "param_perturb",
-    paper="3PO: Perturbed Parameter Policy Optimization (seed entry 42)",
+    paper="Parameter Exploration for RLVR via Variational Learning (3PO, arXiv:2608.09805)",
     description="Rollouts from several Gaussian weight perturbations of the policy.",
     params=ParamPerturbSamplerParams,
 )

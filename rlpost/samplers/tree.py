@@ -110,7 +110,7 @@ class TreeSamplerParams:
 
 @SAMPLERS.register(
     "tree",
-    paper="LATR: Lookahead Tree-Based Rollouts (seed entries 108/209); DATPO sentence-entropy tree rollouts (seed entry 18)",
+    paper="Lookahead Tree-Based Rollouts for Enhanced Trajectory-Level Exploration in RLVR (LATR, arXiv:2510.24302); Difficulty-Adaptive Tree-Structured Policy Optimization for Expanding Reasoning Coverage in RLVR (DATPO, arXiv:2609.08650)",
     description="Root rollouts, then branches resampled from high-entropy fork points sharing the root's prefix.",
     params=TreeSamplerParams,
 )

@@ -110,7 +110,7 @@ class VadeSelectorParams(BetaSelectorParams):
 
 @SELECTORS.register(
     "vade",
-    paper="VADE: Variance-Aware Dynamic sampling via online sample-level difficulty estimation (seed entry 22)",
+    paper="VADE: Variance-Aware Dynamic Sampling via Online Sample-Level Difficulty Estimation for Multimodal RL (arXiv:2511.18902)",
     description="Beta posterior per prompt; Thompson-sampled reward variance p(1-p) picks prompts; two-scale decay.",
     params=VadeSelectorParams,
 )
@@ -176,7 +176,7 @@ class BotsSelectorParams(BetaSelectorParams):
 
 @SELECTORS.register(
     "bots",
-    paper="BOTS: A Unified Framework for Bayesian Online Task Selection in LLM Reinforcement Finetuning (seed entry 53)",
+    paper="BOTS: A Unified Framework for Bayesian Online Task Selection in LLM Reinforcement Finetuning (arXiv:2510.26374)",
     description="Beta posterior per prompt with explicit and implicit evidence; Thompson sampling toward a target success rate.",
     params=BotsSelectorParams,
 )

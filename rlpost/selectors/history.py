@@ -335,7 +335,7 @@ class CdasSelectorParams:
 
 @SELECTORS.register(
     "cdas",
-    paper="Competence-Difficulty Alignment Sampling for RL on reasoning (CDAS, seed entry 30)",
+    paper="Rethinking the Sampling Criteria in Reinforcement Learning for LLM Reasoning: A Competence-Difficulty Alignment Perspective (CDAS, arXiv:2505.17652)",
     description="Difficulty from aggregated performance discrepancies, competence by a fixed point; pick problems aligned with competence.",
     params=CdasSelectorParams,
 )

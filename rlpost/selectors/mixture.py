@@ -23,7 +23,7 @@ class DomainMixtureSelectorParams:
 
 @SELECTORS.register(
     "domain_mixture",
-    paper="Apriel-Reasoner: adaptive multi-domain sampling (seed entry 50)",
+    paper="Apriel-Reasoner: RL Post-Training for General-Purpose and Efficient Reasoning (arXiv:2604.02007)",
     description="Ratio-preserving multi-domain sampling: quotas corrected by each domain's share of effective groups.",
     params=DomainMixtureSelectorParams,
 )

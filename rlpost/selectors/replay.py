@@ -24,7 +24,7 @@ class PopoSelectorParams:
 
 @SELECTORS.register(
     "popo",
-    paper="POPO: Group Prioritized Off-Policy Optimization (seed entry 173)",
+    paper="RLVR without Ineffective Samples: Group Prioritized Off-Policy Optimization for LLM Reasoning (POPO, arXiv:2606.01281)",
     description="Uniform prompts; zero-variance groups are swapped for buffered mixed-reward groups by priority.",
     params=PopoSelectorParams,
 )
