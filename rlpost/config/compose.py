@@ -199,7 +199,7 @@ def validate_config(cfg: DictConfig) -> None:
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         (cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
         (cfg.trainer.lr > 0, "trainer.lr must be > 0"),
-        (cfg.precision.trainer_dtype in ("fp32", "bf16", "fp16"), "precision.trainer_dtype must be fp32, bf16 or fp16"),
+        (cfg.precision.trainer_dtype in ("fp32", "bf16", "fp16", "auto"), "precision.trainer_dtype must be fp32, bf16, fp16 or auto"),
         (cfg.trainer.engine in ("torch", "deepspeed"), f"trainer.engine={cfg.trainer.engine!r}: valid choices are torch, deepspeed"),
         (cfg.logger.backend in ("wandb", "jsonl", "none"), f"logger.backend={cfg.logger.backend!r}: valid choices are wandb, jsonl, none"),
         (cfg.model.source in ("gguf_wheel", "hf", "tiny"), f"model.source={cfg.model.source!r}: valid choices are gguf_wheel, hf, tiny"),

@@ -283,8 +283,9 @@ class PrecisionConfig:
     """Trainer dtype, rollout dtype/quantization and mismatch correction.
 
     Attributes:
-        trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16.
-        rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM).
+        trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16 | auto
+            (resolved at start by :func:`rlpost.autoprecision.resolve_precision`).
+        rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM) | auto.
         correction: none | tis | mis | cis | ais (importance correction against
             the rollout log-probs).
         correction_params: e.g. ``{cap: 2.0}``.

@@ -22,6 +22,9 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
     Raises:
         ConfigError: unknown engine or rollout dtype.
     """
+    from rlpost.autoprecision import resolve_precision
+
+    resolve_precision(cfg, device)  # precision=auto (no-op when already concrete)
     rd = cfg.precision.rollout_dtype
     if cfg.rollout.engine == "vllm":
         from rlpost.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is optional and GPU-only
