@@ -311,6 +311,9 @@ class TrainerConfig:
         micro_batch_size: sequences per forward/backward (accumulated).
         logprob_chunk_size: response positions per log-softmax chunk.
         max_bad_steps: consecutive NaN/inf-loss steps skipped before stopping.
+        entropy_every: log ``actor/entropy`` every this many policy updates (0 = never).
+            The entropy is computed anyway when the loss needs it (``algo.entropy_coef``
+            != 0, with gradient; losses tagged ``needs_entropy``, as a constant).
         zero_stage, num_procs, offload_optimizer: DeepSpeed settings.
     """
 
@@ -324,6 +327,7 @@ class TrainerConfig:
     micro_batch_size: int = 16
     logprob_chunk_size: int = 64
     max_bad_steps: int = 3
+    entropy_every: int = 1
     zero_stage: int = 2
     num_procs: int = 1
     offload_optimizer: bool = False

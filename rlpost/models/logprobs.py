@@ -48,15 +48,30 @@ def build_inputs(
 
 
 def _chunk_logprobs(
-    head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, want_entropy: bool
+    head: torch.nn.Module,
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temp: Optional[torch.Tensor],
+    want_entropy: bool,
+    entropy_grad: bool = True,
 ):
-    logits = head(h).float() * inv_temp[..., None]
+    """Log-probs (and entropy) of ``targets`` ``[N]`` from hidden states ``h`` ``[N, H]``.
+
+    ``inv_temp`` ``[N]`` (None: temperature 1, no scaling pass). The entropy is
+    computed from the same logits; without ``entropy_grad`` it is built under
+    ``no_grad``, so it adds no autograd node and no backward work (a metric, or a
+    loss input the loss treats as a constant).
+    """
+    logits = head(h).float()
+    if inv_temp is not None:
+        logits = logits * inv_temp[..., None]
     logz = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz
     if not want_entropy:
         return lp, torch.zeros_like(lp)
-    p = torch.softmax(logits, dim=-1)
-    ent = logz - (p * logits).sum(-1)
+    with nullcontext() if entropy_grad else torch.no_grad():
+        p = torch.exp(logits - logz[..., None])
+        ent = logz - (p * logits).sum(-1)
     return lp, ent
 
 
@@ -123,6 +138,7 @@ def response_logprobs(
     with_entropy: bool = False,
     checkpoint_chunks: Optional[bool] = None,
     share_prefix: bool = True,
+    entropy_grad: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs (nats) of ``response_ids`` under ``model`` at ``temperature``.
 
@@ -141,17 +157,22 @@ def response_logprobs(
             padding. (Distinct from the loss mask, which may exclude real tokens.)
         temperature: scalar, or ``[B, R]`` per-token temperatures (0 entries are
             treated as 1); logits are divided by it, matching the rollout engine.
-        chunk_size: response positions per LM-head/log-softmax chunk.
-        with_entropy: also return the entropy of each position's distribution.
+        chunk_size: response positions per LM-head/log-softmax chunk: the head
+            runs on ``chunk_size * B`` packed real response tokens at a time.
+        with_entropy: also return the entropy of each position's distribution,
+            computed without gradient (a metric or a constant loss input).
         checkpoint_chunks: recompute chunk logits in backward. Default: when grad
-            is enabled and the response spans more than one chunk (with a single
+            is enabled and the tokens span more than one chunk (with a single
             chunk the full block exists during recomputation anyway, so
             checkpointing would only add work).
         share_prefix: compute each distinct prompt once (off automatically under
             gradient checkpointing, which cannot return a KV cache).
+        entropy_grad: return the entropy with its gradient (an entropy bonus in
+            the loss); implies ``with_entropy``.
     Returns:
-        ``(logprobs [B, R], entropy [B, R] or None)``, float32. Values on padding
-        positions are meaningless; mask them.
+        ``(logprobs [B, R], entropy [B, R] or None)``, float32, 0 on padding
+        positions (``response_attn == 0``): the LM head and log-softmax run only
+        on real response tokens, packed.
     """
     base, head = backbone_and_head(model)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
@@ -162,28 +183,44 @@ def response_logprobs(
         ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
         hidden = base(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
         h = hidden[:, P - 1 : P + R - 1]
+    B = response_ids.shape[0]
+    # The LM head runs only where a label exists: real response tokens, packed to [N, H].
+    sel = (response_attn > 0).to(h.device).reshape(-1)
+    flat_idx = sel.nonzero().squeeze(-1)
+    hs = h.reshape(B * R, -1).index_select(0, flat_idx)
+    tgt = response_ids.to(h.device).reshape(-1).index_select(0, flat_idx)
+    inv_temp = None
     if isinstance(temperature, torch.Tensor):
-        T = temperature.float().to(h.device)
+        T = temperature.float().to(h.device).reshape(-1).index_select(0, flat_idx)
         T = torch.where(T > 0, T, torch.ones_like(T))
-        inv_temp = 1.0 / T
-    else:
-        inv_temp = torch.full(response_ids.shape, 1.0 / float(temperature), device=h.device)
+        if not bool((T == 1).all()):  # x * 1.0 == x: skip a [N, V] pass when every temperature is 1
+            inv_temp = 1.0 / T
+    elif float(temperature) != 1.0:
+        inv_temp = torch.full((hs.shape[0],), 1.0 / float(temperature), device=h.device)
+    rows = max(1, chunk_size * B)  # same peak as chunk_size positions of all B rows
+    N = hs.shape[0]
     if checkpoint_chunks is None:
-        use_ckpt = torch.is_grad_enabled() and R > chunk_size
+        use_ckpt = torch.is_grad_enabled() and N > rows
     else:
         use_ckpt = checkpoint_chunks
+    want_ent, ent_grad = with_entropy or entropy_grad, entropy_grad
     lps, ents = [], []
-    for s in range(0, R, chunk_size):
-        e = min(R, s + chunk_size)
-        args = (head, h[:, s:e], response_ids[:, s:e].to(h.device), inv_temp[:, s:e], with_entropy)
+    for s in range(0, N, rows):
+        e = min(N, s + rows)
+        args = (head, hs[s:e], tgt[s:e], None if inv_temp is None else inv_temp[s:e], want_ent, ent_grad)
         if use_ckpt:
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(*args)
         lps.append(lp)
         ents.append(ent)
-    logprobs = torch.cat(lps, dim=1)
-    entropy = torch.cat(ents, dim=1) if with_entropy else None
+
+    def unpack(parts: List[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(parts) if parts else hs.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(B * R, dtype=torch.float32, device=h.device).index_copy(0, flat_idx, flat).view(B, R)
+
+    logprobs = unpack(lps)
+    entropy = unpack(ents) if want_ent else None
     return logprobs, entropy
 
 
