@@ -110,3 +110,43 @@ def test_trainer_entropy_only_when_needed(compose):
     cfg.algo.entropy_coef = 0.0
     cfg.algo.loss = "hapo"
     assert tr._entropy_need() == (True, False)
+
+
+def test_hf_engine_dropping_finished_rows_changes_no_output_and_saves_rows():
+    """Compacted decoding = the plain batched loop (same seed): tokens, log-probs, masks; fewer rows run.
+
+    The work is counted as rows passed through the decoder (a forward hook), not timed.
+    """
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.models.logprobs import response_logprobs
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.hf import HFRolloutEngine
+
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=3)
+    prompts = [tok("What is 2+2?")["input_ids"], tok("Hi")["input_ids"], tok("Name a color")["input_ids"]] * 3
+    res, counts = {}, {}
+    for compact in (False, True):
+        counts[compact] = 0
+
+        def count(mod, args, kwargs, out, c=compact):
+            ids = kwargs.get("input_ids")
+            counts[c] += 0 if ids is None else ids.shape[0]
+
+        hk = model.base_model.register_forward_hook(count, with_kwargs=True)
+        eng = HFRolloutEngine(model, tok, batch_size=16, compact=compact)
+        eng.eos_ids = set(range(0, model.config.vocab_size, 9))  # rows end at different steps
+        res[compact] = eng.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.3, seed=7, stop=["blue"]))
+        hk.remove()
+    a, b = res[False], res[True]
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.finished, b.finished) and a.texts == b.texts
+    assert (a.rollout_logprobs - b.rollout_logprobs).abs().max() < 1e-5
+    lens = b.response_mask.sum(-1)
+    assert lens.min() < lens.max(), "rows should finish at different steps for this test to bite"
+    assert counts[True] < counts[False]
+    # the engine's log-probs are those the trainer computes for the same tokens (fp32, same weights)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, (b.response_mask > 0).long(),
+                                  temperature=b.temperatures)
+    assert ((lp - b.rollout_logprobs).abs() * b.response_mask).max() < 1e-4
