@@ -22,6 +22,11 @@ from pathlib import Path
 
 import torch
 
+import sys  # noqa: E402
+from pathlib import Path as _P  # noqa: E402
+
+sys.path.insert(0, str(_P(__file__).resolve().parents[1]))  # this checkout's rlpost, not an installed copy
+
 
 def bench(precision: str, steps: int, overrides: list[str]) -> dict:
     from rlpost.config.compose import compose_config

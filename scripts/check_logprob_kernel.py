@@ -18,6 +18,11 @@ import importlib.util
 
 import torch
 
+import sys  # noqa: E402
+from pathlib import Path as _P  # noqa: E402
+
+sys.path.insert(0, str(_P(__file__).resolve().parents[1]))  # this checkout's rlpost, not an installed copy
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

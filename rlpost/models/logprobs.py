@@ -70,7 +70,7 @@ def _chunk_logprobs(
     if not want_entropy:
         return lp, torch.zeros_like(lp)
     with nullcontext() if entropy_grad else torch.no_grad():
-        p = torch.exp(logits - logz[..., None])
+        p = torch.softmax(logits, dim=-1)
         ent = logz - (p * logits).sum(-1)
     return lp, ent
 
