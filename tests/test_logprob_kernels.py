@@ -150,3 +150,24 @@ def test_hf_engine_dropping_finished_rows_changes_no_output_and_saves_rows():
         lp, _ = response_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, (b.response_mask > 0).long(),
                                   temperature=b.temperatures)
     assert ((lp - b.rollout_logprobs).abs() * b.response_mask).max() < 1e-4
+
+
+def test_bf16_rollout_copy_refreshes_in_place_to_the_cast_weights(compose):
+    """sync_weights of a dtype-cast copy = a fresh cast of the updated policy, without a rebuild."""
+    from conftest import tiny_overrides
+
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+
+    cfg = compose(tiny_overrides("precision=bf16"))
+    policy, tok = load_policy(cfg.model, torch.float32, seed=0)
+    eng = build_engine(cfg, policy, tok, torch.device("cpu"))
+    copy_before = eng.model
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    eng.sync_weights(policy)
+    assert eng.model is copy_before  # refreshed in place
+    fresh = {k: v.to(torch.bfloat16) for k, v in policy.state_dict().items()}
+    for k, v in eng.model.state_dict().items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, fresh[k]), k

@@ -41,9 +41,12 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
         return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=share, device=device)
     if rd in ("bf16", "fp16"):
         dt = torch.bfloat16 if rd == "bf16" else torch.float16
-        return HFRolloutEngine(
-            policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=lambda m: m.to(dt), device=device
-        )
+
+        def cast(m: torch.nn.Module) -> torch.nn.Module:
+            return m.to(dt)
+
+        cast.dtype_cast = True  # invertible: weights are refreshed in place, not rebuilt
+        return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=cast, device=device)
     try:
         from rlpost.rollout.precision import rollout_converter
     except ImportError:

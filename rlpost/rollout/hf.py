@@ -79,7 +79,9 @@ class HFRolloutEngine(RolloutEngine):
             otherwise keep a private copy converted by ``convert`` and refresh it
             in :meth:`sync_weights`.
         convert: ``fn(module) -> module`` applied to the private copy (e.g. cast to
-            bf16, or fake-quantize for precision studies).
+            bf16, or fake-quantize for precision studies). A converter with the
+            attribute ``dtype_cast = True`` is a pure dtype cast: :meth:`sync_weights`
+            then copies the weights into the existing copy instead of rebuilding it.
         device: where generation runs.
         compact: drop finished rows from the decode batch (and their KV cache) as
             soon as they finish, so the remaining steps run on the live rows only.
@@ -127,7 +129,8 @@ class HFRolloutEngine(RolloutEngine):
         """Refresh the private copy from ``policy`` (no-op when weights are shared)."""
         if self.share_weights:
             return
-        if self.convert is None:
+        if self.convert is None or getattr(self.convert, "dtype_cast", False):
+            # a plain copy or a dtype cast: copy_ rounds exactly as .to(dtype) does, no rebuild
             self.model.load_state_dict(policy.state_dict())
         else:
             # Conversions (quantization) are not invertible: rebuild from the source weights.
