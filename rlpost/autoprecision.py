@@ -14,9 +14,12 @@ and the rollout engine are built, and prints the choice once per process.
   not make bf16 faster (on an Intel Xeon with avx512_bf16 and no AMX torch 2.13
   ran a 2048^3 matmul at 291 GFLOP/s in fp32 and 154 in bf16; on an AMD EPYC with
   the same flags bf16 was 2.4x faster). About one second of matmuls: a
-  training-sized GEMM decides the trainer dtype, a decode-sized one (32 rows
-  against a weight matrix, where reading the weights dominates) decides the
-  rollout dtype. bf16 must beat fp32 by :data:`MARGIN` to be picked. The result
+  training-sized GEMM decides the trainer dtype; the rollout is bf16 only when
+  that GEMM and a decode-sized one (32 rows against a weight matrix, where
+  reading the weights dominates) are both faster in bf16. (On the Intel Xeon
+  above the decode matmul ran faster in bf16, yet the whole bf16 HF engine was
+  not: attention, norms and sampling do not gain.) bf16 must beat fp32 by
+  :data:`MARGIN` to be picked. The result
   is cached per machine (CPU model, flags, torch version, thread count) in
   ``$RLPOST_CACHE`` or ``~/.cache/rlpost``, so later runs do not measure again.
 
@@ -144,7 +147,9 @@ def choose_precision(
         return PrecisionChoice("fp32", "fp32", "CPU without avx512_bf16/AMX: bf16 would be emulated")
     r = measure() if measure is not None else measure_matmul_gflops()
     tr = "bf16" if r["train_bf16"] > MARGIN * r["train_fp32"] else "fp32"
-    ro = "bf16" if r["decode_bf16"] > MARGIN * r["decode_fp32"] else "fp32"
+    # The rollout engine also runs attention, norms and sampling in its dtype, which a faster
+    # decode-shaped matmul alone does not speed up: bf16 rollouts need bf16 compute to win too.
+    ro = "bf16" if tr == "bf16" and r["decode_bf16"] > MARGIN * r["decode_fp32"] else "fp32"
     why = (f"CPU with bf16 instructions; matmul GFLOP/s train fp32 {r['train_fp32']:.0f} / bf16 {r['train_bf16']:.0f}, "
            f"decode fp32 {r['decode_fp32']:.0f} / bf16 {r['decode_bf16']:.0f}")
     return PrecisionChoice(tr, ro, why)
