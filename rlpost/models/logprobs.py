@@ -1,10 +1,12 @@
 """Response log-probs without materialising ``[B, L, V]`` logits.
 
-The backbone runs once over prompt + response; the LM head and log-softmax are
-applied only at response positions, ``chunk_size`` positions at a time. With
-gradients, each chunk is wrapped in activation checkpointing, so the backward
-pass recomputes that chunk's logits instead of keeping all of them: peak memory
-holds one ``[B, chunk, V]`` block. :func:`prompt_entropy` applies the same
+The backbone runs once over prompt + response (each group's prompt once); the LM
+head and log-softmax are applied only to the real response tokens, packed into
+``[N, H]`` and taken ``chunk_size * B`` at a time. With gradients and more than one
+chunk, each chunk is wrapped in activation checkpointing, so the backward pass
+recomputes that chunk's logits instead of keeping all of them: peak memory holds
+one ``[chunk_size * B, V]`` block. The entropy reuses the chunk's logits and gets
+no autograd graph unless an entropy bonus needs its gradient. :func:`prompt_entropy` applies the same
 chunking to the prompt positions (HIVE's prompt entropy).
 """
 
