@@ -80,8 +80,10 @@ def rlpost_worker(steps: int, precision: str, data_path: str) -> None:
                 if not _wait_go():
                     break
                 m = run.train_step()
+                # update = everything after generation (reward, advantages, update, weight sync), as for TRL
                 _emit({"step_s": m["time/step_s"], "rollout_s": m["time/rollout_s"],
-                       "update_s": m["time/step_s"] - m["time/rollout_s"], "rss_mb": _rss_mb(),
+                       "update_s": m["time/step_s"] - m["time/rollout_s"], "reward_s": m["time/reward_s"],
+                       "train_s": m["time/update_s"], "rss_mb": _rss_mb(),
                        "tokens": m.get("bench/update_tokens"), "reward": m["reward/mean"]})
         finally:
             run.close()
