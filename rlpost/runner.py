@@ -229,6 +229,9 @@ class Run:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.device = pick_device(cfg.device)
+        from rlpost.autoprecision import resolve_precision
+
+        resolve_precision(cfg, self.device)  # precision=auto -> concrete dtypes, printed once
         seed_everything(cfg.seed)
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.task = build_task(cfg.task)

@@ -22,6 +22,11 @@ from pathlib import Path
 
 import torch
 
+import sys  # noqa: E402
+from pathlib import Path as _P  # noqa: E402
+
+sys.path.insert(0, str(_P(__file__).resolve().parents[1]))  # this checkout's rlpost, not an installed copy
+
 
 def bench(precision: str, steps: int, overrides: list[str]) -> dict:
     from rlpost.config.compose import compose_config
@@ -73,15 +78,82 @@ def matmul_gflops(n: int = 2048, reps: int = 10) -> dict:
     return out
 
 
+def decode_floor(rows: int = 32, new_tokens: int = 32, overrides: list | None = None) -> dict:
+    """The HF engine's seconds per decode step against the per-token floor, real model.
+
+    Floor of one decode step over ``r`` rows = max(weight bytes / memory bandwidth,
+    2 x parameters x r / matmul rate), with the bandwidth from summing a 512 MiB
+    buffer and the rate from a decode-shaped (``r x 576 @ 576 x 8192``) matmul of the
+    rollout dtype. The engine is timed per decoder forward (a hook), prefill apart.
+    """
+    import time
+
+    from rlpost.config.compose import compose_config
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.tasks import build_task
+
+    cfg = compose_config(["logger=none", *(overrides or [])])
+    policy, tok = load_policy(cfg.model, torch.float32, seed=0)
+    eng = build_engine(cfg, policy, tok, torch.device("cpu"))
+    task = build_task(cfg.task)
+    prompts = [task.render_prompt(e, tok) for e in task.train_examples()[:rows]]
+    n_params = sum(p.numel() for p in eng.model.parameters())
+    wbytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    buf = torch.ones(128 * 2**20)
+    buf.sum()
+    t = time.perf_counter()
+    for _ in range(3):
+        buf.sum()
+    bw = 3 * buf.numel() * 4 / (time.perf_counter() - t)
+    dt = next(eng.model.parameters()).dtype
+    a, b = torch.randn(rows, 576).to(dt), torch.randn(576, 8192).to(dt)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    rate = 2 * rows * 576 * 8192 * 20 / (time.perf_counter() - t)
+    calls = []
+    base = eng.model.base_model
+    t_last = [0.0]
+    h1 = base.register_forward_pre_hook(lambda m, a, kw: t_last.__setitem__(0, time.perf_counter()), with_kwargs=True)
+    h2 = base.register_forward_hook(
+        lambda m, a, kw, o: calls.append((kw["input_ids"].shape[0], kw["input_ids"].shape[1], time.perf_counter() - t_last[0])),
+        with_kwargs=True)
+    eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))  # warm-up
+    calls.clear()
+    t = time.perf_counter()
+    g = eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
+    total = time.perf_counter() - t
+    h1.remove()
+    h2.remove()
+    dec = [c for c in calls if c[1] == 1]
+    floor = sum(max(wbytes / bw, 2 * n_params * r / rate) for r, _, _ in dec)
+    return {"rollout_dtype": str(dt).replace("torch.", ""), "rows": rows, "tokens": g.num_tokens, "total_s": total,
+            "prefill_s": sum(c[2] for c in calls if c[1] > 1), "decode_steps": len(dec),
+            "decoder_s": sum(c[2] for c in dec), "floor_s": floor, "bandwidth_GBs": bw / 1e9,
+            "matmul_GFLOPs": rate / 1e9, "weight_MB": wbytes / 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--matmul", action="store_true", help="only the 2048^2 matmul GFLOP/s in fp32 and bf16")
+    ap.add_argument("--decode", action="store_true", help="HF engine decode steps vs the per-token floor")
     args, overrides = ap.parse_known_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     if args.matmul:
         print(" ".join(f"{k}: {v:.0f} GFLOP/s" for k, v in matmul_gflops().items()))
+        return
+    if args.decode:
+        for p in args.precisions.split(","):
+            r = decode_floor(overrides=[f"precision={p}", *overrides])
+            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+            print(f"  decoder forwards {r['decoder_s']:.2f} s vs floor {r['floor_s']:.2f} s "
+                  f"({r['floor_s'] / r['decoder_s']:.0%} of the floor's speed); sampling and Python: "
+                  f"{r['total_s'] - r['decoder_s'] - r['prefill_s']:.2f} s")
         return
     results = [bench(p, args.steps, overrides) for p in args.precisions.split(",")]
     cols = ["precision", "rollout_s", "reward_s", "update_s", "step_s", "rollout_tok_s", "update_tokens", "update_gflops", "peak_rss_mb"]

@@ -29,6 +29,7 @@ TINY = [
     "task.eval_size=16",
     "trainer.micro_batch_size=8",
     "task.reward.overlong_buffer=0",  # rewards are pure correctness in unit tests
+    "precision=fp32",  # the same dtype on every machine (the default, auto, depends on the CPU)
 ]
 
 

@@ -40,6 +40,7 @@ class Dtype(Choice):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+    auto = "auto"
 
 
 class TrainerEngine(Choice):
@@ -364,8 +365,9 @@ class PrecisionConfig:
     """Trainer dtype, rollout dtype/quantization and mismatch correction.
 
     Attributes:
-        trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16.
-        rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM).
+        trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16 | auto
+            (resolved at start by :func:`rlpost.autoprecision.resolve_precision`).
+        rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM) | auto.
         correction: none | tis | mis | cis | ais (importance correction against
             the rollout log-probs).
         correction_params: e.g. ``{cap: 2.0}``.
@@ -391,6 +393,9 @@ class TrainerConfig:
         micro_batch_size: sequences per forward/backward (accumulated).
         logprob_chunk_size: response positions per log-softmax chunk.
         max_bad_steps: consecutive NaN/inf-loss steps skipped before stopping.
+        entropy_every: log ``actor/entropy`` every this many policy updates (0 = never).
+            The entropy is computed anyway when the loss needs it (``algo.entropy_coef``
+            != 0, with gradient; losses tagged ``needs_entropy``, as a constant).
         zero_stage, num_procs, offload_optimizer: DeepSpeed settings.
     """
 
@@ -404,6 +409,7 @@ class TrainerConfig:
     micro_batch_size: int = 16
     logprob_chunk_size: int = 64
     max_bad_steps: int = 3
+    entropy_every: int = 1
     zero_stage: int = 2
     num_procs: int = 1
     offload_optimizer: bool = False

@@ -1,10 +1,12 @@
 """Response log-probs without materialising ``[B, L, V]`` logits.
 
-The backbone runs once over prompt + response; the LM head and log-softmax are
-applied only at response positions, ``chunk_size`` positions at a time. With
-gradients, each chunk is wrapped in activation checkpointing, so the backward
-pass recomputes that chunk's logits instead of keeping all of them: peak memory
-holds one ``[B, chunk, V]`` block. :func:`prompt_entropy` applies the same
+The backbone runs once over prompt + response (each group's prompt once); the LM
+head and log-softmax are applied only to the real response tokens, packed into
+``[N, H]`` and taken ``chunk_size * B`` at a time. With gradients and more than one
+chunk, each chunk is wrapped in activation checkpointing, so the backward pass
+recomputes that chunk's logits instead of keeping all of them: peak memory holds
+one ``[chunk_size * B, V]`` block. The entropy reuses the chunk's logits and gets
+no autograd graph unless an entropy bonus needs its gradient. :func:`prompt_entropy` applies the same
 chunking to the prompt positions (HIVE's prompt entropy).
 """
 
@@ -52,25 +54,43 @@ TRUNCATED_LOGPROB = -30.0
 
 
 def _chunk_logprobs(
-    head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, want_entropy: bool,
-    top_k: int = 0, top_p: float = 1.0,
+    head: torch.nn.Module,
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temp: Optional[torch.Tensor],
+    want_entropy: bool,
+    entropy_grad: bool = True,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ):
-    logits = head(h).float() * inv_temp[..., None]
+    """Log-probs (and entropy) of ``targets`` ``[N]`` from hidden states ``h`` ``[N, H]``.
+
+    ``inv_temp`` ``[N]`` (None: temperature 1, no scaling pass). ``top_k`` /
+    ``top_p`` truncate the temperature-scaled logits ``[N, V]`` as the sampler
+    did (:func:`rlpost.rollout.sampling.apply_top_k_top_p`; 0 and 1 = off); a
+    target outside the truncated set gets ``TRUNCATED_LOGPROB``. The entropy is
+    computed from the same logits; without ``entropy_grad`` it is built under
+    ``no_grad``, so it adds no autograd node and no backward work (a metric, or a
+    loss input the loss treats as a constant).
+    """
+    logits = head(h).float()
+    if inv_temp is not None:
+        logits = logits * inv_temp[..., None]
     truncated = bool(top_k) or top_p < 1.0
     if truncated:
         from rlpost.rollout.sampling import apply_top_k_top_p
 
-        shape = logits.shape
-        logits = apply_top_k_top_p(logits.reshape(-1, shape[-1]), top_k, top_p).reshape(shape)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
     logz = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz
     if truncated:
         lp = lp.clamp(min=TRUNCATED_LOGPROB)
     if not want_entropy:
         return lp, torch.zeros_like(lp)
-    p = torch.softmax(logits, dim=-1)
-    plogit = torch.where(p > 0, p * logits, torch.zeros_like(logits)) if truncated else p * logits
-    ent = logz - plogit.sum(-1)
+    with nullcontext() if entropy_grad else torch.no_grad():
+        p = torch.softmax(logits, dim=-1)
+        plogit = torch.where(p > 0, p * logits, torch.zeros_like(logits)) if truncated else p * logits
+        ent = logz - plogit.sum(-1)
     return lp, ent
 
 
@@ -137,6 +157,7 @@ def response_logprobs(
     with_entropy: bool = False,
     checkpoint_chunks: Optional[bool] = None,
     share_prefix: bool = True,
+    entropy_grad: bool = False,
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -157,14 +178,18 @@ def response_logprobs(
             padding. (Distinct from the loss mask, which may exclude real tokens.)
         temperature: scalar, or ``[B, R]`` per-token temperatures (0 entries are
             treated as 1); logits are divided by it, matching the rollout engine.
-        chunk_size: response positions per LM-head/log-softmax chunk.
-        with_entropy: also return the entropy of each position's distribution.
+        chunk_size: response positions per LM-head/log-softmax chunk: the head
+            runs on ``chunk_size * B`` packed real response tokens at a time.
+        with_entropy: also return the entropy of each position's distribution,
+            computed without gradient (a metric or a constant loss input).
         checkpoint_chunks: recompute chunk logits in backward. Default: when grad
-            is enabled and the response spans more than one chunk (with a single
+            is enabled and the tokens span more than one chunk (with a single
             chunk the full block exists during recomputation anyway, so
             checkpointing would only add work).
         share_prefix: compute each distinct prompt once (off automatically under
             gradient checkpointing, which cannot return a KV cache).
+        entropy_grad: return the entropy with its gradient (an entropy bonus in
+            the loss); implies ``with_entropy``.
         top_k, top_p: the sampler's truncation (0 and 1 = off). The log-probs are
             those of the distribution the rollout engine drew from: the
             temperature-scaled logits truncated by
@@ -174,8 +199,9 @@ def response_logprobs(
             once the weights moved) gets ``TRUNCATED_LOGPROB`` (-30 nats) and no
             gradient; the entropy is that of the truncated distribution.
     Returns:
-        ``(logprobs [B, R], entropy [B, R] or None)``, float32. Values on padding
-        positions are meaningless; mask them.
+        ``(logprobs [B, R], entropy [B, R] or None)``, float32, 0 on padding
+        positions (``response_attn == 0``): the LM head and log-softmax run only
+        on real response tokens, packed.
     """
     base, head = backbone_and_head(model)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
@@ -186,28 +212,44 @@ def response_logprobs(
         ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
         hidden = base(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
         h = hidden[:, P - 1 : P + R - 1]
+    B = response_ids.shape[0]
+    # The LM head runs only where a label exists: real response tokens, packed to [N, H].
+    sel = (response_attn > 0).to(h.device).reshape(-1)
+    flat_idx = sel.nonzero().squeeze(-1)
+    hs = h.reshape(B * R, -1).index_select(0, flat_idx)
+    tgt = response_ids.to(h.device).reshape(-1).index_select(0, flat_idx)
+    inv_temp = None
     if isinstance(temperature, torch.Tensor):
-        T = temperature.float().to(h.device)
+        T = temperature.float().to(h.device).reshape(-1).index_select(0, flat_idx)
         T = torch.where(T > 0, T, torch.ones_like(T))
-        inv_temp = 1.0 / T
-    else:
-        inv_temp = torch.full(response_ids.shape, 1.0 / float(temperature), device=h.device)
+        if not bool((T == 1).all()):  # x * 1.0 == x: skip a [N, V] pass when every temperature is 1
+            inv_temp = 1.0 / T
+    elif float(temperature) != 1.0:
+        inv_temp = torch.full((hs.shape[0],), 1.0 / float(temperature), device=h.device)
+    rows = max(1, chunk_size * B)  # same peak as chunk_size positions of all B rows
+    N = hs.shape[0]
     if checkpoint_chunks is None:
-        use_ckpt = torch.is_grad_enabled() and R > chunk_size
+        use_ckpt = torch.is_grad_enabled() and N > rows
     else:
         use_ckpt = checkpoint_chunks
+    want_ent, ent_grad = with_entropy or entropy_grad, entropy_grad
     lps, ents = [], []
-    for s in range(0, R, chunk_size):
-        e = min(R, s + chunk_size)
-        args = (head, h[:, s:e], response_ids[:, s:e].to(h.device), inv_temp[:, s:e], with_entropy, top_k, top_p)
+    for s in range(0, N, rows):
+        e = min(N, s + rows)
+        args = (head, hs[s:e], tgt[s:e], None if inv_temp is None else inv_temp[s:e], want_ent, ent_grad, top_k, top_p)
         if use_ckpt:
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(*args)
         lps.append(lp)
         ents.append(ent)
-    logprobs = torch.cat(lps, dim=1)
-    entropy = torch.cat(ents, dim=1) if with_entropy else None
+
+    def unpack(parts: List[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(parts) if parts else hs.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(B * R, dtype=torch.float32, device=h.device).index_copy(0, flat_idx, flat).view(B, R)
+
+    logprobs = unpack(lps)
+    entropy = unpack(ents) if want_ent else None
     return logprobs, entropy
 
 

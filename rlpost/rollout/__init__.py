@@ -23,6 +23,9 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
     Raises:
         ConfigError: unknown engine or rollout dtype.
     """
+    from rlpost.autoprecision import resolve_precision
+
+    resolve_precision(cfg, device)  # precision=auto (no-op when already concrete)
     rd = cfg.precision.rollout_dtype
     if cfg.rollout.engine == "vllm":
         from rlpost.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is optional and GPU-only
@@ -40,9 +43,12 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
         return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=share, device=device)
     if rd in ("bf16", "fp16"):
         dt = torch.bfloat16 if rd == "bf16" else torch.float16
-        return HFRolloutEngine(
-            policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=lambda m: m.to(dt), device=device
-        )
+
+        def cast(m: torch.nn.Module) -> torch.nn.Module:
+            return m.to(dt)
+
+        cast.dtype_cast = True  # invertible: weights are refreshed in place, not rebuilt
+        return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=cast, device=device)
     try:
         from rlpost.rollout.precision import rollout_converter
     except ImportError:

@@ -34,14 +34,19 @@ def _get_cache(out: Any) -> Any:
     return c if c is not None else getattr(out, "past_key_values", None)
 
 
-def sample_inverse_cdf(probs: torch.Tensor, gen: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_inverse_cdf(
+    probs: torch.Tensor, gen: Optional[torch.Generator] = None, u: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Draw one token per row of ``probs`` ``[B, V]`` by inverting the CDF with a uniform.
 
     Equivalent in distribution to ``torch.multinomial(probs, 1)`` and several
-    times faster on CPU for large vocabularies. Returns ``[B]`` long.
+    times faster on CPU for large vocabularies. ``u`` ``[B]`` float64 in [0, 1):
+    the uniforms to use (default: drawn from ``gen``). Returns ``[B]`` long.
     """
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]
+    if u is None:
+        u = torch.rand(probs.shape[0], generator=gen, dtype=torch.float64)
+    u = u.to(torch.float64)[:, None] * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     # Guard against landing on a zero-probability tail token through rounding.
     idx = idx.clamp(max=probs.shape[-1] - 1)
@@ -74,8 +79,14 @@ class HFRolloutEngine(RolloutEngine):
             otherwise keep a private copy converted by ``convert`` and refresh it
             in :meth:`sync_weights`.
         convert: ``fn(module) -> module`` applied to the private copy (e.g. cast to
-            bf16, or fake-quantize for precision studies).
+            bf16, or fake-quantize for precision studies). A converter with the
+            attribute ``dtype_cast = True`` is a pure dtype cast: :meth:`sync_weights`
+            then copies the weights into the existing copy instead of rebuilding it.
         device: where generation runs.
+        compact: drop finished rows from the decode batch (and their KV cache) as
+            soon as they finish, so the remaining steps run on the live rows only.
+            Off: finished rows keep decoding padding, as a plain batched loop does
+            (kept for A/B measurements; outputs are the same).
     """
 
     def __init__(
@@ -86,8 +97,10 @@ class HFRolloutEngine(RolloutEngine):
         share_weights: bool = True,
         convert: Optional[Any] = None,
         device: str | torch.device = "cpu",
+        compact: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.compact = compact
         self.batch_size = max(1, int(batch_size))
         self.share_weights = share_weights
         self.convert = convert
@@ -116,7 +129,8 @@ class HFRolloutEngine(RolloutEngine):
         """Refresh the private copy from ``policy`` (no-op when weights are shared)."""
         if self.share_weights:
             return
-        if self.convert is None:
+        if self.convert is None or getattr(self.convert, "dtype_cast", False):
+            # a plain copy or a dtype cast: copy_ rounds exactly as .to(dtype) does, no rebuild
             self.model.load_state_dict(policy.state_dict())
         else:
             # Conversions (quantization) are not invertible: rebuild from the source weights.
@@ -155,6 +169,7 @@ class HFRolloutEngine(RolloutEngine):
             ids, mask = left_pad(prompts, self.pad_id)
             B = ids.shape[0]
             ids, mask = ids.to(self.device), mask.to(self.device)
+            p_mask = mask
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             # Prefill each distinct prompt once (a group of n samples shares its
             # prompt), then expand the KV cache to the full batch.
@@ -171,42 +186,61 @@ class HFRolloutEngine(RolloutEngine):
                 past.batch_select_indices(inverse.to(self.device))
                 logits = logits[inverse]
             next_pos = pos[:, -1] + 1
+            Tn = params.max_new_tokens
+            # Outputs for all B rows; the decode batch holds only the rows still running ("live"),
+            # so finished rows stop costing forward passes. Uniforms are drawn for all B rows each
+            # step and indexed, so a row's samples do not depend on when other rows finish.
+            resp = torch.full((B, Tn), self.pad_id, dtype=torch.long)
+            lp_out = torch.zeros(B, Tn)
+            t_out = torch.zeros(B, Tn)
+            alive = torch.zeros(B, Tn)
             finished = torch.zeros(B, dtype=torch.bool)
-            toks, lps, temps, alive = [], [], [], []
+            rows = torch.arange(B)  # original row of each live decode row
             eos = torch.tensor(sorted(self.eos_ids))
             history: List[List[int]] = [[] for _ in range(B)]
-            for t in range(params.max_new_tokens):
+            steps = 0
+            for t in range(Tn):
+                steps = t + 1
                 logits = logits.cpu()
+                n = rows.shape[0]
                 if params.greedy:
-                    T = torch.ones(B)
+                    T = torch.ones(n)
                     logp = torch.log_softmax(logits, -1)
                     tok = logits.argmax(-1)
                 else:
-                    T = torch.full((B,), float(params.temperature))
+                    T = torch.full((n,), float(params.temperature))
                     if params.temperature_hook is not None:
                         hookT = params.temperature_hook(logits, t)
                         if hookT is not None:
                             T = hookT.float().clamp(min=1e-3)
                     z = apply_top_k_top_p(logits / T[:, None], params.top_k, params.top_p)
                     logp = torch.log_softmax(z, -1)
-                    tok = sample_inverse_cdf(logp.exp(), gen)
+                    u = torch.rand(B, generator=gen, dtype=torch.float64)[rows]
+                    tok = sample_inverse_cdf(logp.exp(), u=u)
                 lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-                live = ~finished
-                tok = torch.where(live, tok, torch.full_like(tok, self.pad_id))
-                toks.append(tok)
-                lps.append(torch.where(live, lp, torch.zeros_like(lp)))
-                temps.append(torch.where(live, T, torch.zeros_like(T)))
-                alive.append(live.float())
+                live = ~finished[rows]  # all True when compacting
+                r = rows[live]
+                resp[r, t] = tok[live]
+                lp_out[r, t] = lp[live]
+                t_out[r, t] = T[live]
+                alive[r, t] = 1.0
                 newly = live & torch.isin(tok, eos)
                 if params.stop:
-                    for i in torch.nonzero(live & ~newly).flatten().tolist():
-                        history[i].append(int(tok[i]))
+                    for j in torch.nonzero(live & ~newly).flatten().tolist():
+                        i = int(rows[j])
+                        history[i].append(int(tok[j]))
                         if self._stop_hit(history[i], params.stop):
-                            newly[i] = True
-                finished = finished | newly
-                if bool(finished.all()) or t == params.max_new_tokens - 1:
+                            newly[j] = True
+                finished[rows[newly]] = True
+                tok = torch.where(finished[rows], torch.full_like(tok, self.pad_id), tok)
+                if bool(finished.all()) or t == Tn - 1:
                     break
-                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], dim=1)
+                if self.compact and bool(newly.any()):  # drop finished rows from the batch and its KV cache
+                    keep = torch.nonzero(~newly).flatten()
+                    past.batch_select_indices(keep.to(self.device))
+                    kd = keep.to(mask.device)
+                    rows, tok, mask, next_pos = rows[keep], tok[keep], mask[kd], next_pos[kd]
+                mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=mask.device)], dim=1)
                 out = model(
                     input_ids=tok[:, None].to(self.device),
                     attention_mask=mask,
@@ -217,18 +251,17 @@ class HFRolloutEngine(RolloutEngine):
                 past = _get_cache(out)
                 logits = out.logits[:, -1, :].float()
                 next_pos = next_pos + 1
-            resp = torch.stack(toks, 1)
-            rmask = torch.stack(alive, 1)
+            resp, lp_out, t_out, rmask = resp[:, :steps], lp_out[:, :steps], t_out[:, :steps], alive[:, :steps]
             texts = [
                 self.tokenizer.decode(resp[i][rmask[i] > 0].tolist(), skip_special_tokens=True) for i in range(B)
             ]
             return GenerationResult(
                 prompt_ids=ids.cpu(),
-                prompt_mask=mask[:, : ids.shape[1]].cpu(),
+                prompt_mask=p_mask.cpu(),
                 response_ids=resp,
                 response_mask=rmask,
-                rollout_logprobs=torch.stack(lps, 1),
-                temperatures=torch.stack(temps, 1),
+                rollout_logprobs=lp_out,
+                temperatures=t_out,
                 finished=finished,
                 texts=texts,
             )

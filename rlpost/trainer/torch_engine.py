@@ -112,6 +112,7 @@ class TorchTrainer:
             self.critic_opt = self._make_optimizer(self.critic.parameters(), self.algo.critic.lr)
         self.bad_steps = 0
         self.version = 0  # number of policy optimizer steps taken
+        self.updates = 0  # number of policy_update calls (the entropy metric's interval counts these)
 
     # ----------------------------------------------------------------- helpers
     def _make_optimizer(self, params, lr: float) -> torch.optim.Optimizer:
@@ -149,7 +150,7 @@ class TorchTrainer:
         r = self.cfg.rollout
         return {"top_k": int(r.top_k or 0), "top_p": float(r.top_p if r.top_p is not None else 1.0)}
 
-    def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False):
+    def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False, entropy_grad: bool = False):
         attn = batch.extras.get("response_attn", (batch.response_mask > 0).long())
         T = self._temperature(batch)
         with self.autocast():
@@ -163,6 +164,7 @@ class TorchTrainer:
                 chunk_size=self.tcfg.logprob_chunk_size,
                 with_entropy=with_entropy,
                 **self._truncation(),
+                entropy_grad=entropy_grad,
             )
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -262,6 +264,20 @@ class TorchTrainer:
     lockstep = False
 
     # ---------------------------------------------------------------- updates
+    def _entropy_need(self) -> tuple:
+        """``(compute, with_grad)`` for this update's entropy.
+
+        With gradient only for an entropy bonus (``algo.entropy_coef != 0``); as
+        a constant for losses tagged ``needs_entropy`` and for the ``actor/entropy``
+        metric every ``trainer.entropy_every`` updates; otherwise not at all.
+        """
+        from rlpost.algos.registries import POLICY_LOSSES
+
+        grad = bool(self.algo.entropy_coef)
+        every = int(self.tcfg.get("entropy_every", 1))
+        metric = every > 0 and self.updates % every == 0
+        return (grad or metric or bool(POLICY_LOSSES.tag(self.algo.loss, "needs_entropy", False))), grad
+
     def _offpolicy_params(self) -> Dict[str, Any]:
         from rlpost.algos.validate import trainer_loss_params
 
@@ -340,7 +356,8 @@ class TorchTrainer:
         norm_const = a.loss_agg_norm or self.cfg.rollout.max_new_tokens
         offp = self._offpolicy_params()
         v_start = self.version
-        need_entropy = True
+        need_entropy, entropy_grad = self._entropy_need()
+        self.updates += 1
         batch_stats = bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False))
         mm_rows: List[List[torch.Tensor]] = [[], [], []]  # rollout lp, old lp, mask (first epoch)
         for epoch in range(a.ppo_epochs):
@@ -359,7 +376,7 @@ class TorchTrainer:
                 seed = (int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no) if batch_stats else None
                 for mb in micro:
                     m = mb.response_mask.to(self.device)
-                    lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy)
+                    lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
                     rollout_lp = mb.rollout_logprobs.to(self.device)
                     old = self._old_logprobs(mb, lp, v_start)
                     if epoch == 0:
@@ -487,6 +504,7 @@ class TorchTrainer:
             "sched": self.sched.state_dict(),
             "bad_steps": self.bad_steps,
             "version": self.version,
+            "updates": self.updates,
         }
         if self.critic is not None:
             sd["critic"] = self.critic.state_dict()
@@ -501,6 +519,7 @@ class TorchTrainer:
         self.sched.load_state_dict(sd["sched"])
         self.bad_steps = int(sd.get("bad_steps", 0))
         self.version = int(sd.get("version", 0))
+        self.updates = int(sd.get("updates", 0))
         if self.critic is not None and "critic" in sd:
             self.critic.load_state_dict(sd["critic"])
             self.critic_opt.load_state_dict(sd["critic_opt"])
