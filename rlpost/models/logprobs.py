@@ -245,7 +245,9 @@ def response_logprobs(
         ents.append(ent)
 
     def unpack(parts: List[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat(parts) if parts else hs.new_zeros(0, dtype=torch.float32)
+        # no real token (an empty micro-batch): an empty view of ``hs`` keeps the result on the
+        # autograd graph, so a loss built from it still backpropagates (zero gradients)
+        flat = torch.cat(parts) if parts else hs.float().sum(-1)
         return torch.zeros(B * R, dtype=torch.float32, device=h.device).index_copy(0, flat_idx, flat).view(B, R)
 
     logprobs = unpack(lps)
