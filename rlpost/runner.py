@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.regularizers import kl_penalty
+from rlpost.algos.validate import adv_overrides
 from rlpost.batch import RolloutBatch
 from rlpost.checkpoint import DONE_MARKER, describe_checkpoint, find_resume_checkpoint, save_checkpoint, save_hf
 from rlpost.rollout.base import SamplingParams
@@ -544,7 +545,7 @@ class Run:
                            values=batch.extras.get("values"), token_rewards=token_rewards,
                            baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs),
-            **{"max_len": self.cfg.rollout.max_new_tokens, **dict(a.adv_params or {})},  # overlong shaping's budget
+            **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages
         if out.loss_mask is not None:  # e.g. MC-GRPO's median pivot leaves the update

@@ -9,6 +9,7 @@ from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.algos.shaping import BetaBaselineTracker
 from rlpost.rewards import RewardFunction, overlong_penalty
+from rlpost.errors import ConfigError
 
 
 def inp(rewards, lengths, groups, R=None, **kw):
@@ -155,11 +156,14 @@ def test_dapo_overlong_shaping_via_adv_params_is_applied_once_by_the_reward_func
     assert rf.overlong_buffer == 4
     shaped = torch.tensor([1.0, 1.0]) + overlong_penalty(torch.tensor([5, 8]), 10, rf.overlong_buffer)
     x = inp(shaped.tolist(), [5, 8], [0, 0], R=10)
-    a = seq_adv(compute_advantages("grpo", x, norm_by_std=False, overlong_buffer=0.4, max_len=10), x)
+    a = seq_adv(compute_advantages("grpo", x, norm_by_std=False), x)
     assert torch.allclose(a, torch.tensor([0.25, -0.25]))
-    # ... and never again by the estimator: the shaping keys change nothing there
-    plain = seq_adv(compute_advantages("grpo", x, norm_by_std=False), x)
-    assert torch.equal(a, plain)
+    # ... and never again by the estimator: it refuses the shaping keys instead of applying them twice
+    with pytest.raises(ConfigError, match="overlong_buffer"):
+        compute_advantages("grpo", x, norm_by_std=False, overlong_buffer=0.4)
+    from rlpost.algos.validate import adv_overrides
+
+    assert adv_overrides({"adv_params": {"norm_by_std": False, "overlong_buffer": 0.4}}) == {"norm_by_std": False}
 
 
 def test_beta_tracker_posterior_mean():

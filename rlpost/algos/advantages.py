@@ -762,15 +762,14 @@ def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> Adva
     overlong punishment, arXiv:2503.14476, the length penalty) is done once, by
     the reward function (:class:`rlpost.rewards.RewardFunction`). The shaping
     keys a preset may put in ``algo.adv_params`` (``overlong_buffer``,
-    ``overlong_penalty``; ``max_len`` from the runner) are read by
-    :meth:`rlpost.rewards.RewardFunction.from_config` and dropped here.
+    ``overlong_penalty``) are read by
+    :meth:`rlpost.rewards.RewardFunction.from_config`; callers pass only the
+    estimator's own parameters (:func:`rlpost.algos.validate.adv_overrides`).
 
     Raises:
-        ConfigError: unknown estimator name, or a parameter it does not declare.
+        ConfigError: unknown estimator name, or a parameter it does not declare
+            (a shaping key here would shape the rewards twice).
         ValueError: from the estimator (e.g. GAE without values).
     """
-    from rlpost.algos.validate import SHAPING_KEYS
-
     fn = ADV_ESTIMATORS.get(name)
-    return fn(inp, **ADV_ESTIMATORS.kwargs(name, {k: v for k, v in params.items() if k not in SHAPING_KEYS},
-                                            "algo.adv_params"))
+    return fn(inp, **ADV_ESTIMATORS.kwargs(name, params, "algo.adv_params"))
