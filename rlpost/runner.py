@@ -172,6 +172,8 @@ class Run:
         self.selector.attach(examples=self.train_examples, prompt_entropy=self.prompt_entropy)
         self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
         check_allocation(self.selector, self.sampler, cfg.selector.name, cfg.sampler.name)
+        if hasattr(self.sampler, "attach"):  # sampler=episode: environments reset on examples, transcripts
+            self.sampler.attach(task=self.task, examples=self.train_examples, run_dir=self.run_dir)
         from rlpost.algos.stages import check_sampler
 
         check_sampler(cfg.algo, cfg.sampler.name)  # per-token temperature: the sampler's only

@@ -57,9 +57,9 @@ class GymnasiumEnv(Env):
         return _ANSI.sub("", txt).strip("\n") if isinstance(txt, str) and txt.strip() else f"Observation: {obs}"
 
     def reset(self, example: Any) -> Optional[str]:
-        """Reset with seed ``example.index`` (reproducible per prompt); returns the rendered state."""
+        """Reset with seed ``example.index`` (reproducible per prompt); returns the rendered state and the action format."""
         obs, _ = self.env.reset(seed=int(getattr(example, "index", 0)))
-        return self._observe(obs)
+        return f"{self._observe(obs)}\n{self.instructions}"
 
     def parse_action(self, text: str) -> Optional[int]:
         """The action in ``text``: the last ``<action>N</action>``, else the last integer; None if none is valid."""
