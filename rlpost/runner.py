@@ -200,6 +200,11 @@ class Run:
         ex = self.cfg.executor
         if not bool(ex.get("partial_rollout", False)):
             return None
+        if self.cfg.sampler.name == "episode":
+            from rlpost.errors import ConfigError
+
+            raise ConfigError("executor.partial_rollout=true does not carry unfinished multi-turn episodes over yet "
+                              "(it would silently drop the environment). Fix: executor.partial_rollout=false with env=...")
         from rlpost.partial import PartialRolloutProducer
         from rlpost.samplers.base import SamplerContext, pad_id_of
 
@@ -516,9 +521,17 @@ class Run:
         """
         from rlpost.eval.evaluate import build_eval_tasks, evaluate, evaluate_tasks, scalar_metrics
 
-        res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed)
         name = self.cfg.task.name
-        out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
+        if self.cfg.sampler.name == "episode":  # multi-turn: evaluate episodes with the training environment
+            from rlpost.eval.episodes import evaluate_episodes
+
+            res = evaluate_episodes(self.sampler, self.engine, self.tokenizer, self.task, self.reward_fn,
+                                    self.cfg.eval, seed=self.cfg.seed)
+            out = {"eval/accuracy": res["accuracy"],
+                   **{f"eval/{name}/{k}": res[k] for k in ("tool_call_frac", "turns_mean", "truncated_frac")}}
+        else:
+            res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed)
+            out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
         if self.cfg.eval.get("tasks"):
             if self._eval_tasks is None:
                 self._eval_tasks = build_eval_tasks(list(self.cfg.eval.tasks))

@@ -291,3 +291,19 @@ def test_one_training_step_on_episodes_logs_episode_metrics_and_a_transcript(com
     assert m["episode/turns_mean"] >= 1
     tr = json.loads((tmp_path / algo / "transcripts" / "step_000001.json").read_text())
     assert tr["step"] == 1 and tr["transcript"][0]["role"] == "assistant"
+
+
+def test_held_out_evaluation_runs_episodes_and_partial_rollouts_are_refused(compose, tmp_path):
+    from rlpost.errors import ConfigError
+    from rlpost.runner import Run
+
+    run = Run(compose(tiny_overrides("env=calculator", "task=multiply", "eval.limit=3", "sampler.params.max_total_tokens=30")),
+              tmp_path / "r")
+    try:
+        m, res = run.evaluate()
+    finally:
+        run.close()
+    assert res["n"] == 3 and len(res["records"]) == 3 and 0 <= m["eval/accuracy"] <= 1
+    assert "eval/multiply/tool_call_frac" in m and m["eval/multiply/turns_mean"] >= 1
+    with pytest.raises(ConfigError, match="partial_rollout"):
+        Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true")), tmp_path / "p")
