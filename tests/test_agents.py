@@ -307,3 +307,26 @@ def test_held_out_evaluation_runs_episodes_and_partial_rollouts_are_refused(comp
     assert "eval/multiply/tool_call_frac" in m and m["eval/multiply/turns_mean"] >= 1
     with pytest.raises(ConfigError, match="partial_rollout"):
         Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true")), tmp_path / "p")
+
+
+def test_void_turn_filter_keeps_the_reward_and_drops_the_loss(tok):
+    from rlpost.rewards.scoring import Rewards
+
+    # two prompts: episode 0 writes a malformed call (a void turn) then answers; episode 1 answers at once
+    bad = _ids(tok, "<tool_call>{not json</tool_call>")
+    ans = _ids(tok, "56088") + [tok.eos_token_id]
+    eng = ScriptedEngine(tok, [bad, ans])
+    scored = []
+
+    def score(rows, texts, lengths):
+        scored.append(list(texts))
+        return Rewards(torch.ones(len(texts)), {"correct": torch.ones(len(texts))})
+
+    for flt, expect_mask in [(False, len(bad) + len(ans)), (True, 0)]:
+        eng.calls = []
+        s = EpisodeSampler(1, max_turns=2, max_total_tokens=500, void_turn_filter=flt)
+        res = s.sample(eng, [[3, 4]], SamplingParams(max_new_tokens=64), SamplerContext(score=score, step=1))
+        assert int(res.generation.response_mask.sum()) == expect_mask
+        if flt:  # scored once by the sampler, reward kept
+            assert res.rewards.tolist() == [1.0] and res.metrics["episode/void_filtered_frac"] == 1.0
+    assert scored == [["56088"]]
