@@ -174,6 +174,11 @@ class Run:
         check_allocation(self.selector, self.sampler, cfg.selector.name, cfg.sampler.name)
         if hasattr(self.sampler, "attach"):  # sampler=episode: environments reset on examples, transcripts
             self.sampler.attach(task=self.task, examples=self.train_examples, run_dir=self.run_dir)
+        if cfg.sampler.name == "episode" and bool(cfg.executor.get("partial_rollout", False)):
+            from rlpost.errors import ConfigError
+
+            raise ConfigError("executor.partial_rollout=true does not carry unfinished multi-turn episodes over yet "
+                              "(it would silently drop the environment). Fix: executor.partial_rollout=false with env=...")
         from rlpost.algos.stages import check_sampler
 
         check_sampler(cfg.algo, cfg.sampler.name)  # per-token temperature: the sampler's only
@@ -200,11 +205,6 @@ class Run:
         ex = self.cfg.executor
         if not bool(ex.get("partial_rollout", False)):
             return None
-        if self.cfg.sampler.name == "episode":
-            from rlpost.errors import ConfigError
-
-            raise ConfigError("executor.partial_rollout=true does not carry unfinished multi-turn episodes over yet "
-                              "(it would silently drop the environment). Fix: executor.partial_rollout=false with env=...")
         from rlpost.partial import PartialRolloutProducer
         from rlpost.samplers.base import SamplerContext, pad_id_of
 
