@@ -243,6 +243,13 @@ class Run:
         self.selector.attach(examples=self.train_examples, prompt_entropy=self.prompt_entropy)
         self.sampler = build_sampler(cfg.sampler, cfg.algo.n_samples_per_prompt)
         check_allocation(self.selector, self.sampler, cfg.selector.name, cfg.sampler.name)
+        if hasattr(self.sampler, "attach"):  # sampler=episode: environments reset on examples, transcripts
+            self.sampler.attach(task=self.task, examples=self.train_examples, run_dir=self.run_dir)
+        if cfg.sampler.name == "episode" and bool(cfg.executor.get("partial_rollout", False)):
+            from rlpost.errors import ConfigError
+
+            raise ConfigError("executor.partial_rollout=true does not carry unfinished multi-turn episodes over yet "
+                              "(it would silently drop the environment). Fix: executor.partial_rollout=false with env=...")
         from rlpost.algos.stages import check_sampler
 
         check_sampler(cfg.algo, cfg.sampler.name)  # per-token temperature: the sampler's only
@@ -612,9 +619,18 @@ class Run:
         """
         from rlpost.eval.evaluate import build_eval_tasks, evaluate, evaluate_tasks, scalar_metrics
 
-        res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed, rollout_cfg=self.cfg.rollout)
         name = self.cfg.task.name
-        out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
+        if self.cfg.sampler.name == "episode":  # multi-turn: evaluate episodes with the training environment
+            from rlpost.eval.episodes import evaluate_episodes
+
+            res = evaluate_episodes(self.sampler, self.engine, self.tokenizer, self.task, self.reward_fn,
+                                    self.cfg.eval, seed=self.cfg.seed)
+            out = {"eval/accuracy": res["accuracy"],
+                   **{f"eval/{name}/{k}": res[k] for k in ("tool_call_frac", "turns_mean", "truncated_frac")}}
+        else:
+            res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed,
+                           rollout_cfg=self.cfg.rollout)
+            out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
         if self.cfg.eval.get("tasks"):
             if self._eval_tasks is None:
                 self._eval_tasks = build_eval_tasks(list(self.cfg.eval.tasks))

@@ -229,7 +229,8 @@ def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
     mask = inp.response_mask
     B, R = mask.shape
     lengths = mask.sum(-1).long()
-    last = (lengths - 1).clamp(min=0)
+    # the last masked position (not lengths - 1: a multi-turn episode's mask has environment holes)
+    last = (torch.arange(R) * (mask > 0)).argmax(-1) if R else torch.zeros(B, dtype=torch.long)
     tr = torch.zeros(B, R, dtype=torch.float64)
     has = lengths > 0
     tr[torch.arange(B)[has], last[has]] = inp.rewards.double()[has]
@@ -298,7 +299,10 @@ def discounted_gae(
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` after the last response
     token taken as 0 (episode ends); ``A_t = delta_t + gamma * lam * A_{t+1}``;
-    ``returns = A + V``. Positions outside ``mask`` get 0.
+    ``returns = A + V``. Positions outside ``mask`` get 0. Mask-0 positions inside a
+    response (environment tokens of a multi-turn episode) are skipped: ``t + 1`` is the
+    next masked token, so the environment's text is part of the transition between two
+    model tokens, not an end of the episode.
 
     Args:
         token_rewards, values, mask: ``[B, R]``.
@@ -316,11 +320,10 @@ def discounted_gae(
     for t in range(R - 1, -1, -1):
         m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_v - values[:, t]
-        last = delta + gamma * lam * last
-        last = last * m
-        adv[:, t] = last
-        # Carry V_{t+1} only across real tokens: padding resets the bootstrap.
-        next_v = values[:, t] * m
+        # mask-0 positions carry A_{t+1} and V_{t+1} through unchanged (trailing padding: both stay 0)
+        last = torch.where(m > 0, delta + gamma * lam * last, last)
+        adv[:, t] = last * m
+        next_v = torch.where(m > 0, values[:, t], next_v)
     returns = (adv + values) * mask
     return adv * mask, returns
 
@@ -409,8 +412,8 @@ def reverse_cumsum(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
     run = torch.zeros(B, dtype=torch.float64)
     for t in range(R - 1, -1, -1):
         m = mask[:, t].double()
-        run = (token_rewards[:, t] + gamma * run) * m
-        out[:, t] = run
+        run = torch.where(m > 0, token_rewards[:, t] + gamma * run, run)  # holes carry the return through
+        out[:, t] = run * m
     return out
 
 

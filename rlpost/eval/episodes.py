@@ -1,0 +1,65 @@
+"""Held-out evaluation of multi-turn episodes (``sampler=episode``): greedy episodes with the
+training environment, scored by the task's verifier (plus the environment's reward when the
+sampler weights it)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from rlpost.rollout.base import SamplingParams
+
+
+def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, reward_fn: Any, eval_cfg: Any,
+                      seed: int = 0) -> Dict[str, Any]:
+    """Greedy episodes on the first ``eval.limit`` held-out examples of ``task``.
+
+    One episode per problem with the sampler's environment, turn and token limits, greedy
+    decoding and ``eval.max_new_tokens`` per turn; no transcripts are written.
+
+    Returns:
+        ``{"accuracy", "n", "tool_call_frac", "turns_mean", "truncated_frac", "records"}``:
+        ``accuracy`` is the share of episodes whose final answer the verifier scores > 0.5
+        (or, with ``env_reward_weight`` set, whose total reward is > 0.5); ``records`` one
+        dict per problem (index, final text, turns, tool calls, correct).
+    """
+    from rlpost.samplers.base import SamplerContext
+
+    examples = list(task.eval_examples())[: int(eval_cfg.limit)]
+    saved = (sampler.examples, sampler.transcripts)
+    sampler.examples, sampler.transcripts = examples, False
+    bs = max(1, int(getattr(eval_cfg, "batch_size", 64) or 64))
+    records: List[Dict[str, Any]] = []
+    turns, calls, trunc = [], [], []
+    try:
+        for s in range(0, len(examples), bs):
+            chunk = list(range(s, min(len(examples), s + bs)))
+            prompts = [task.render_prompt(examples[i], tokenizer) for i in chunk]
+
+            def score(rows, texts, lengths, chunk=chunk):
+                return reward_fn.score(texts, [examples[chunk[r]] for r in rows], lengths)
+
+            ctx = SamplerContext(score=score, step=0, seed=seed, prompt_indices=chunk, rollout_counts=[1] * len(chunk))
+            sp = SamplingParams(max_new_tokens=int(eval_cfg.max_new_tokens), greedy=True, seed=seed)
+            res = sampler.sample(engine, prompts, sp, ctx)
+            g = res.generation
+            if res.rewards is None:
+                r = reward_fn.score(g.texts, [examples[i] for i in chunk], g.response_mask.sum(-1))
+                ok = r.components.get("correct", r.total) > 0.5
+            else:
+                ok = res.rewards > 0.5
+            for j, i in enumerate(chunk):
+                records.append({"index": examples[i].index, "response": g.texts[j], "correct": bool(ok[j]),
+                                "turns": int(res.extras["episode_turns"][j]),
+                                "tool_calls": int(res.extras["episode_tool_calls"][j])})
+            turns.append(res.extras["episode_turns"])
+            calls.append(res.extras["episode_tool_calls"])
+            trunc.append((~g.finished).float())
+    finally:
+        sampler.examples, sampler.transcripts = saved
+    n = len(records)
+    t, c = torch.cat(turns), torch.cat(calls)
+    return {"accuracy": sum(r["correct"] for r in records) / max(1, n), "n": n,
+            "tool_call_frac": float((c > 0).float().mean()), "turns_mean": float(t.mean()),
+            "truncated_frac": float(torch.cat(trunc).mean()), "records": records}

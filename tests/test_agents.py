@@ -1,0 +1,332 @@
+"""Multi-turn episodes: tool-call parsing, tools, the sandbox under hostile code, token-exact
+trajectories, single-turn parity, SAO's targets across turns, and one real step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from rlpost.envs.sandbox import SandboxLimits, run_python
+from rlpost.envs.tools import Calculator, PythonTool, call_tool, parse_tool_calls, safe_arithmetic
+from rlpost.rollout.base import GenerationResult, RolloutEngine
+from rlpost.samplers.base import SamplerContext, SamplingParams
+from rlpost.samplers.episode import EpisodeSampler, render_insert
+from tests.conftest import tiny_overrides
+
+ROOT = os.geteuid() == 0
+
+
+# ------------------------------------------------------------------ parsing and tools
+def test_parse_tool_calls_valid_malformed_and_none():
+    ok = parse_tool_calls('x <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>')
+    assert len(ok) == 1 and ok[0].name == "calculator" and ok[0].arguments == {"expression": "2*3"} and ok[0].error is None
+    as_str = parse_tool_calls('<tool_call>{"name": "c", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    assert as_str[0].arguments == {"a": 1}
+    bad = parse_tool_calls("<tool_call>{name: calculator}</tool_call>")
+    assert bad[0].error.startswith("Error: tool call is not valid JSON")
+    assert parse_tool_calls("<tool_call>[1, 2]</tool_call>")[0].error.startswith("Error: a tool call must be")
+    assert parse_tool_calls('<tool_call>{"name": "c", "arguments": 3}</tool_call>')[0].error.endswith("JSON object.")
+    unclosed = parse_tool_calls('<tool_call>{"name": "c", "arguments": {}}')  # cut at max tokens: still parsed
+    assert unclosed[0].name == "c"
+    assert parse_tool_calls("The answer is 42.") == []
+
+
+def test_calculator_values_and_errors():
+    assert safe_arithmetic("123 * 456") == 56088
+    assert safe_arithmetic("(2 + 3) ** 2 - 7 // 2") == 22
+    assert Calculator()(expression="10 / 4").content == "2.5"
+    assert Calculator()(expression="8 / 4").content == "2"
+    for expr, msg in [("__import__('os')", "unsupported syntax"), ("1/0", "division by zero"),
+                      ("2 ** 100000", "exponent too large"), ("1 +", "cannot parse")]:
+        r = Calculator()(expression=expr)
+        assert r.error and msg in r.content
+    assert Calculator()(expr="1").error  # wrong argument name: an error message, not an exception
+    unknown = call_tool({"calculator": Calculator()}, parse_tool_calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>')[0])
+    assert unknown.error and "unknown tool 'rm'" in unknown.content
+
+
+# ------------------------------------------------------------------ the sandbox against hostile code
+LIM = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=256, output_bytes=4096, nproc=16)
+
+
+def test_sandbox_runs_code_and_reports_stdout():
+    r = run_python("print(sum(range(10)))", LIM)
+    assert r.ok and r.stdout == "45\n" and r.message() == "45\n"
+
+
+@pytest.mark.parametrize("name,code,expect", [
+    ("infinite loop", "while True:\n    pass", ("CPU time limit", "timed out")),
+    ("10 GB allocation", "x = bytearray(10 * 1024 ** 3)\nprint('allocated')", ("MemoryError",)),
+    ("100 MB print", "import sys\nsys.stdout.write('a' * 100_000_000)", ("output limit exceeded",)),
+    ("sleep past the wall clock", "import time\ntime.sleep(60)", ("timed out",)),
+])
+def test_sandbox_limits_end_hostile_code_with_an_error_message(name, code, expect):
+    r = run_python(code, LIM)
+    assert not r.ok, name
+    assert any(e in r.message() for e in expect), (name, r.message())
+    assert r.seconds < LIM.wall_s + 2
+    assert len(r.stdout) <= LIM.output_bytes
+
+
+def test_sandbox_fork_bomb_is_bounded_and_killed():
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    r = run_python(code, LIM)
+    assert not r.ok and ("timed out" in r.message() or "CPU time" in r.message())
+    # the process group is gone: no process of the sandbox user is left
+    if ROOT:
+        import subprocess
+
+        left = subprocess.run(["pgrep", "-u", "nobody", "-f", "main.py"], capture_output=True, text=True).stdout
+        assert left.strip() == ""
+
+
+@pytest.mark.skipif(not ROOT, reason="network namespaces need root (documented in docs/AGENTS.md)")
+def test_sandbox_has_no_network():
+    code = "import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('1.1.1.1', 80))\nprint('connected')"
+    r = run_python(code, LIM)
+    assert r.network_isolated and not r.ok and "connected" not in r.stdout
+    assert "Network is unreachable" in r.message()
+
+
+@pytest.mark.skipif(not ROOT, reason="dropping to `nobody` needs root (documented in docs/AGENTS.md)")
+def test_sandbox_cannot_write_outside_its_directory(tmp_path):
+    target = os.path.join(os.path.dirname(__file__), "SANDBOX_ESCAPE")
+    r = run_python(f"open({target!r}, 'w').write('x')\nprint('wrote')", LIM)
+    assert not r.ok and "PermissionError" in r.message() and not os.path.exists(target)
+    own = run_python("open('scratch.txt', 'w').write('x')\nprint(open('scratch.txt').read())", LIM)
+    assert own.ok and own.stdout == "x\n"  # its own throw-away directory is writable
+
+
+def test_python_tool_returns_errors_as_messages():
+    tool = PythonTool(wall_s=3.0, cpu_s=2)
+    assert tool(code="print(6 * 7)").content == "42\n"
+    r = tool(code="raise ValueError('boom')")
+    assert r.error and r.content == "Error: ValueError: boom"
+    assert tool(source="x").error  # wrong argument: an error message
+
+
+# ------------------------------------------------------------------ token-exact trajectories
+@pytest.fixture(scope="module")
+def tok():
+    from rlpost.config.compose import compose_config
+    from rlpost.models.loader import load_tokenizer
+
+    return load_tokenizer(compose_config(tiny_overrides()).model)
+
+
+class ScriptedEngine(RolloutEngine):
+    """Emits scripted turns (token ids) per call and records what it was prompted with."""
+
+    def __init__(self, tok, turns):
+        self.tokenizer, self.pad_id, self.eos_ids = tok, tok.pad_token_id, {tok.eos_token_id}
+        self.turns, self.calls = turns, []
+
+    def generate(self, prompts, params):
+        from rlpost.rollout.hf import left_pad
+
+        k = len(self.calls)
+        self.calls.append([list(p) for p in prompts])
+        outs = [self.turns[k] for _ in prompts]
+        R = max(len(o) for o in outs)
+        ids = torch.full((len(outs), R), self.pad_id)
+        mask, lp = torch.zeros(len(outs), R), torch.zeros(len(outs), R)
+        for i, o in enumerate(outs):
+            ids[i, : len(o)] = torch.tensor(o)
+            mask[i, : len(o)] = 1
+            lp[i, : len(o)] = -0.1 * (k + 1) - 0.01 * torch.arange(len(o))
+        p_ids, p_mask = left_pad(prompts, self.pad_id)
+        return GenerationResult(p_ids, p_mask, ids, mask, lp, mask.clone(), torch.ones(len(outs), dtype=torch.bool),
+                                [self.tokenizer.decode(o, skip_special_tokens=True) for o in outs])
+
+    def sync_weights(self, policy):
+        pass
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_render_insert_uses_the_chat_template_and_skips_the_sampled_end_of_turn(tok):
+    msgs = [{"role": "tool", "content": "56088"}]
+    assert render_insert(tok, msgs, after_eos=True) == _ids(tok, "\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n")
+    # a turn that stopped at </tool_call> gets the end-of-turn token inserted (no loss on it)
+    assert render_insert(tok, msgs, after_eos=False) == _ids(tok, "<|im_end|>\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_three_turn_episode_is_token_exact_and_masks_exactly_the_model_tokens(tok):
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>'
+    t1 = _ids(tok, "Let me compute. " + call)  # stopped at </tool_call>: no EOS sampled
+    t2 = _ids(tok, call) + [tok.eos_token_id]  # ended with EOS
+    t3 = _ids(tok, "The answer is 56088") + [tok.eos_token_id]
+    eng = ScriptedEngine(tok, [t1, t2, t3])
+    prompt = _ids(tok, "<|im_start|>user\nWhat is 123*456?<|im_end|>\n<|im_start|>assistant\n")
+    s = EpisodeSampler(1, max_turns=4, max_total_tokens=1000)
+    res = s.sample(eng, [prompt], SamplingParams(max_new_tokens=64, seed=1), SamplerContext(step=1))
+    ins1 = _ids(tok, "<|im_end|>\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n")
+    ins2 = _ids(tok, "\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n")
+    expect = t1 + ins1 + t2 + ins2 + t3
+    g = res.generation
+    n = int(len(expect))
+    assert g.response_ids[0, :n].tolist() == expect
+    assert g.response_mask[0, :n].tolist() == [1.0] * len(t1) + [0.0] * len(ins1) + [1.0] * len(t2) + [0.0] * len(ins2) + [1.0] * len(t3)
+    # rollout log-probs: the engine's on model tokens, 0 on inserted text
+    lp = g.rollout_logprobs[0]
+    assert torch.allclose(lp[: len(t1)], -0.1 - 0.01 * torch.arange(len(t1)))
+    assert lp[len(t1): len(t1) + len(ins1)].abs().sum() == 0
+    off = len(t1) + len(ins1) + len(t2) + len(ins2)
+    assert torch.allclose(lp[off:n], -0.3 - 0.01 * torch.arange(len(t3)))
+    # each turn was prompted with exactly prompt + everything so far (nothing re-tokenised)
+    assert eng.calls[1][0] == prompt + t1 + ins1 and eng.calls[2][0] == prompt + t1 + ins1 + t2 + ins2
+    assert g.texts == ["The answer is 56088"] and bool(g.finished[0])
+    assert res.metrics["episode/turns_mean"] == 3 and res.metrics["episode/tool_calls_mean"] == 2
+    assert res.metrics["episode/tool_error_rate"] == 0 and res.metrics["episode/truncated_frac"] == 0
+    assert res.extras["episode_turns"].tolist() == [3.0]
+
+
+def test_bad_tool_calls_cost_the_episode_never_the_run(tok):
+    bad = [_ids(tok, "<tool_call>{oops</tool_call>"),
+           _ids(tok, '<tool_call>{"name": "shell", "arguments": {"cmd": "rm -rf /"}}</tool_call>'),
+           _ids(tok, '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>')]
+    eng = ScriptedEngine(tok, bad)
+    s = EpisodeSampler(1, env_params={"tools": ["calculator", "python"], "tool_params": {"python": {"wall_s": 1.0, "cpu_s": 5}}},
+                       max_turns=3, max_total_tokens=1000)
+    res = s.sample(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=64), SamplerContext(step=1))
+    m = res.metrics
+    assert m["episode/tool_calls_mean"] == 3 and m["episode/tool_error_rate"] == 1.0
+    assert m["episode/tool_timeout_rate"] == pytest.approx(1 / 3) and m["episode/truncated_frac"] == 1.0  # out of turns
+    assert not bool(res.generation.finished[0])
+
+
+def test_token_budget_truncates_before_inserting_environment_text(tok):
+    call = _ids(tok, '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    eng = ScriptedEngine(tok, [call, call])
+    s = EpisodeSampler(1, max_turns=4, max_total_tokens=len(call) + 3)  # no room for the tool message
+    res = s.sample(eng, [[5, 6]], SamplingParams(max_new_tokens=64), SamplerContext(step=1))
+    assert res.generation.response_mask[0].tolist() == [1.0] * len(call)
+    assert res.metrics["episode/truncated_frac"] == 1.0 and len(eng.calls) == 1
+
+
+# ------------------------------------------------------------------ parity with single-turn rollouts
+def test_episode_without_tool_calls_equals_single_turn_rollout_bit_for_bit(compose):
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout.hf import HFRolloutEngine
+    from rlpost.samplers.base import SingleSampler
+
+    cfg = compose(tiny_overrides())
+    policy, tk = load_policy(cfg.model, torch.float32, seed=0)
+    eng = HFRolloutEngine(policy, tk, batch_size=3)
+    prompts = [_ids(tk, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"), _ids(tk, "what is 2+2?"), [7, 8, 9, 10]]
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=1234)
+    a = SingleSampler(1).sample(eng, prompts, sp, SamplerContext(step=1, seed=5))
+    b = EpisodeSampler(1, max_turns=3, max_total_tokens=64).sample(eng, prompts, sp, SamplerContext(step=1, seed=5))
+    assert b.metrics["episode/tool_calls_mean"] == 0 and b.metrics["episode/turns_mean"] == 1
+    for f in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs", "temperatures", "finished"):
+        x, y = getattr(a.generation, f), getattr(b.generation, f)
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f
+    assert a.generation.texts == b.generation.texts and torch.equal(a.group_index, b.group_index)
+
+
+# ------------------------------------------------------------------ SAO across turns
+def test_sao_value_targets_across_a_three_turn_episode_hand_computed():
+    from rlpost.algos.advantages import AdvantageInput, compute_advantages
+
+    # turn 1: tokens 0-1, tool text 2-3, turn 2: token 4, tool text 5, turn 3: tokens 6-7; then padding
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 1, 0]], dtype=torch.float32)
+    v = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.4, 9.0, 0.6, 0.7, 9.0]])
+    inp = AdvantageInput(rewards=torch.tensor([1.0]), response_mask=mask, group_index=torch.tensor([0]), values=v)
+    out = compute_advantages("sao", inp, gamma=1.0, lam=1.0, whiten=False)
+    model = [0, 1, 4, 6, 7]
+    assert torch.allclose(out.returns[0, model], torch.ones(5))  # Monte-Carlo return R on every model token
+    assert torch.allclose(out.advantages[0, model], 1 - v[0, model])
+    assert out.advantages[0, [2, 3, 5, 8]].abs().sum() == 0 and out.returns[0, [2, 3, 5, 8]].abs().sum() == 0
+    # lam = 0.5: the next state of token 1 is token 4 (tool text is part of the transition)
+    out = compute_advantages("sao", inp, gamma=1.0, lam=0.5, whiten=False)
+    # deltas 0.1, 0.2, 0.2, 0.1, 0.3 on tokens 0, 1, 4, 6, 7; A_t = delta_t + 0.5 A_next
+    assert torch.allclose(out.advantages[0, model], torch.tensor([0.28125, 0.3625, 0.325, 0.25, 0.3]))
+    assert torch.allclose(out.returns[0, model], torch.tensor([0.38125, 0.5625, 0.725, 0.85, 1.0]))
+    # gamma = 0.5 discounts per model token, not per position
+    out = compute_advantages("sao", inp, gamma=0.5, lam=1.0, whiten=False)
+    assert torch.allclose(out.returns[0, model], torch.tensor([0.0625, 0.125, 0.25, 0.5, 1.0]))
+
+
+def test_outcome_reward_sits_on_the_last_model_token_not_at_mask_sum():
+    from rlpost.algos.advantages import AdvantageInput, outcome_token_rewards
+
+    mask = torch.tensor([[1, 0, 0, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.float32)
+    tr = outcome_token_rewards(AdvantageInput(rewards=torch.tensor([2.0, 3.0]), response_mask=mask,
+                                              group_index=torch.tensor([0, 1])))
+    assert tr.tolist() == [[0, 0, 0, 2.0, 0], [0, 0, 3.0, 0, 0]]
+
+
+# ------------------------------------------------------------------ Gymnasium adapter
+def test_gymnasium_frozenlake_runs_unchanged_through_the_adapter():
+    pytest.importorskip("gymnasium")
+    from rlpost.envs import make_env
+    from rlpost.tasks.base import Example
+
+    env = make_env("gymnasium", {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}})
+    obs = env.reset(Example(0, "", None))
+    assert obs.startswith("SFFF") and "<action>N</action>" in obs
+    assert env.step("no idea").info["tool_errors"] == 1  # an invalid action is an error message, not a crash
+    rewards = [env.step(f"I go <action>{a}</action>") for a in (2, 2, 1, 1, 1, 2)]  # right right down down down right
+    assert [s.done for s in rewards] == [False] * 5 + [True] and rewards[-1].reward == 1.0
+
+
+# ------------------------------------------------------------------ one real step on episodes
+@pytest.mark.parametrize("algo", ["sao", "grpo"])
+def test_one_training_step_on_episodes_logs_episode_metrics_and_a_transcript(compose, tmp_path, algo):
+    from rlpost.runner import train
+
+    cfg = compose(tiny_overrides(f"algo={algo}", "env=calculator", "task=multiply", "steps=1", "eval.at_end=false",
+                                 "eval.every=0", "sampler.params.max_total_tokens=40", "checkpoint.every=0"))
+    train(cfg, tmp_path / algo)
+    rows = [json.loads(x) for x in (tmp_path / algo / "metrics.jsonl").read_text().splitlines()]
+    m = next(r for r in rows if "episode/turns_mean" in r)
+    for k in ("episode/tool_calls_mean", "episode/tool_error_rate", "episode/tool_timeout_rate",
+              "episode/truncated_frac", "episode/env_seconds"):
+        assert k in m
+    assert m["episode/turns_mean"] >= 1
+    tr = json.loads((tmp_path / algo / "transcripts" / "step_000001.json").read_text())
+    assert tr["step"] == 1 and tr["transcript"][0]["role"] == "assistant"
+
+
+def test_held_out_evaluation_runs_episodes_and_partial_rollouts_are_refused(compose, tmp_path):
+    from rlpost.errors import ConfigError
+    from rlpost.runner import Run
+
+    run = Run(compose(tiny_overrides("env=calculator", "task=multiply", "eval.limit=3", "sampler.params.max_total_tokens=30")),
+              tmp_path / "r")
+    try:
+        m, res = run.evaluate()
+    finally:
+        run.close()
+    assert res["n"] == 3 and len(res["records"]) == 3 and 0 <= m["eval/accuracy"] <= 1
+    assert "eval/multiply/tool_call_frac" in m and m["eval/multiply/turns_mean"] >= 1
+    with pytest.raises(ConfigError, match="partial_rollout"):
+        Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true")), tmp_path / "p")
+
+
+def test_void_turn_filter_keeps_the_reward_and_drops_the_loss(tok):
+    from rlpost.rewards.scoring import Rewards
+
+    # two prompts: episode 0 writes a malformed call (a void turn) then answers; episode 1 answers at once
+    bad = _ids(tok, "<tool_call>{not json</tool_call>")
+    ans = _ids(tok, "56088") + [tok.eos_token_id]
+    eng = ScriptedEngine(tok, [bad, ans])
+    scored = []
+
+    def score(rows, texts, lengths):
+        scored.append(list(texts))
+        return Rewards(torch.ones(len(texts)), {"correct": torch.ones(len(texts))})
+
+    for flt, expect_mask in [(False, len(bad) + len(ans)), (True, 0)]:
+        eng.calls = []
+        s = EpisodeSampler(1, max_turns=2, max_total_tokens=500, void_turn_filter=flt)
+        res = s.sample(eng, [[3, 4]], SamplingParams(max_new_tokens=64), SamplerContext(score=score, step=1))
+        assert int(res.generation.response_mask.sum()) == expect_mask
+        if flt:  # scored once by the sampler, reward kept
+            assert res.rewards.tolist() == [1.0] and res.metrics["episode/void_filtered_frac"] == 1.0
+    assert scored == [["56088"]]
