@@ -18,6 +18,7 @@ squared sequence importance weights ``pi_old / pi_behav``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -722,6 +723,199 @@ def mssr_advantage(
     A = _broadcast(adv, inp.response_mask)
     bonus = torch.minimum(entropy_alpha * inp.entropy.float().detach().clamp(min=0), A.abs() / entropy_kappa)
     return AdvantageOutput(advantages=(A + bonus) * inp.response_mask)
+
+
+# --- Difficulty-weighted group advantages: A_i = w(p_g) * (r_i - p_g) -------------------------------
+#
+# BNPO, MaxRL and F-GRPO share one mechanism: the group-centred reward ``r_i - p_g`` (``p_g`` the
+# group's mean reward, its success rate for 0/1 rewards) scaled by a weight that depends only on
+# the prompt's difficulty ``p_g``. GRPO itself is the weight ``1 / std_g``. "Advantage Shaping as
+# Surrogate Reward Maximization" (arXiv:2510.23049) reads every such weight as the gradient of a
+# surrogate objective F(p). The three estimators below differ only in ``w``.
+
+
+def difficulty_weighted_advantage(
+    inp: AdvantageInput, rewards: torch.Tensor, weight: torch.Tensor, centre: torch.Tensor, std: torch.Tensor
+) -> AdvantageOutput:
+    """``A_i = weight_i * (rewards_i - centre_i)`` on every response token; 0 in zero-variance groups.
+
+    The shared last step of :func:`bnpo_advantage`, :func:`maxrl_advantage` and
+    :func:`fgrpo_advantage`.
+
+    Args:
+        inp: supplies ``response_mask [B, R]``.
+        rewards, weight, centre, std: ``[B]`` (per sample; ``weight``, ``centre``
+            and ``std`` constant within a group). A group with ``std == 0``
+            (all rewards equal, or a single sample) gets exactly 0, never NaN,
+            whatever its weight (the weight may be infinite there).
+    Returns:
+        AdvantageOutput with ``advantages [B, R]``.
+    """
+    has_signal = std > 0
+    safe_w = torch.where(has_signal, weight, torch.zeros_like(weight))
+    adv = torch.where(has_signal, safe_w * (rewards - centre), torch.zeros_like(rewards))
+    return AdvantageOutput(advantages=_broadcast(adv.float(), inp.response_mask))
+
+
+@dataclass(frozen=True)
+class BNPOParams:
+    """BNPO's reward range (arXiv:2506.02864; authors' release maps rewards to [0, 1] with min 0, max 1)."""
+
+    reward_min: float = param(0.0, "reward mapped to 0 before the Beta fit (authors' release: 0)")
+    reward_max: float = param(1.0, "reward mapped to 1 before the Beta fit (authors' release: 1)")
+    max_weight: float = param(1e6, "cap on the weight 1 / f_N(p) (authors' release: 1e6)")
+
+
+def _beta_pdf(p: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """Beta(a, b) density at ``p`` (float64; 0 ** 0 = 1, so a = b = 1 is the uniform density 1)."""
+    log_norm = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    return torch.pow(p, a - 1.0) * torch.pow(1.0 - p, b - 1.0) * math.exp(-log_norm)
+
+
+def bnpo_beta_params(p_groups: torch.Tensor) -> tuple:
+    """BNPO's normalising Beta parameters ``(alpha, beta)`` from the batch's group success rates.
+
+    The success rates ``p_g`` of the batch's prompts are fitted by a Beta(a, b)
+    with the method of moments (``m`` mean, ``v`` unbiased variance over prompts):
+    ``a = (m (1 - m) / v - 1) m``, ``b = (m (1 - m) / v - 1) (1 - m)``; the
+    variance-minimising normaliser is then ``alpha = max(1 + a / 3, 1)``,
+    ``beta = max(1 + b / 3, 1)`` (BNPO arXiv:2506.02864, Theorem 2; as in the
+    authors' release). One prompt: ``m = 0, v = 1`` as in the release, which
+    gives ``alpha = beta = 1``. Our choice where the release divides by zero
+    (all prompts equally hard, ``v = 0``): ``alpha = beta = 1`` (no
+    normalisation, REINFORCE with the group-mean baseline).
+
+    Args:
+        p_groups: ``[G]`` float, one success rate in [0, 1] per prompt.
+    Returns:
+        ``(alpha, beta)`` as Python floats, both >= 1.
+    """
+    p = p_groups.double()
+    if p.numel() > 1:
+        m, v = float(p.mean()), float(p.var())
+    else:
+        m, v = 0.0, 1.0
+    if not v > 0:
+        return 1.0, 1.0
+    k = m * (1.0 - m) / v - 1.0
+    a, b = k * m, k * (1.0 - m)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 1.0, 1.0
+    return max(1.0 + a / 3.0, 1.0), max(1.0 + b / 3.0, 1.0)
+
+
+@ADV_ESTIMATORS.register(
+    "bnpo",
+    paper="BNPO: Beta Normalization Policy Optimization (arXiv:2506.02864)",
+    params=BNPOParams,
+    needs_group=True,
+)
+def bnpo_advantage(
+    inp: AdvantageInput, *, reward_min: float, reward_max: float, max_weight: float
+) -> AdvantageOutput:
+    """BNPO: ``A_i = (s_i - p_g) / f_N(p_g; alpha, beta)``, a Beta density as the normaliser.
+
+    ``s_i = (r_i - reward_min) / (reward_max - reward_min)`` (the release's affine
+    map of rewards to [0, 1]; the theory is for 0/1 rewards), ``p_g`` the group
+    mean of ``s`` (the prompt's estimated success rate), ``f_N`` the density of
+    Beta(alpha, beta) with ``(alpha, beta)`` re-fitted on every batch by
+    :func:`bnpo_beta_params`. ``1 / f_N`` is capped at ``max_weight``.
+    Special cases (the paper's Section 3): alpha = beta = 1 is REINFORCE with the
+    group-mean baseline; alpha = beta = 1.5 gives ``f_N ∝ sqrt(p (1 - p))``,
+    GRPO's population std. The advantage is in units of ``s``, as in the
+    release. Zero-variance groups get 0. The advantage-decomposition extension
+    for multi-part rewards is not implemented (our rewards are one scalar).
+    Shapes: rewards ``[B]`` -> advantages ``[B, R]``.
+
+    Raises:
+        ValueError: ``reward_max <= reward_min``, or a reward outside the range.
+    """
+    if not reward_max > reward_min:
+        raise ValueError(f"bnpo needs reward_max > reward_min, got [{reward_min}, {reward_max}]")
+    s = (inp.rewards.double() - reward_min) / (reward_max - reward_min)
+    if s.numel() and (float(s.min()) < -1e-9 or float(s.max()) > 1 + 1e-9):
+        raise ValueError(f"bnpo: rewards must lie in [reward_min, reward_max] = [{reward_min}, {reward_max}] "
+                         f"(got {float(inp.rewards.min())}..{float(inp.rewards.max())}); set algo.adv_params")
+    s = s.clamp(0.0, 1.0)
+    p, std, _ = group_stats(s, inp.group_index)
+    inv, G = group_ids(inp.group_index)
+    p_groups = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, p) / torch.zeros(
+        G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(p))
+    alpha, beta = bnpo_beta_params(p_groups)
+    w = (1.0 / _beta_pdf(p, alpha, beta)).clamp(min=0.0, max=max_weight)
+    return difficulty_weighted_advantage(inp, s, w, p, std)
+
+
+@ADV_ESTIMATORS.register(
+    "maxrl",
+    paper="Maximum Likelihood Reinforcement Learning (MaxRL, arXiv:2602.02710)",
+    needs_group=True,
+)
+def maxrl_advantage(inp: AdvantageInput) -> AdvantageOutput:
+    """MaxRL: the group-centred reward divided by the group *mean* (not the std).
+
+    ``A_i = (r_i - p_g) / p_g`` with ``p_g`` the group's mean reward. For 0/1
+    rewards with ``K`` successes among ``N`` samples, ``(1/N) sum_i A_i grad log pi(y_i)
+    = (1/K) sum_{r_i = 1} grad log pi(y_i) - (1/N) sum_i grad log pi(y_i)``: the
+    paper's unbiased estimator of the gradient of its order-N truncated
+    log-likelihood objective (the average score of the successful samples),
+    with the zero-mean all-sample score as control variate. As ``N`` grows it
+    approaches ``grad log p(x)``, i.e. a weight ``1 / p`` on each prompt instead
+    of RL's 1: hard prompts count more. Groups with no success (``K = 0``) or
+    no variance get 0. Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: a group with reward variance has mean <= 0 (MaxRL is for
+            rewards in [0, 1], binary in the paper).
+    """
+    r = inp.rewards.double()
+    p, std, _ = group_stats(r, inp.group_index)
+    if bool(((std > 0) & (p <= 0)).any()):
+        raise ValueError("maxrl needs non-negative rewards (binary success in the paper): a group with reward "
+                         "variance has mean <= 0; shift the reward or use grpo")
+    return difficulty_weighted_advantage(inp, r, 1.0 / p.clamp(min=1e-12), p, std)
+
+
+@dataclass(frozen=True)
+class FGRPOParams:
+    """F-GRPO's focal weight (1 - p_pos)^gamma on a group-relative advantage (arXiv:2602.06717)."""
+
+    gamma: float = param(1.0, "focal exponent gamma >= 0; 0 = plain GRPO (our choice 1: the tuned value was not in the text we could read)")
+    norm_by_std: bool = param(True, "divide by the group std as GRPO does (false: Dr. GRPO-style r - mean)")
+    eps: float = param(1e-6, "added to the group std (GRPO reference code: 1e-6)")
+
+
+@ADV_ESTIMATORS.register(
+    "fgrpo",
+    paper="F-GRPO: Don't Let Your Policy Learn the Obvious and Forget the Rare (arXiv:2602.06717)",
+    params=FGRPOParams,
+    needs_group=True,
+)
+def fgrpo_advantage(inp: AdvantageInput, *, gamma: float, norm_by_std: bool, eps: float) -> AdvantageOutput:
+    """F-GRPO: GRPO's advantage scaled by the focal weight ``g(x) = (1 - p_pos(x)) ** gamma``.
+
+    ``p_pos`` is the share of the prompt's rollouts with a positive reward (its
+    empirical success rate for 0/1 rewards), so prompts the policy already
+    solves are down-weighted and rare-correct solutions of hard prompts keep
+    their weight; ``gamma = 0`` is GRPO. ``A_i = g * (r_i - mean_g) / (std_g + eps)``
+    (``/ (std_g + eps)`` only when ``norm_by_std``). The paper applies ``g`` to the
+    advantage of GRPO, DAPO and CISPO alike: pair this estimator with
+    ``algo.loss=ppo_clip`` / DAPO's clip / ``cispo``. Our choices: the default
+    ``gamma = 1`` and "positive reward" as success for non-binary rewards.
+    Zero-variance groups get 0. Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: ``gamma < 0``.
+    """
+    if gamma < 0:
+        raise ValueError(f"fgrpo: gamma must be >= 0, got {gamma}")
+    r = inp.rewards.double()
+    mean, std, _ = group_stats(r, inp.group_index)
+    p_pos, _, _ = group_stats((r > 0).double(), inp.group_index)
+    w = (1.0 - p_pos).clamp(min=0.0) ** gamma
+    if norm_by_std:
+        w = w / (std + eps)
+    return difficulty_weighted_advantage(inp, r, w, mean, std)
 
 
 def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> AdvantageOutput:

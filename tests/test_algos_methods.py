@@ -1,0 +1,112 @@
+"""Objective-level methods of issue 17 on small hand-computed tensors.
+
+Each test takes a small case from the paper's equations and checks the
+advantages (or loss) against numbers worked out by hand in the comments.
+"""
+
+import math
+
+import pytest
+import torch
+
+from rlpost.algos.advantages import AdvantageInput, bnpo_beta_params, compute_advantages
+from rlpost.algos.aggregation import aggregate
+from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
+
+
+def inp(rewards, groups, lengths=None):
+    lengths = lengths or [2] * len(rewards)
+    mask = torch.zeros(len(rewards), max(lengths))
+    for i, L in enumerate(lengths):
+        mask[i, :L] = 1.0
+    return AdvantageInput(rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
+                          group_index=torch.tensor(groups))
+
+
+def seq_adv(out, x):
+    a = out.advantages
+    assert torch.all(a[x.response_mask == 0] == 0)
+    assert torch.allclose(a, a[:, :1] * x.response_mask, atol=1e-6)
+    return a[:, 0]
+
+
+def beta_pdf(p, a, b):
+    return p ** (a - 1) * (1 - p) ** (b - 1) * math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b))
+
+
+# --- BNPO (arXiv:2506.02864) ---------------------------------------------------------------------
+
+def test_bnpo_beta_fit_and_advantages_by_hand():
+    # two prompts, p = 0.25 and 0.5; a third group with no variance
+    x = inp([1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1], [0] * 4 + [1] * 4 + [2] * 4)
+    # prompt success rates 0.25, 0.5, 1.0: m = 7/12, unbiased v = ((1/3)^2 + (1/12)^2 + (5/12)^2) / 2
+    m = 7 / 12
+    v = ((0.25 - m) ** 2 + (0.5 - m) ** 2 + (1.0 - m) ** 2) / 2
+    k = m * (1 - m) / v - 1
+    alpha, beta = max(1 + k * m / 3, 1), max(1 + k * (1 - m) / 3, 1)
+    assert bnpo_beta_params(torch.tensor([0.25, 0.5, 1.0])) == pytest.approx((alpha, beta))
+    a = seq_adv(compute_advantages("bnpo", x), x)
+    w0, w1 = 1 / beta_pdf(0.25, alpha, beta), 1 / beta_pdf(0.5, alpha, beta)
+    want = [0.75 * w0, -0.25 * w0, -0.25 * w0, -0.25 * w0, 0.5 * w1, 0.5 * w1, -0.5 * w1, -0.5 * w1, 0, 0, 0, 0]
+    assert torch.allclose(a, torch.tensor(want), atol=1e-5)
+    assert torch.equal(a[8:], torch.zeros(4))  # p = 1: density 0, weight capped, advantage exactly 0
+
+
+def test_bnpo_special_cases_reinforce_and_grpo():
+    # one prompt: the release's m = 0, v = 1 gives alpha = beta = 1 -> A = r - p (REINFORCE with baseline)
+    assert bnpo_beta_params(torch.tensor([0.3])) == (1.0, 1.0)
+    x = inp([1, 0, 0, 0], [0] * 4)
+    assert torch.allclose(seq_adv(compute_advantages("bnpo", x), x), torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    # equal prompts (v = 0): our guard, alpha = beta = 1, no division by zero
+    assert bnpo_beta_params(torch.tensor([0.5, 0.5])) == (1.0, 1.0)
+    # alpha = beta = 1.5 is GRPO: f = sqrt(p (1 - p)) / B(1.5, 1.5), B(1.5, 1.5) = pi / 8
+    assert beta_pdf(0.25, 1.5, 1.5) == pytest.approx(math.sqrt(0.25 * 0.75) * 8 / math.pi)
+
+
+def test_bnpo_maps_rewards_to_unit_range_and_rejects_outside():
+    x = inp([2.0, -2.0], [0, 0])
+    a = seq_adv(compute_advantages("bnpo", x, reward_min=-2.0, reward_max=2.0), x)
+    assert torch.allclose(a, torch.tensor([0.5, -0.5]))  # s = 1, 0; p = 0.5; alpha = beta = 1
+    with pytest.raises(ValueError, match="rewards must lie in"):
+        compute_advantages("bnpo", x)
+
+
+# --- MaxRL (arXiv:2602.02710) --------------------------------------------------------------------
+
+def test_maxrl_divides_by_success_rate():
+    x = inp([1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0], [0] * 4 + [1] * 4 + [2] * 4)
+    a = seq_adv(compute_advantages("maxrl", x), x)
+    # p = 1/4: success (1 - 1/4) / (1/4) = 3, failure -1; p = 3/4: 1/3 and -1; no success: 0
+    assert torch.allclose(a, torch.tensor([3, -1, -1, -1, 1 / 3, 1 / 3, 1 / 3, -1, 0, 0, 0, 0.0]), atol=1e-6)
+    # the group-mean of A_i * score_i equals (1/K) sum_success score - (1/N) sum_all score
+    score = torch.tensor([0.7, -0.2, 0.4, 1.1])
+    assert float((a[:4] * score).mean()) == pytest.approx(0.7 / 1 - float(score.mean()))
+
+
+def test_maxrl_rejects_negative_mean():
+    with pytest.raises(ValueError, match="non-negative rewards"):
+        compute_advantages("maxrl", inp([-1.0, 0.0], [0, 0]))
+
+
+# --- F-GRPO (arXiv:2602.06717) -------------------------------------------------------------------
+
+def test_fgrpo_focal_weight_on_grpo_advantage():
+    x = inp([1, 0, 0, 0, 1, 1, 1, 0], [0] * 4 + [1] * 4)
+    a = seq_adv(compute_advantages("fgrpo", x, gamma=1.0), x)
+    # group 0: p = 1/4, unbiased std 0.5, GRPO A = [1.5, -0.5, -0.5, -0.5], weight 3/4
+    # group 1: p = 3/4, std 0.5, GRPO A = [0.5, 0.5, 0.5, -1.5], weight 1/4
+    want = torch.tensor([1.5, -0.5, -0.5, -0.5]) * 0.75
+    want = torch.cat([want, torch.tensor([0.5, 0.5, 0.5, -1.5]) * 0.25])
+    assert torch.allclose(a, want, atol=1e-5)
+    a2 = seq_adv(compute_advantages("fgrpo", x, gamma=2.0), x)
+    assert a2[0] == pytest.approx(1.5 * 0.75 ** 2, abs=1e-5) and a2[7] == pytest.approx(-1.5 / 16, abs=1e-5)
+    # gamma = 0 is GRPO exactly (up to float rounding)
+    g = seq_adv(compute_advantages("grpo", x), x)
+    assert torch.allclose(seq_adv(compute_advantages("fgrpo", x, gamma=0.0), x), g, atol=1e-6)
+
+
+def test_difficulty_weighted_estimators_zero_variance_exact_zero():
+    x = inp([1, 1, 0, 0], [0, 0, 1, 1])
+    for name in ("bnpo", "maxrl", "fgrpo"):
+        a = compute_advantages(name, x).advantages
+        assert torch.equal(a, torch.zeros_like(a)), name
