@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from rlpost.algos.advantages import AdvantageInput, bnpo_beta_params, compute_advantages
-from rlpost.algos.aggregation import aggregate
 from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
 
 
@@ -110,3 +109,69 @@ def test_difficulty_weighted_estimators_zero_variance_exact_zero():
     for name in ("bnpo", "maxrl", "fgrpo"):
         a = compute_advantages(name, x).advantages
         assert torch.equal(a, torch.zeros_like(a)), name
+
+
+# --- REC / OPMD / AsymRE (arXiv:2509.24203) ------------------------------------------------------
+
+def make(ratios, adv):
+    """Old log-probs 0, current log-probs log(ratio) as a leaf with grad."""
+    r = torch.tensor(ratios, dtype=torch.float32)
+    lp = torch.log(r).clone().requires_grad_(True)
+    A = torch.tensor(adv, dtype=torch.float32)
+    return PolicyLossInput(logprobs=lp, old_logprobs=torch.zeros_like(r), advantages=A, response_mask=torch.ones_like(r))
+
+
+def grad_of(name, x, **p):
+    loss, met = compute_policy_loss(name, x, **p)
+    loss.sum().backward()
+    return loss.detach(), x.logprobs.grad.clone(), met
+
+
+# tokens: r=1.5,A=+1 | r=1.5,A=-1 | r=0.5,A=-1 | r=0.5,A=+1 | r=1.0,A=+2 | r=3.5,A=-1
+R = [[1.5, 1.5, 0.5, 0.5, 1.0, 3.5]]
+ADV = [[1.0, -1.0, -1.0, 1.0, 2.0, -1.0]]
+
+
+def test_rec_one_side_no_is_is_plain_reinforce_on_kept_tokens():
+    loss, g, met = grad_of("rec", make(R, ADV))  # defaults: one_side, weight none
+    # one_side drops token 0 (r > 1.2, A > 0) and token 2 (r < 0.8, A < 0); the rest get -A grad log pi
+    assert torch.allclose(g, torch.tensor([[0.0, 1.0, 0.0, -1.0, -2.0, 1.0]]))
+    assert torch.allclose(loss, torch.tensor([[0.0, 1.0, 0.0, -1.0, -2.0, 1.0]]))
+    assert float(met["clip_frac"]) == pytest.approx(2 / 6)
+
+
+def test_rec_one_side_with_is_equals_ppo_clip_gradient():
+    x1, x2 = make(R, ADV), make(R, ADV)
+    _, g_rec, _ = grad_of("rec", x1, weight="importance_sampling")
+    _, g_ppo, _ = grad_of("ppo_clip", x2)
+    assert torch.allclose(g_rec, g_ppo)  # the paper's reading of GRPO: one-side clipping + IS weight
+
+
+def test_rec_two_side_and_ring():
+    _, g2, _ = grad_of("rec", make(R, ADV), clip_mode="two_side")
+    # two_side keeps only r in [0.8, 1.2]: token 4
+    assert torch.allclose(g2, torch.tensor([[0.0, 0.0, 0.0, 0.0, -2.0, 0.0]]))
+    _, gr, _ = grad_of("rec", make(R, ADV), clip_mode="ring")
+    # ring adds A >= 0 with r <= 0.4 (none: token 3 has r = 0.5) and A <= 0 with r >= 3 (token 5)
+    assert torch.allclose(gr, torch.tensor([[0.0, 0.0, 0.0, 0.0, -2.0, 1.0]]))
+
+
+def test_opmd_k2_and_asymre_forward_kl_regularisers():
+    x = make([[2.0, 0.5]], [[1.0, -1.0]])
+    loss, g, _ = grad_of("rec", x, clip_mode="none", regularizer="k2", regularizer_coef=0.1)
+    l2 = math.log(2.0)
+    # k2: +0.1 (log r)^2, gradient 0.2 log r; PG part -A
+    assert torch.allclose(loss, torch.tensor([[-1.0 + 0.1 * l2 ** 2, 1.0 + 0.1 * l2 ** 2]]), atol=1e-6)
+    assert torch.allclose(g, torch.tensor([[-1.0 + 0.2 * l2, 1.0 - 0.2 * l2]]), atol=1e-6)
+    _, ga, _ = grad_of("rec", make([[2.0, 0.5]], [[1.0, -1.0]]), clip_mode="none", regularizer="forward_kl",
+                       regularizer_coef=0.1)
+    # AsymRE: -(A + tau) grad log pi, i.e. the baseline lowered by tau
+    assert torch.allclose(ga, torch.tensor([[-1.1, 0.9]]), atol=1e-6)
+
+
+def test_rec_weights_tis_and_advantage():
+    _, g, _ = grad_of("rec", make([[3.0, 0.2]], [[1.0, 1.0]]), clip_mode="none",
+                      weight="truncated_importance_sampling")
+    assert torch.allclose(g, torch.tensor([[-3.0, -0.4]]))  # clip(r, 0.4, 3.0) * -A
+    _, g, _ = grad_of("rec", make([[1.0, 1.0]], [[1.0, -1.0]]), clip_mode="none", weight="advantage", temp=2.0)
+    assert torch.allclose(g, torch.tensor([[-math.exp(0.5), math.exp(-0.5)]]), atol=1e-6)
