@@ -175,3 +175,26 @@ def test_rec_weights_tis_and_advantage():
     assert torch.allclose(g, torch.tensor([[-3.0, -0.4]]))  # clip(r, 0.4, 3.0) * -A
     _, g, _ = grad_of("rec", make([[1.0, 1.0]], [[1.0, -1.0]]), clip_mode="none", weight="advantage", temp=2.0)
     assert torch.allclose(g, torch.tensor([[-math.exp(0.5), math.exp(-0.5)]]), atol=1e-6)
+
+
+# --- max@k (arXiv:2510.23393) --------------------------------------------------------------------
+
+def test_max_at_k_subset_credit_and_loo_baseline_by_hand():
+    x = inp([0.0, 1.0, 0.0, 0.5], [0] * 4)
+    # size-2 subsets and their max: {0,1}=1 {0,2}=0 {0,3}=.5 {1,2}=1 {1,3}=1 {2,3}=.5
+    # A_i = k * mean max over the 3 subsets containing i: 2*(1.5/3), 2*(3/3), 2*(1.5/3), 2*(2/3)
+    a = seq_adv(compute_advantages("max_at_k", x, k=2, baseline="none"), x)
+    assert torch.allclose(a, torch.tensor([1.0, 2.0, 1.0, 4 / 3]), atol=1e-6)
+    # loo baseline: k * max@2 of the other three: {1,0,.5} -> 2*(1+1+.5)/3, {0,0,.5} -> 2*(1/3), {0,1,0} -> 2*(2/3)
+    a = seq_adv(compute_advantages("max_at_k", x, k=2), x)
+    assert torch.allclose(a, torch.tensor([1 - 5 / 3, 2 - 2 / 3, 1 - 5 / 3, 0.0]), atol=1e-6)
+
+
+def test_max_at_k_one_is_reinforce_and_unbiased_against_enumeration():
+    x = inp([0.0, 1.0, 0.0, 1.0, 1.0], [0] * 5)
+    assert torch.allclose(seq_adv(compute_advantages("max_at_k", x, k=1, baseline="none"), x), x.rewards)
+    # binary rewards, k = 3: group mean of A_i / k is the unbiased pass@3 estimate 1 - C(2,3)/C(5,3) = 1
+    a = seq_adv(compute_advantages("max_at_k", x, k=3, baseline="none"), x)
+    assert float(a.mean()) / 3 == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="fewer than 6"):
+        compute_advantages("max_at_k", x, k=5)

@@ -918,6 +918,92 @@ def fgrpo_advantage(inp: AdvantageInput, *, gamma: float, norm_by_std: bool, eps
     return difficulty_weighted_advantage(inp, r, w, mean, std)
 
 
+class MaxAtKBaseline(Choice):
+    """Baseline of the max@k estimator: none, or the leave-one-out max@k of the other samples."""
+
+    none = "none"
+    loo = "loo"
+
+
+@dataclass(frozen=True)
+class MaxAtKParams:
+    """Direct max@k optimisation (arXiv:2510.23393): k and the baseline of its on-policy estimator."""
+
+    k: int = param(4, "k of max@k, 1 <= k <= group size (our choice 4: the paper sweeps k; k = 1 is REINFORCE)")
+    baseline: MaxAtKBaseline = param(MaxAtKBaseline.loo, "loo: subtract k * max@k of the other G - 1 samples (unbiased; our choice); none")
+
+
+def max_at_k_estimate(r: torch.Tensor, k: int) -> float:
+    """Unbiased estimate of ``max@k = E[max of k samples' rewards]`` from ``n >= k`` samples ``r`` ``[n]``.
+
+    The U-statistic over all size-k subsets: with rewards sorted ascending,
+    ``sum_q C(q - 1, k - 1) / C(n, k) * r_(q)`` (``q`` 1-based rank).
+    """
+    n = r.numel()
+    rs = torch.sort(r.double()).values
+    return float(sum(math.comb(q - 1, k - 1) * float(rs[q - 1]) for q in range(1, n + 1)) / math.comb(n, k))
+
+
+@ADV_ESTIMATORS.register(
+    "max_at_k",
+    paper="The Best of N Worlds: Aligning Reinforcement Learning with Best-of-N Sampling via max@k Optimization "
+    "(arXiv:2510.23393); the same U-statistic as Pass@K Policy Optimization (arXiv:2505.15201)",
+    params=MaxAtKParams,
+    needs_group=True,
+)
+def max_at_k_advantage(inp: AdvantageInput, *, k: int, baseline: str) -> AdvantageOutput:
+    """Unbiased on-policy gradient of max@k (pass@k for 0/1 rewards) as a per-sample advantage.
+
+    ``grad max@k = E[max_{m<=k} r_m * sum_{m<=k} grad log pi(y_m)]``; its unbiased
+    estimate from a group of ``n >= k`` samples averages over all size-k subsets
+    ``S``, so sample ``i`` gets the coefficient of ``grad log pi(y_i)``
+    ``A_i = k * mean_{S ∋ i} max_{j in S} r_j``
+    (the factor ``n / C(n, k) = k / C(n - 1, k - 1)`` makes the group-mean
+    gradient the estimate; ``k = 1`` gives ``A_i = r_i``). With ascending ranks
+    ``q``: ``sum_{S ∋ i} max_S r = C(q_i - 1, k - 1) r_i + sum_{q > q_i} C(q - 2, k - 2) r_(q)``,
+    so a sample is credited for the subsets it wins and for those a better
+    sample wins with it. ``baseline="loo"`` subtracts ``k * max@k`` estimated
+    from the other ``n - 1`` samples (independent of sample ``i``, so the
+    estimate stays unbiased; needs ``n - 1 >= k``); this baseline and the
+    default ``k = 4`` are our choices. The paper's off-policy correction (ratio
+    weights on the subset terms) is not implemented: use it on-policy, or with
+    the loss's own importance ratio. A group whose rewards are all equal gets 0.
+    Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: ``k < 1``, or a group smaller than ``k`` (``k + 1`` with ``loo``).
+    """
+    if k < 1:
+        raise ValueError(f"max_at_k: k must be >= 1, got {k}")
+    r = inp.rewards.double()
+    inv, G = group_ids(inp.group_index)
+    adv = torch.zeros_like(r)
+    for g in range(G):
+        idx = torch.nonzero(inv == g, as_tuple=False).flatten()
+        n = idx.numel()
+        need = k + 1 if baseline == "loo" else k
+        if n < need:
+            raise ValueError(f"max_at_k: a group has {n} samples, fewer than {need} (k={k}, baseline={baseline}); "
+                             f"set algo.n_samples_per_prompt >= {need} or a smaller algo.adv_params.k")
+        rg = r[idx]
+        if bool((rg == rg[0]).all()):
+            continue
+        order = torch.argsort(rg, stable=True)
+        rs = rg[order]
+        # win[q] = sum over size-k subsets containing the rank-q sample of their max (1-based q)
+        win = torch.zeros(n, dtype=torch.float64)
+        for q in range(1, n + 1):
+            tail = sum(math.comb(j - 2, k - 2) * float(rs[j - 1]) for j in range(q + 1, n + 1)) if k >= 2 else 0.0
+            win[q - 1] = math.comb(q - 1, k - 1) * float(rs[q - 1]) + tail
+        a = torch.zeros(n, dtype=torch.float64)
+        a[order] = k * win / math.comb(n - 1, k - 1)
+        if baseline == "loo":
+            a = a - torch.tensor([k * max_at_k_estimate(torch.cat([rg[:m], rg[m + 1:]]), k) for m in range(n)],
+                                 dtype=torch.float64)
+        adv[idx] = a
+    return AdvantageOutput(advantages=_broadcast(adv.float(), inp.response_mask))
+
+
 def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> AdvantageOutput:
     """Run the registered estimator ``name`` on ``inp`` with its ``params``.
 
