@@ -225,3 +225,23 @@ def test_rec_micro_batch_split_gives_the_whole_batch_loss_and_gradient(params):
     b, gb = run(slice(2, 4), float(m.sum()))
     assert torch.isclose(whole, a + b)
     assert torch.allclose(g_whole, ga + gb)
+
+
+# --- DGPO (arXiv:2601.20614) ---------------------------------------------------------------------
+
+def test_dgpo_mad_normalisation_and_question_weights_by_hand():
+    x = inp([1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0], [0] * 4 + [1] * 4 + [2] * 4)
+    # DGAE: both groups have summed |r - mean| = 1.5, so A = 4 (r - mean) / (1.5 + 1e-4)
+    c = 4 / (1.5 + 1e-4)
+    dgae = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75]) * c
+    a = seq_adv(compute_advantages("dgpo", x, dqw=False, rescale_valid=False), x)
+    assert torch.allclose(a[:8], dgae, atol=1e-5) and torch.equal(a[8:], torch.zeros(4))
+    assert float(a[:4].abs().sum()) == pytest.approx(float(a[4:8].abs().sum()))  # equal update per question
+    # DQW: 2 * softmax(-[0.25, 0.75] / 2); the harder question (mean 0.25) weighs more
+    l0 = 2 / (1 + math.exp(-0.25))
+    l1 = 2 - l0
+    a = seq_adv(compute_advantages("dgpo", x, rescale_valid=False), x)
+    assert torch.allclose(a[:8], dgae * torch.tensor([l0] * 4 + [l1] * 4), atol=1e-5)
+    # rescale: 24 tokens in all, 16 in the two groups with variance -> x 1.5
+    a = seq_adv(compute_advantages("dgpo", x), x)
+    assert torch.allclose(a[:8], 1.5 * dgae * torch.tensor([l0] * 4 + [l1] * 4), atol=1e-5)

@@ -918,6 +918,68 @@ def fgrpo_advantage(inp: AdvantageInput, *, gamma: float, norm_by_std: bool, eps
     return difficulty_weighted_advantage(inp, r, w, mean, std)
 
 
+@dataclass(frozen=True)
+class DGPOParams:
+    """DGPO's difficulty-balanced advantage and question weights (arXiv:2601.20614; authors' release values)."""
+
+    dqw: bool = param(True, "difficulty-aware question weighting (DQW) on (authors' release: on)")
+    dqw_temp: float = param(2.0, "DQW softmax temperature T (authors' release: 2.0)")
+    eps: float = param(1e-4, "added to the group's summed absolute deviation (authors' release: 1e-4)")
+    rescale_valid: bool = param(True, "scale by all tokens / tokens of groups with reward variance, as the release does")
+
+
+@ADV_ESTIMATORS.register(
+    "dgpo",
+    paper="Harder Is Better: Boosting Mathematical Reasoning via Difficulty-Aware GRPO and Multi-Aspect Question "
+    "Reformulation (MathForge / DGPO, arXiv:2601.20614)",
+    params=DGPOParams,
+    needs_group=True,
+)
+def dgpo_advantage(
+    inp: AdvantageInput, *, dqw: bool, dqw_temp: float, eps: float, rescale_valid: bool
+) -> AdvantageOutput:
+    """DGPO: mean-absolute-deviation normalisation (DGAE) times a softmax question weight (DQW).
+
+    DGAE: ``A_i = G (r_i - mean_g) / (sum_j |r_j - mean_g| + eps)``, i.e. divided by
+    the group's mean absolute deviation instead of its std, so that the total
+    update ``sum_i |A_i| = G`` is the same for every question with reward
+    variance (GRPO's is largest at success rate 1/2 and shrinks for hard and
+    easy questions). DQW: over the ``B_v`` questions with reward variance,
+    ``lambda_g = B_v * softmax_g(-mean_g / T)``, harder questions (lower mean
+    reward) weigh more; others keep weight 1 (their advantage is 0). With
+    ``rescale_valid`` the advantages are also multiplied by (all response
+    tokens) / (tokens of questions with variance), the release's correction for
+    the zero-advantage groups in a token-mean loss. Follows the authors'
+    release (MathForge, TRL GRPO trainer); its per-process balancing ratio is 1
+    on one process and is left out. Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: ``dqw_temp <= 0``.
+    """
+    if dqw_temp <= 0:
+        raise ValueError(f"dgpo: dqw_temp must be > 0, got {dqw_temp}")
+    r = inp.rewards.double()
+    mean, std, cnt = group_stats(r, inp.group_index)
+    inv, G = group_ids(inp.group_index)
+    abs_dev = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, (r - mean).abs())[inv]
+    w = cnt / (abs_dev + eps)
+    valid = std > 0
+    if dqw or rescale_valid:
+        gmean = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, r) / torch.zeros(
+            G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
+        gvalid = torch.zeros(G, dtype=torch.bool)
+        gvalid[inv[valid]] = True
+        n_valid = int(gvalid.sum())
+        if dqw and n_valid:
+            lam = torch.ones(G, dtype=torch.float64)
+            lam[gvalid] = n_valid * torch.softmax(-gmean[gvalid] / dqw_temp, dim=0)
+            w = w * lam[inv]
+        if rescale_valid and n_valid:
+            L = inp.response_mask.double().sum(-1)
+            w = w * (L.sum() / L[valid].sum().clamp(min=1e-12))
+    return difficulty_weighted_advantage(inp, r, w, mean, std)
+
+
 class MaxAtKBaseline(Choice):
     """Baseline of the max@k estimator: none, or the leave-one-out max@k of the other samples."""
 
