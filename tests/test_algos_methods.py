@@ -245,3 +245,32 @@ def test_dgpo_mad_normalisation_and_question_weights_by_hand():
     # rescale: 24 tokens in all, 16 in the two groups with variance -> x 1.5
     a = seq_adv(compute_advantages("dgpo", x), x)
     assert torch.allclose(a[:8], 1.5 * dgae * torch.tensor([l0] * 4 + [l1] * 4), atol=1e-5)
+
+
+# --- DPPO (arXiv:2602.04879) ---------------------------------------------------------------------
+
+def dppo_input(pi, mu, adv):
+    lp = torch.log(torch.tensor([pi])).requires_grad_(True)
+    lmu = torch.log(torch.tensor([mu]))
+    return PolicyLossInput(logprobs=lp, old_logprobs=lmu.clone(), advantages=torch.tensor([adv]),
+                           response_mask=torch.ones(1, len(pi)), rollout_logprobs=lmu)
+
+
+def test_dppo_binary_tv_masks_by_probability_shift_not_ratio():
+    # tokens (pi, mu, A): (.7, .5, +1) rises by .2 > .15: masked | (.7, .5, -1) wrong side: kept, ratio 1.4
+    # | (.1, .01, +1) ratio 10 but shift .09: kept (PPO would clip it) | (.7, .9, -1) falls by .2: masked
+    x = dppo_input([0.7, 0.7, 0.1, 0.7], [0.5, 0.5, 0.01, 0.9], [1.0, -1.0, 1.0, -1.0])
+    loss, g, met = grad_of("dppo", x)
+    assert torch.allclose(g, torch.tensor([[0.0, 1.4, -10.0, 0.0]]), atol=1e-5)  # -A * (pi / mu) on kept tokens
+    assert torch.allclose(loss, g, atol=1e-5)  # value -A w equals the gradient coefficient
+    assert float(met["clip_frac"]) == pytest.approx(0.5)
+    assert float(met["clip_frac_high"]) == pytest.approx(0.25) and float(met["clip_frac_low"]) == pytest.approx(0.25)
+
+
+def test_dppo_binary_kl_threshold():
+    # KL(Bern(.5) || Bern(.7)) = .5 ln(.5/.7) + .5 ln(.5/.3) = 0.0872 > 0.05: masked (A > 0, pi > mu)
+    # KL(Bern(.01) || Bern(.1)) = .01 ln(.1) + .99 ln(.99/.9) = 0.0713 > 0.05: masked as well
+    # KL(Bern(.5) || Bern(.55)) = 0.0050 < 0.05: kept, gradient -A * 1.1
+    x = dppo_input([0.7, 0.1, 0.55], [0.5, 0.01, 0.5], [1.0, 1.0, 1.0])
+    _, g, _ = grad_of("dppo", x, divergence="kl", eps_low=0.05, eps_high=0.05)
+    assert torch.allclose(g, torch.tensor([[0.0, 0.0, -1.1]]), atol=1e-5)

@@ -960,6 +960,109 @@ def rec_loss(
     return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
 
 
+class Divergence(Choice):
+    """DPPO's per-token divergence: binary total variation or binary KL."""
+
+    tv = "tv"
+    kl = "kl"
+
+
+class DPPOAnchor(Choice):
+    """The policy DPPO's trust region is centred on: the rollout (behaviour) policy or the recomputed old one."""
+
+    rollout = "rollout"
+    old = "old"
+
+
+@dataclass(frozen=True)
+class DPPOParams:
+    """DPPO's divergence trust region (arXiv:2602.04879; authors' Stable-RL release and run script)."""
+
+    divergence: Divergence = param(Divergence.tv, "tv: |pi - mu| of the sampled token; kl: binary KL (sampled token vs the rest)")
+    eps_low: float = param(0.15, "threshold for A <= 0 tokens whose probability falls (authors' run script: 0.15 TV, use 0.05 for KL)")
+    eps_high: float = param(0.15, "threshold for A > 0 tokens whose probability rises (authors' run script: 0.15 TV, use 0.05 for KL)")
+    anchor: DPPOAnchor = param(DPPOAnchor.rollout, "rollout: centre on the behaviour policy (the authors' recommended bypass mode); old: recomputed")
+    ratio_cap: float = param(1e4, "cap on the detached IS ratio pi / mu (authors' run script: 10000, i.e. off)")
+
+
+def _binary_kl(p_anchor: torch.Tensor, lp_anchor: torch.Tensor, p: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(mu) || Bernoulli(pi)) of "the sampled token vs every other token", ``[B, R]`` nats."""
+    return p_anchor * (lp_anchor - lp) + (1.0 - p_anchor) * torch.log((1.0 - p_anchor + 1e-8) / (1.0 - p + 1e-8))
+
+
+@POLICY_LOSSES.register(
+    "dppo",
+    paper="Rethinking the Trust Region in LLM Reinforcement Learning (DPPO, arXiv:2602.04879)",
+    params=DPPOParams,
+)
+def dppo_loss(
+    inp: PolicyLossInput,
+    *,
+    divergence: str,
+    eps_low: float,
+    eps_high: float,
+    anchor: str,
+    ratio_cap: float,
+) -> Tuple[torch.Tensor, Metrics]:
+    """DPPO: importance-weighted policy gradient masked by a divergence trust region, not a ratio clip.
+
+    PPO's ratio ``pi / mu`` of the sampled token is a one-sample estimate of the
+    policy change that over-penalises rare tokens (1e-5 -> 1e-3 is a ratio of
+    100) and under-constrains likely ones (0.99 -> 0.8 is a ratio of 0.81).
+    DPPO measures the change by a divergence of the binary distribution
+    "sampled token vs the rest" (the paper's Binary approximation; ``mu`` the
+    anchor probability, ``pi`` the current one):
+
+    * ``tv``: ``pi - mu``; a token is out of the region when ``pi - mu > eps_high``
+      with ``A > 0`` or ``pi - mu < -eps_low`` with ``A <= 0``;
+    * ``kl``: ``mu log(mu / pi) + (1 - mu) log((1 - mu) / (1 - pi))``; out when it
+      exceeds ``eps_high`` with ``A > 0`` and ``pi > mu``, or ``eps_low`` with
+      ``A <= 0`` and ``pi < mu``.
+
+    Loss per token: ``-A * sg(min(pi / mu, ratio_cap) * keep) * log pi`` (as the
+    release), written ``-A * sg(w / r) * r`` so its value is ``-A w`` and its
+    gradient ``-A w grad log pi``; tokens outside the region get no gradient.
+    ``anchor="rollout"`` centres the region and the ratio on
+    ``inp.rollout_logprobs`` (the release's recommended bypass mode; falls back to
+    ``old_logprobs`` when None); ``"old"`` on the recomputed ``old_logprobs``. The
+    Top-K approximation needs the full vocabulary distributions, which the loss
+    interface does not carry: not implemented.
+
+    Returns:
+        ``(loss_mat [B, R], metrics)``; ``clip_frac`` is the share of masked tokens.
+    Raises:
+        ValueError: an unknown ``divergence`` or ``anchor``.
+    """
+    if anchor == "rollout":
+        lp_mu = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
+    elif anchor == "old":
+        lp_mu = inp.old_logprobs
+    else:
+        raise ValueError(f"dppo: anchor={anchor!r}: valid choices are {', '.join(c.value for c in DPPOAnchor)}")
+    lp_mu = lp_mu.detach()
+    A = inp.advantages
+    with torch.no_grad():
+        lp = inp.logprobs.detach()
+        p, mu = torch.exp(lp), torch.exp(lp_mu)
+        if divergence == "tv":
+            bad_pos = (p - mu) > eps_high
+            bad_neg = (p - mu) < -eps_low
+        elif divergence == "kl":
+            kl = _binary_kl(mu, lp_mu, p, lp)
+            bad_pos = (kl > eps_high) & (p > mu)
+            bad_neg = (kl > eps_low) & (p < mu)
+        else:
+            raise ValueError(f"dppo: divergence={divergence!r}: valid choices are {', '.join(c.value for c in Divergence)}")
+        bad = torch.where(A > 0, bad_pos, bad_neg)
+        w = torch.exp((lp - lp_mu).clamp(max=20.0)).clamp(max=ratio_cap) * (~bad).float()
+    ratio, log_ratio = _ratio(inp)
+    loss = _is_weighted_pg(ratio, w, A)
+    with torch.no_grad():
+        high = (bad & (A > 0)).float()
+        low = (bad & (A <= 0)).float()
+    return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+
+
 def compute_policy_loss(name: str, inp: PolicyLossInput, **params: object) -> Tuple[torch.Tensor, Metrics]:
     """Run registered policy loss ``name`` with its declared defaults overridden by ``params``.
 
