@@ -274,3 +274,13 @@ def test_dppo_binary_kl_threshold():
     x = dppo_input([0.7, 0.1, 0.55], [0.5, 0.01, 0.5], [1.0, 1.0, 1.0])
     _, g, _ = grad_of("dppo", x, divergence="kl", eps_low=0.05, eps_high=0.05)
     assert torch.allclose(g, torch.tensor([[0.0, 0.0, -1.1]]), atol=1e-5)
+
+
+def test_max_at_k_group_smaller_than_k_is_a_config_error():
+    from typer.testing import CliRunner
+
+    from rlpost.cli import app
+
+    res = CliRunner().invoke(app, ["config", "model=tiny", "algo=max_at_k", "algo.n_samples_per_prompt=4"])
+    assert res.exit_code == 2, res.output
+    assert "algo.n_samples_per_prompt >= 5" in res.output and "Traceback" not in res.output

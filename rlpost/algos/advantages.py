@@ -1033,7 +1033,8 @@ def max_at_k_advantage(inp: AdvantageInput, *, k: int, baseline: str) -> Advanta
     Shapes: rewards ``[B]`` -> ``[B, R]``.
 
     Raises:
-        ValueError: ``k < 1``, or a group smaller than ``k`` (``k + 1`` with ``loo``).
+        ValueError: ``k < 1``, or a group with reward variance smaller than ``k`` (``k + 1`` with
+            ``loo``); config validation refuses such a group size before any model loads.
     """
     if k < 1:
         raise ValueError(f"max_at_k: k must be >= 1, got {k}")
@@ -1043,13 +1044,13 @@ def max_at_k_advantage(inp: AdvantageInput, *, k: int, baseline: str) -> Advanta
     for g in range(G):
         idx = torch.nonzero(inv == g, as_tuple=False).flatten()
         n = idx.numel()
+        rg = r[idx]
+        if bool((rg == rg[0]).all()):
+            continue  # no reward variance: advantage 0 whatever the group size
         need = k + 1 if baseline == "loo" else k
         if n < need:
             raise ValueError(f"max_at_k: a group has {n} samples, fewer than {need} (k={k}, baseline={baseline}); "
                              f"set algo.n_samples_per_prompt >= {need} or a smaller algo.adv_params.k")
-        rg = r[idx]
-        if bool((rg == rg[0]).all()):
-            continue
         order = torch.argsort(rg, stable=True)
         rs = rg[order]
         # win[q] = sum over size-k subsets containing the rank-q sample of their max (1-based q)
