@@ -284,3 +284,19 @@ def test_max_at_k_group_smaller_than_k_is_a_config_error():
     res = CliRunner().invoke(app, ["config", "model=tiny", "algo=max_at_k", "algo.n_samples_per_prompt=4"])
     assert res.exit_code == 2, res.output
     assert "algo.n_samples_per_prompt >= 5" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("kind,name,values", [
+    ("adv", "bnpo", {"reward_min": 0.0, "reward_max": 1.0, "max_weight": 1e6}),  # authors' release
+    ("adv", "dgpo", {"dqw": True, "dqw_temp": 2.0, "eps": 1e-4}),  # authors' release
+    ("loss", "rec", {"clip_mode": "one_side", "weight": "none", "eps_low": 0.2, "eps_high": 0.2}),  # REC-OneSide-NoIS
+    ("loss", "dppo", {"divergence": "tv", "eps_low": 0.15, "eps_high": 0.15, "anchor": "rollout"}),  # run script
+])
+def test_headline_defaults_are_the_sources_values(kind, name, values):
+    from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
+    from rlpost.registry import defaults_of
+
+    reg = ADV_ESTIMATORS if kind == "adv" else POLICY_LOSSES
+    d = defaults_of(reg.params_of(name))
+    for k, v in values.items():
+        assert getattr(d[k], "value", d[k]) == v, (name, k)
