@@ -32,6 +32,7 @@ NAMED = [
     "ppo", "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
     "remax", "gpg", "opo", "sapo", "clip_cov", "kl_cov", "mc_grpo", "sft",
     "sao", "mssr", "hapo", "aepo", "gapo", "dispo",
+    "bnpo", "maxrl", "f_grpo", "dgpo", "max_at_k", "rec", "opmd", "asymre", "dppo",
 ]
 
 

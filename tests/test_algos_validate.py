@@ -126,6 +126,8 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
     needs_critic = ADV_ESTIMATORS.tag(adv, "needs_critic")
     n = 3
     cfg = algo(adv_estimator=adv, loss=loss, n_samples_per_prompt=n, **{"critic.enabled": bool(needs_critic)})
+    if adv == "max_at_k":  # max@k needs k + 1 samples per group (leave-one-out baseline): k = 2 fits n = 3
+        OmegaConf.update(cfg, "adv_params", {"k": 2}, merge=True)
     validate_algo(cfg)
     rewards, mask, gi = _batch()
     B, R = mask.shape
@@ -134,6 +136,7 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
         AdvantageInput(rewards=rewards, response_mask=mask, group_index=torch.arange(B) // n,
                        values=torch.rand(B, R) if needs_critic else None, entropy=torch.rand(B, R),
                        baseline_rewards=torch.full((B,), 0.5)),
+        **dict(cfg.adv_params),
     )
     lm = mask if out.loss_mask is None else out.loss_mask
     for agg in LOSS_AGGS.names():

@@ -33,6 +33,7 @@ squared sequence importance weights ``pi_old / pi_behav``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -756,6 +757,348 @@ def mssr_advantage(
     A = _broadcast(adv, inp.response_mask)
     bonus = torch.minimum(entropy_alpha * inp.entropy.float().detach().clamp(min=0), A.abs() / entropy_kappa)
     return AdvantageOutput(advantages=((A + bonus) * inp.response_mask).float())
+
+
+# --- Difficulty-weighted group advantages: A_i = w(p_g) * (r_i - p_g) -------------------------------
+#
+# BNPO, MaxRL and F-GRPO share one mechanism: the group-centred reward ``r_i - p_g`` (``p_g`` the
+# group's mean reward, its success rate for 0/1 rewards) scaled by a weight that depends only on
+# the prompt's difficulty ``p_g``. GRPO itself is the weight ``1 / std_g``. "Advantage Shaping as
+# Surrogate Reward Maximization" (arXiv:2510.23049) reads every such weight as the gradient of a
+# surrogate objective F(p). The three estimators below differ only in ``w``.
+
+
+def difficulty_weighted_advantage(
+    inp: AdvantageInput, rewards: torch.Tensor, weight: torch.Tensor, centre: torch.Tensor, std: torch.Tensor
+) -> AdvantageOutput:
+    """``A_i = weight_i * (rewards_i - centre_i)`` on every response token; 0 in zero-variance groups.
+
+    The shared last step of :func:`bnpo_advantage`, :func:`maxrl_advantage` and
+    :func:`fgrpo_advantage`.
+
+    Args:
+        inp: supplies ``response_mask [B, R]``.
+        rewards, weight, centre, std: ``[B]`` (per sample; ``weight``, ``centre``
+            and ``std`` constant within a group). A group with ``std == 0``
+            (all rewards equal, or a single sample) gets exactly 0, never NaN,
+            whatever its weight (the weight may be infinite there).
+    Returns:
+        AdvantageOutput with ``advantages [B, R]``.
+    """
+    has_signal = std > 0
+    safe_w = torch.where(has_signal, weight, torch.zeros_like(weight))
+    adv = torch.where(has_signal, safe_w * (rewards - centre), torch.zeros_like(rewards))
+    return AdvantageOutput(advantages=_broadcast(adv.float(), inp.response_mask))
+
+
+@dataclass(frozen=True)
+class BNPOParams:
+    """BNPO's reward range (arXiv:2506.02864; authors' release maps rewards to [0, 1] with min 0, max 1)."""
+
+    reward_min: float = param(0.0, "reward mapped to 0 before the Beta fit (authors' release: 0)")
+    reward_max: float = param(1.0, "reward mapped to 1 before the Beta fit (authors' release: 1)")
+    max_weight: float = param(1e6, "cap on the weight 1 / f_N(p) (authors' release: 1e6)")
+
+
+def _beta_pdf(p: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """Beta(a, b) density at ``p`` (float64; 0 ** 0 = 1, so a = b = 1 is the uniform density 1)."""
+    log_norm = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    return torch.pow(p, a - 1.0) * torch.pow(1.0 - p, b - 1.0) * math.exp(-log_norm)
+
+
+def bnpo_beta_params(p_groups: torch.Tensor) -> tuple:
+    """BNPO's normalising Beta parameters ``(alpha, beta)`` from the batch's group success rates.
+
+    The success rates ``p_g`` of the batch's prompts are fitted by a Beta(a, b)
+    with the method of moments (``m`` mean, ``v`` unbiased variance over prompts):
+    ``a = (m (1 - m) / v - 1) m``, ``b = (m (1 - m) / v - 1) (1 - m)``; the
+    variance-minimising normaliser is then ``alpha = max(1 + a / 3, 1)``,
+    ``beta = max(1 + b / 3, 1)`` (BNPO arXiv:2506.02864, Theorem 2; as in the
+    authors' release). One prompt: ``m = 0, v = 1`` as in the release, which
+    gives ``alpha = beta = 1``. Our choice where the release divides by zero
+    (all prompts equally hard, ``v = 0``): ``alpha = beta = 1`` (no
+    normalisation, REINFORCE with the group-mean baseline).
+
+    Args:
+        p_groups: ``[G]`` float, one success rate in [0, 1] per prompt.
+    Returns:
+        ``(alpha, beta)`` as Python floats, both >= 1.
+    """
+    p = p_groups.double()
+    if p.numel() > 1:
+        m, v = float(p.mean()), float(p.var())
+    else:
+        m, v = 0.0, 1.0
+    if not v > 0:
+        return 1.0, 1.0
+    k = m * (1.0 - m) / v - 1.0
+    a, b = k * m, k * (1.0 - m)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 1.0, 1.0
+    return max(1.0 + a / 3.0, 1.0), max(1.0 + b / 3.0, 1.0)
+
+
+@ADV_ESTIMATORS.register(
+    "bnpo",
+    paper="BNPO: Beta Normalization Policy Optimization (arXiv:2506.02864)",
+    params=BNPOParams,
+    needs_group=True,
+)
+def bnpo_advantage(
+    inp: AdvantageInput, *, reward_min: float, reward_max: float, max_weight: float
+) -> AdvantageOutput:
+    """BNPO: ``A_i = (s_i - p_g) / f_N(p_g; alpha, beta)``, a Beta density as the normaliser.
+
+    ``s_i = (r_i - reward_min) / (reward_max - reward_min)`` (the release's affine
+    map of rewards to [0, 1]; the theory is for 0/1 rewards), ``p_g`` the group
+    mean of ``s`` (the prompt's estimated success rate), ``f_N`` the density of
+    Beta(alpha, beta) with ``(alpha, beta)`` re-fitted on every batch by
+    :func:`bnpo_beta_params`. ``1 / f_N`` is capped at ``max_weight``.
+    Special cases (the paper's Section 3): alpha = beta = 1 is REINFORCE with the
+    group-mean baseline; alpha = beta = 1.5 gives ``f_N ∝ sqrt(p (1 - p))``,
+    GRPO's population std. The advantage is in units of ``s``, as in the
+    release. Zero-variance groups get 0. The advantage-decomposition extension
+    for multi-part rewards is not implemented (our rewards are one scalar).
+    Shapes: rewards ``[B]`` -> advantages ``[B, R]``.
+
+    Raises:
+        ValueError: ``reward_max <= reward_min``, or a reward outside the range.
+    """
+    if not reward_max > reward_min:
+        raise ValueError(f"bnpo needs reward_max > reward_min, got [{reward_min}, {reward_max}]")
+    s = (inp.rewards.double() - reward_min) / (reward_max - reward_min)
+    if s.numel() and (float(s.min()) < -1e-9 or float(s.max()) > 1 + 1e-9):
+        raise ValueError(f"bnpo: rewards must lie in [reward_min, reward_max] = [{reward_min}, {reward_max}] "
+                         f"(got {float(inp.rewards.min())}..{float(inp.rewards.max())}); set algo.adv_params")
+    s = s.clamp(0.0, 1.0)
+    p, std, _ = group_stats(s, inp.group_index)
+    inv, G = group_ids(inp.group_index)
+    p_groups = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, p) / torch.zeros(
+        G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(p))
+    alpha, beta = bnpo_beta_params(p_groups)
+    w = (1.0 / _beta_pdf(p, alpha, beta)).clamp(min=0.0, max=max_weight)
+    return difficulty_weighted_advantage(inp, s, w, p, std)
+
+
+@ADV_ESTIMATORS.register(
+    "maxrl",
+    paper="Maximum Likelihood Reinforcement Learning (MaxRL, arXiv:2602.02710)",
+    needs_group=True,
+)
+def maxrl_advantage(inp: AdvantageInput) -> AdvantageOutput:
+    """MaxRL: the group-centred reward divided by the group *mean* (not the std).
+
+    ``A_i = (r_i - p_g) / p_g`` with ``p_g`` the group's mean reward. For 0/1
+    rewards with ``K`` successes among ``N`` samples, ``(1/N) sum_i A_i grad log pi(y_i)
+    = (1/K) sum_{r_i = 1} grad log pi(y_i) - (1/N) sum_i grad log pi(y_i)``: the
+    paper's unbiased estimator of the gradient of its order-N truncated
+    log-likelihood objective (the average score of the successful samples),
+    with the zero-mean all-sample score as control variate. As ``N`` grows it
+    approaches ``grad log p(x)``, i.e. a weight ``1 / p`` on each prompt instead
+    of RL's 1: hard prompts count more. Groups with no success (``K = 0``) or
+    no variance get 0. Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: a group with reward variance has mean <= 0 (MaxRL is for
+            rewards in [0, 1], binary in the paper).
+    """
+    r = inp.rewards.double()
+    p, std, _ = group_stats(r, inp.group_index)
+    if bool(((std > 0) & (p <= 0)).any()):
+        raise ValueError("maxrl needs non-negative rewards (binary success in the paper): a group with reward "
+                         "variance has mean <= 0; shift the reward or use grpo")
+    return difficulty_weighted_advantage(inp, r, 1.0 / p.clamp(min=1e-12), p, std)
+
+
+@dataclass(frozen=True)
+class FGRPOParams:
+    """F-GRPO's focal weight (1 - p_pos)^gamma on a group-relative advantage (arXiv:2602.06717)."""
+
+    gamma: float = param(1.0, "focal exponent gamma >= 0; 0 = plain GRPO (our choice 1: the tuned value was not in the text we could read)")
+    norm_by_std: bool = param(True, "divide by the group std as GRPO does (false: Dr. GRPO-style r - mean)")
+    eps: float = param(1e-6, "added to the group std (GRPO reference code: 1e-6)")
+
+
+@ADV_ESTIMATORS.register(
+    "fgrpo",
+    paper="F-GRPO: Don't Let Your Policy Learn the Obvious and Forget the Rare (arXiv:2602.06717)",
+    params=FGRPOParams,
+    needs_group=True,
+)
+def fgrpo_advantage(inp: AdvantageInput, *, gamma: float, norm_by_std: bool, eps: float) -> AdvantageOutput:
+    """F-GRPO: GRPO's advantage scaled by the focal weight ``g(x) = (1 - p_pos(x)) ** gamma``.
+
+    ``p_pos`` is the share of the prompt's rollouts with a positive reward (its
+    empirical success rate for 0/1 rewards), so prompts the policy already
+    solves are down-weighted and rare-correct solutions of hard prompts keep
+    their weight; ``gamma = 0`` is GRPO. ``A_i = g * (r_i - mean_g) / (std_g + eps)``
+    (``/ (std_g + eps)`` only when ``norm_by_std``). The paper applies ``g`` to the
+    advantage of GRPO, DAPO and CISPO alike: pair this estimator with
+    ``algo.loss=ppo_clip`` / DAPO's clip / ``cispo``. Our choices: the default
+    ``gamma = 1`` and "positive reward" as success for non-binary rewards.
+    Zero-variance groups get 0. Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: ``gamma < 0``.
+    """
+    if gamma < 0:
+        raise ValueError(f"fgrpo: gamma must be >= 0, got {gamma}")
+    r = inp.rewards.double()
+    mean, std, _ = group_stats(r, inp.group_index)
+    p_pos, _, _ = group_stats((r > 0).double(), inp.group_index)
+    w = (1.0 - p_pos).clamp(min=0.0) ** gamma
+    if norm_by_std:
+        w = w / (std + eps)
+    return difficulty_weighted_advantage(inp, r, w, mean, std)
+
+
+@dataclass(frozen=True)
+class DGPOParams:
+    """DGPO's difficulty-balanced advantage and question weights (arXiv:2601.20614; authors' release values)."""
+
+    dqw: bool = param(True, "difficulty-aware question weighting (DQW) on (authors' release: on)")
+    dqw_temp: float = param(2.0, "DQW softmax temperature T (authors' release: 2.0)")
+    eps: float = param(1e-4, "added to the group's summed absolute deviation (authors' release: 1e-4)")
+    rescale_valid: bool = param(True, "scale by all tokens / tokens of groups with reward variance, as the release does")
+
+
+@ADV_ESTIMATORS.register(
+    "dgpo",
+    paper="Harder Is Better: Boosting Mathematical Reasoning via Difficulty-Aware GRPO and Multi-Aspect Question "
+    "Reformulation (MathForge / DGPO, arXiv:2601.20614)",
+    params=DGPOParams,
+    needs_group=True,
+)
+def dgpo_advantage(
+    inp: AdvantageInput, *, dqw: bool, dqw_temp: float, eps: float, rescale_valid: bool
+) -> AdvantageOutput:
+    """DGPO: mean-absolute-deviation normalisation (DGAE) times a softmax question weight (DQW).
+
+    DGAE: ``A_i = G (r_i - mean_g) / (sum_j |r_j - mean_g| + eps)``, i.e. divided by
+    the group's mean absolute deviation instead of its std, so that the total
+    update ``sum_i |A_i| = G`` is the same for every question with reward
+    variance (GRPO's is largest at success rate 1/2 and shrinks for hard and
+    easy questions). DQW: over the ``B_v`` questions with reward variance,
+    ``lambda_g = B_v * softmax_g(-mean_g / T)``, harder questions (lower mean
+    reward) weigh more; others keep weight 1 (their advantage is 0). With
+    ``rescale_valid`` the advantages are also multiplied by (all response
+    tokens) / (tokens of questions with variance), the release's correction for
+    the zero-advantage groups in a token-mean loss. Follows the authors'
+    release (MathForge, TRL GRPO trainer); its per-process balancing ratio is 1
+    on one process and is left out. Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: ``dqw_temp <= 0``.
+    """
+    if dqw_temp <= 0:
+        raise ValueError(f"dgpo: dqw_temp must be > 0, got {dqw_temp}")
+    r = inp.rewards.double()
+    mean, std, cnt = group_stats(r, inp.group_index)
+    inv, G = group_ids(inp.group_index)
+    abs_dev = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, (r - mean).abs())[inv]
+    w = cnt / (abs_dev + eps)
+    valid = std > 0
+    if dqw or rescale_valid:
+        gmean = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, r) / torch.zeros(
+            G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
+        gvalid = torch.zeros(G, dtype=torch.bool)
+        gvalid[inv[valid]] = True
+        n_valid = int(gvalid.sum())
+        if dqw and n_valid:
+            lam = torch.ones(G, dtype=torch.float64)
+            lam[gvalid] = n_valid * torch.softmax(-gmean[gvalid] / dqw_temp, dim=0)
+            w = w * lam[inv]
+        if rescale_valid and n_valid:
+            L = inp.response_mask.double().sum(-1)
+            w = w * (L.sum() / L[valid].sum().clamp(min=1e-12))
+    return difficulty_weighted_advantage(inp, r, w, mean, std)
+
+
+class MaxAtKBaseline(Choice):
+    """Baseline of the max@k estimator: none, or the leave-one-out max@k of the other samples."""
+
+    none = "none"
+    loo = "loo"
+
+
+@dataclass(frozen=True)
+class MaxAtKParams:
+    """Direct max@k optimisation (arXiv:2510.23393): k and the baseline of its on-policy estimator."""
+
+    k: int = param(4, "k of max@k, 1 <= k <= group size (our choice 4: the paper sweeps k; k = 1 is REINFORCE)")
+    baseline: MaxAtKBaseline = param(MaxAtKBaseline.loo, "loo: subtract k * max@k of the other G - 1 samples (unbiased; our choice); none")
+
+
+def max_at_k_estimate(r: torch.Tensor, k: int) -> float:
+    """Unbiased estimate of ``max@k = E[max of k samples' rewards]`` from ``n >= k`` samples ``r`` ``[n]``.
+
+    The U-statistic over all size-k subsets: with rewards sorted ascending,
+    ``sum_q C(q - 1, k - 1) / C(n, k) * r_(q)`` (``q`` 1-based rank).
+    """
+    n = r.numel()
+    rs = torch.sort(r.double()).values
+    return float(sum(math.comb(q - 1, k - 1) * float(rs[q - 1]) for q in range(1, n + 1)) / math.comb(n, k))
+
+
+@ADV_ESTIMATORS.register(
+    "max_at_k",
+    paper="The Best of N Worlds: Aligning Reinforcement Learning with Best-of-N Sampling via max@k Optimization "
+    "(arXiv:2510.23393); the same U-statistic as Pass@K Policy Optimization (arXiv:2505.15201)",
+    params=MaxAtKParams,
+    needs_group=True,
+)
+def max_at_k_advantage(inp: AdvantageInput, *, k: int, baseline: str) -> AdvantageOutput:
+    """Unbiased on-policy gradient of max@k (pass@k for 0/1 rewards) as a per-sample advantage.
+
+    ``grad max@k = E[max_{m<=k} r_m * sum_{m<=k} grad log pi(y_m)]``; its unbiased
+    estimate from a group of ``n >= k`` samples averages over all size-k subsets
+    ``S``, so sample ``i`` gets the coefficient of ``grad log pi(y_i)``
+    ``A_i = k * mean_{S ∋ i} max_{j in S} r_j``
+    (the factor ``n / C(n, k) = k / C(n - 1, k - 1)`` makes the group-mean
+    gradient the estimate; ``k = 1`` gives ``A_i = r_i``). With ascending ranks
+    ``q``: ``sum_{S ∋ i} max_S r = C(q_i - 1, k - 1) r_i + sum_{q > q_i} C(q - 2, k - 2) r_(q)``,
+    so a sample is credited for the subsets it wins and for those a better
+    sample wins with it. ``baseline="loo"`` subtracts ``k * max@k`` estimated
+    from the other ``n - 1`` samples (independent of sample ``i``, so the
+    estimate stays unbiased; needs ``n - 1 >= k``); this baseline and the
+    default ``k = 4`` are our choices. The paper's off-policy correction (ratio
+    weights on the subset terms) is not implemented: use it on-policy, or with
+    the loss's own importance ratio. A group whose rewards are all equal gets 0.
+    Shapes: rewards ``[B]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: ``k < 1``, or a group with reward variance smaller than ``k`` (``k + 1`` with
+            ``loo``); config validation refuses such a group size before any model loads.
+    """
+    if k < 1:
+        raise ValueError(f"max_at_k: k must be >= 1, got {k}")
+    r = inp.rewards.double()
+    inv, G = group_ids(inp.group_index)
+    adv = torch.zeros_like(r)
+    for g in range(G):
+        idx = torch.nonzero(inv == g, as_tuple=False).flatten()
+        n = idx.numel()
+        rg = r[idx]
+        if bool((rg == rg[0]).all()):
+            continue  # no reward variance: advantage 0 whatever the group size
+        need = k + 1 if baseline == "loo" else k
+        if n < need:
+            raise ValueError(f"max_at_k: a group has {n} samples, fewer than {need} (k={k}, baseline={baseline}); "
+                             f"set algo.n_samples_per_prompt >= {need} or a smaller algo.adv_params.k")
+        order = torch.argsort(rg, stable=True)
+        rs = rg[order]
+        # win[q] = sum over size-k subsets containing the rank-q sample of their max (1-based q)
+        win = torch.zeros(n, dtype=torch.float64)
+        for q in range(1, n + 1):
+            tail = sum(math.comb(j - 2, k - 2) * float(rs[j - 1]) for j in range(q + 1, n + 1)) if k >= 2 else 0.0
+            win[q - 1] = math.comb(q - 1, k - 1) * float(rs[q - 1]) + tail
+        a = torch.zeros(n, dtype=torch.float64)
+        a[order] = k * win / math.comb(n - 1, k - 1)
+        if baseline == "loo":
+            a = a - torch.tensor([k * max_at_k_estimate(torch.cat([rg[:m], rg[m + 1:]]), k) for m in range(n)],
+                                 dtype=torch.float64)
+        adv[idx] = a
+    return AdvantageOutput(advantages=_broadcast(adv.float(), inp.response_mask))
 
 
 def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> AdvantageOutput:

@@ -895,6 +895,240 @@ def gapo_loss(
     return loss, metrics
 
 
+class RECClip(Choice):
+    """Which tokens REC keeps (the rest get no gradient), by ratio ``r`` and advantage sign."""
+
+    none = "none"
+    one_side = "one_side"
+    two_side = "two_side"
+    ring = "ring"
+
+
+class RECWeight(Choice):
+    """The stop-gradient weight REC puts on ``A * grad log pi``."""
+
+    none = "none"
+    importance_sampling = "importance_sampling"
+    truncated_importance_sampling = "truncated_importance_sampling"
+    advantage = "advantage"
+
+
+class RECRegularizer(Choice):
+    """REC's additive regulariser: OPMD's squared log-ratio (k2) or AsymRE's ``-log pi`` (forward_kl)."""
+
+    none = "none"
+    k2 = "k2"
+    forward_kl = "forward_kl"
+
+
+_REC_PAPER = ("Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm: Demystifying Some Myths About "
+              "GRPO and Its Friends (arXiv:2509.24203)")
+
+
+@dataclass(frozen=True)
+class RECParams:
+    """Group-relative REINFORCE family of arXiv:2509.24203 (authors' release, Trinity-RFT examples/rec_gsm8k)."""
+
+    clip_mode: RECClip = param(RECClip.one_side, "none | one_side (PPO's side) | two_side | ring; default REC-OneSide")
+    weight: RECWeight = param(RECWeight.none, "none (NoIS) | importance_sampling | truncated_importance_sampling | advantage (RED-Weight)")
+    eps_low: float = param(0.2, "keep ratio >= 1 - eps_low (authors' release: 0.2)")
+    eps_high: float = param(0.2, "keep ratio <= 1 + eps_high (authors' release: 0.2)")
+    eps_low_prime: float = param(0.6, "ring: A >= 0 tokens with ratio <= 1 - eps_low_prime also kept; TIS floor (authors' release: 0.6)")
+    eps_high_prime: float = param(2.0, "ring: A <= 0 tokens with ratio >= 1 + eps_high_prime also kept; TIS cap (authors' release: 2)")
+    regularizer: RECRegularizer = param(RECRegularizer.none, "none | k2 (OPMD) | forward_kl (AsymRE)")
+    regularizer_coef: float = param(0.0, "coefficient tau of the regulariser (authors' release: 0)")
+    temp: float = param(1.0, "temperature of weight=advantage, w = exp(A / temp) (authors' release: 1)")
+
+
+@POLICY_LOSSES.register("rec", paper=_REC_PAPER, params=RECParams)
+def rec_loss(
+    inp: PolicyLossInput,
+    *,
+    clip_mode: str,
+    weight: str,
+    eps_low: float,
+    eps_high: float,
+    eps_low_prime: float,
+    eps_high_prime: float,
+    regularizer: str,
+    regularizer_coef: float,
+    temp: float,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Group-relative REINFORCE with regularisation by clipping (REC) or by an added term (REP).
+
+    The paper derives group-relative REINFORCE, ``-A_t grad log pi(y_t)`` with
+    ``A`` the group-centred reward, without assuming the data come from the
+    current policy; off-policy it only needs the update regularised. The loss
+    per token (``r = pi / pi_old``, all weights detached):
+
+    ``loss_t = -keep_t * w_t * A_t * r_t / sg(r_t)  +  reg_t``
+
+    so its gradient is ``-keep_t w_t A_t grad log pi`` (the value is ``-keep w A``).
+
+    * ``keep`` (``clip_mode``): ``none`` 1; ``one_side`` PPO's binding side,
+      ``r <= 1 + eps_high`` for ``A >= 0`` and ``r >= 1 - eps_low`` for ``A <= 0``;
+      ``two_side`` ``1 - eps_low <= r <= 1 + eps_high``; ``ring`` two_side, plus
+      ``A >= 0`` tokens with ``r <= 1 - eps_low_prime`` and ``A <= 0`` tokens with
+      ``r >= 1 + eps_high_prime`` (the updates that move the ratio back to 1).
+    * ``w`` (``weight``): ``none`` 1 (NoIS, the paper's recommendation);
+      ``importance_sampling`` ``r`` (with one_side this is GRPO's gradient);
+      ``truncated_importance_sampling`` ``clip(r, 1 - eps_low_prime, 1 + eps_high_prime)``;
+      ``advantage`` ``exp(A / temp)`` (RED-Weight: up-weights high-reward samples).
+    * ``reg`` (``regularizer``): ``k2`` ``tau (log pi - log pi_old)^2`` (Kimi's
+      OPMD, the 1/2 absorbed into tau as in the release); ``forward_kl``
+      ``-tau log pi`` (Meta's AsymRE: its gradient is REINFORCE with the
+      baseline lowered by tau; written ``-tau (log pi - log pi_old)``, same
+      gradient, value 0 on-policy).
+
+    Returns:
+        ``(loss_mat [B, R], metrics)``; ``clip_frac`` is the share of tokens not kept.
+    Raises:
+        ValueError: an unknown ``clip_mode`` / ``weight`` / ``regularizer``, or ``temp <= 0``.
+    """
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    r = ratio.detach()
+    in_band = (r >= 1.0 - eps_low) & (r <= 1.0 + eps_high)
+    if clip_mode == "none":
+        keep = torch.ones_like(r, dtype=torch.bool)
+    elif clip_mode == "one_side":
+        keep = ((A >= 0) & (r <= 1.0 + eps_high)) | ((A <= 0) & (r >= 1.0 - eps_low))
+    elif clip_mode == "two_side":
+        keep = in_band
+    elif clip_mode == "ring":
+        keep = in_band | ((A >= 0) & (r <= 1.0 - eps_low_prime)) | ((A <= 0) & (r >= 1.0 + eps_high_prime))
+    else:
+        raise ValueError(f"rec: clip_mode={clip_mode!r}: valid choices are {', '.join(c.value for c in RECClip)}")
+    if weight == "none":
+        w = torch.ones_like(r)
+    elif weight == "importance_sampling":
+        w = r
+    elif weight == "truncated_importance_sampling":
+        w = r.clamp(1.0 - eps_low_prime, 1.0 + eps_high_prime)
+    elif weight == "advantage":
+        if temp <= 0:
+            raise ValueError(f"rec: temp must be > 0, got {temp}")
+        w = torch.exp(A / temp)
+    else:
+        raise ValueError(f"rec: weight={weight!r}: valid choices are {', '.join(c.value for c in RECWeight)}")
+    loss = _is_weighted_pg(ratio, (w * keep.float()).detach(), A)
+    if regularizer == "k2":
+        loss = loss + regularizer_coef * (inp.logprobs - inp.old_logprobs) ** 2
+    elif regularizer == "forward_kl":
+        loss = loss - regularizer_coef * (inp.logprobs - inp.old_logprobs)
+    elif regularizer != "none":
+        raise ValueError(f"rec: regularizer={regularizer!r}: valid choices are "
+                         f"{', '.join(c.value for c in RECRegularizer)}")
+    with torch.no_grad():
+        dropped = (~keep).float()
+        low = dropped * (r < 1.0).float()
+        high = dropped * (r >= 1.0).float()
+    return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+
+
+class Divergence(Choice):
+    """DPPO's per-token divergence: binary total variation or binary KL."""
+
+    tv = "tv"
+    kl = "kl"
+
+
+class DPPOAnchor(Choice):
+    """The policy DPPO's trust region is centred on: the rollout (behaviour) policy or the recomputed old one."""
+
+    rollout = "rollout"
+    old = "old"
+
+
+@dataclass(frozen=True)
+class DPPOParams:
+    """DPPO's divergence trust region (arXiv:2602.04879; authors' Stable-RL release and run script)."""
+
+    divergence: Divergence = param(Divergence.tv, "tv: |pi - mu| of the sampled token; kl: binary KL (sampled token vs the rest)")
+    eps_low: float = param(0.15, "threshold for A <= 0 tokens whose probability falls (authors' run script: 0.15 TV, use 0.05 for KL)")
+    eps_high: float = param(0.15, "threshold for A > 0 tokens whose probability rises (authors' run script: 0.15 TV, use 0.05 for KL)")
+    anchor: DPPOAnchor = param(DPPOAnchor.rollout, "rollout: centre on the behaviour policy (the authors' recommended bypass mode); old: recomputed")
+    ratio_cap: float = param(1e4, "cap on the detached IS ratio pi / mu (authors' run script: 10000, i.e. off)")
+
+
+def _binary_kl(p_anchor: torch.Tensor, lp_anchor: torch.Tensor, p: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(mu) || Bernoulli(pi)) of "the sampled token vs every other token", ``[B, R]`` nats."""
+    return p_anchor * (lp_anchor - lp) + (1.0 - p_anchor) * torch.log((1.0 - p_anchor + 1e-8) / (1.0 - p + 1e-8))
+
+
+@POLICY_LOSSES.register(
+    "dppo",
+    paper="Rethinking the Trust Region in LLM Reinforcement Learning (DPPO, arXiv:2602.04879)",
+    params=DPPOParams,
+)
+def dppo_loss(
+    inp: PolicyLossInput,
+    *,
+    divergence: str,
+    eps_low: float,
+    eps_high: float,
+    anchor: str,
+    ratio_cap: float,
+) -> Tuple[torch.Tensor, Metrics]:
+    """DPPO: importance-weighted policy gradient masked by a divergence trust region, not a ratio clip.
+
+    PPO's ratio ``pi / mu`` of the sampled token is a one-sample estimate of the
+    policy change that over-penalises rare tokens (1e-5 -> 1e-3 is a ratio of
+    100) and under-constrains likely ones (0.99 -> 0.8 is a ratio of 0.81).
+    DPPO measures the change by a divergence of the binary distribution
+    "sampled token vs the rest" (the paper's Binary approximation; ``mu`` the
+    anchor probability, ``pi`` the current one):
+
+    * ``tv``: ``pi - mu``; a token is out of the region when ``pi - mu > eps_high``
+      with ``A > 0`` or ``pi - mu < -eps_low`` with ``A <= 0``;
+    * ``kl``: ``mu log(mu / pi) + (1 - mu) log((1 - mu) / (1 - pi))``; out when it
+      exceeds ``eps_high`` with ``A > 0`` and ``pi > mu``, or ``eps_low`` with
+      ``A <= 0`` and ``pi < mu``.
+
+    Loss per token: ``-A * sg(min(pi / mu, ratio_cap) * keep) * log pi`` (as the
+    release), written ``-A * sg(w / r) * r`` so its value is ``-A w`` and its
+    gradient ``-A w grad log pi``; tokens outside the region get no gradient.
+    ``anchor="rollout"`` centres the region and the ratio on
+    ``inp.rollout_logprobs`` (the release's recommended bypass mode; falls back to
+    ``old_logprobs`` when None); ``"old"`` on the recomputed ``old_logprobs``. The
+    Top-K approximation needs the full vocabulary distributions, which the loss
+    interface does not carry: not implemented.
+
+    Returns:
+        ``(loss_mat [B, R], metrics)``; ``clip_frac`` is the share of masked tokens.
+    Raises:
+        ValueError: an unknown ``divergence`` or ``anchor``.
+    """
+    if anchor == "rollout":
+        lp_mu = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
+    elif anchor == "old":
+        lp_mu = inp.old_logprobs
+    else:
+        raise ValueError(f"dppo: anchor={anchor!r}: valid choices are {', '.join(c.value for c in DPPOAnchor)}")
+    lp_mu = lp_mu.detach()
+    A = inp.advantages
+    with torch.no_grad():
+        lp = inp.logprobs.detach()
+        p, mu = torch.exp(lp), torch.exp(lp_mu)
+        if divergence == "tv":
+            bad_pos = (p - mu) > eps_high
+            bad_neg = (p - mu) < -eps_low
+        elif divergence == "kl":
+            kl = _binary_kl(mu, lp_mu, p, lp)
+            bad_pos = (kl > eps_high) & (p > mu)
+            bad_neg = (kl > eps_low) & (p < mu)
+        else:
+            raise ValueError(f"dppo: divergence={divergence!r}: valid choices are {', '.join(c.value for c in Divergence)}")
+        bad = torch.where(A > 0, bad_pos, bad_neg)
+        w = torch.exp((lp - lp_mu).clamp(max=20.0)).clamp(max=ratio_cap) * (~bad).float()
+    ratio, log_ratio = _ratio(inp)
+    loss = _is_weighted_pg(ratio, w, A)
+    with torch.no_grad():
+        high = (bad & (A > 0)).float()
+        low = (bad & (A <= 0)).float()
+    return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+
+
 def compute_policy_loss(name: str, inp: PolicyLossInput, **params: object) -> Tuple[torch.Tensor, Metrics]:
     """Run registered policy loss ``name`` with its declared defaults overridden by ``params``.
 

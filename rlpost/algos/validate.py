@@ -191,7 +191,13 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
 
     adv_params = _as_dict(_get(algo_cfg, "adv_params"))
     _check_baseline(adv, adv_params.get("baseline"))
-    ADV_ESTIMATORS.resolve(adv, adv_overrides(algo_cfg), "algo.adv_params")
+    ap = ADV_ESTIMATORS.resolve(adv, adv_overrides(algo_cfg), "algo.adv_params")
+    if adv == "max_at_k":  # max@k needs k samples per group, k + 1 for the leave-one-out baseline
+        need = int(ap.k) + (1 if str(getattr(ap.baseline, "value", ap.baseline)) == "loo" else 0)
+        if int(ap.k) < 1 or n < need:
+            raise ConfigError(f"algo.adv_estimator=max_at_k with k={ap.k} (baseline={getattr(ap.baseline, 'value', ap.baseline)}) "
+                              f"needs 1 <= k and algo.n_samples_per_prompt >= {need}, got {n}; lower algo.adv_params.k "
+                              f"or raise algo.n_samples_per_prompt.")
     resolve_params(RewardShapingParams, _split(adv_params, SHAPING_KEYS)[1], "algo.adv_params", "reward shaping")
     lp = POLICY_LOSSES.resolve(loss, loss_overrides(algo_cfg), "algo.loss_params")
     _check_trainer_loss_keys(trainer_loss_params(algo_cfg))
