@@ -178,10 +178,7 @@ def run_python(code: str, limits: Optional[SandboxLimits] = None) -> SandboxResu
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                try:  # the whole group: forked children die too
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                _kill_group(proc.pid)  # the whole group: forked children die too, even those forked mid-kill
                 proc.wait()
         secs = time.perf_counter() - t0
         if proc.returncode == 99 and isolate:
@@ -192,6 +189,38 @@ def run_python(code: str, limits: Optional[SandboxLimits] = None) -> SandboxResu
         return SandboxResult(stdout, stderr, proc.returncode, timed_out, truncated, isolate, secs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _kill_group(pgid: int, wait_s: float = 2.0) -> None:
+    """SIGKILL process group ``pgid`` until it is empty (a fork bomb may fork while being killed).
+
+    Repeats ``killpg`` every 10 ms for at most ``wait_s`` seconds; a group whose
+    only members are zombies awaiting their reaper counts as gone.
+    """
+    deadline = time.perf_counter() + wait_s
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        if not _live_members(pgid) or time.perf_counter() > deadline:
+            return
+        time.sleep(0.01)
+
+
+def _live_members(pgid: int) -> bool:
+    """Whether any non-zombie process is in group ``pgid`` (read from /proc; False where /proc is absent)."""
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _read_capped(path: str, n: int) -> tuple:
