@@ -164,6 +164,13 @@ class Budget:
         return "\n".join(rows + [f"  note: {n}" for n in self.notes])
 
 
+
+def _gpu_dtype(prec: Any, key: str) -> str:
+    """``precision.<key>`` as a GPU run resolves it: ``auto`` is bf16 there (every GPU this budget
+    is for supports it; :func:`rlpost.autoprecision.resolve_precision` makes that choice at start)."""
+    v = str(_get(prec, key, "fp32") or "fp32")
+    return "bf16" if v == "auto" else v
+
 def _get(node: Any, key: str, default: Any = None) -> Any:
     if node is None:
         return default
@@ -227,7 +234,7 @@ def estimate(cfg: Any, shape: ModelShape, device_bytes: int, world_size: Optiona
     # activations of one micro-batch (training)
     mbs = int(_get(t, "micro_batch_size", 1) or 1)
     s = prompt_tokens + int(_get(r, "max_new_tokens", 64) or 64)
-    act_bytes = 2 if _get(prec, "trainer_dtype", "fp32") in ("bf16", "fp16") else 4
+    act_bytes = 2 if _gpu_dtype(prec, "trainer_dtype") in ("bf16", "fp16") else 4
     if bool(_get(cfg.model, "gradient_checkpointing", False)):
         act = shape.layers * s * mbs * shape.hidden * act_bytes + 34 * s * mbs * shape.hidden * act_bytes // 2
     else:
@@ -245,7 +252,7 @@ def estimate(cfg: Any, shape: ModelShape, device_bytes: int, world_size: Optiona
         items.get("autocast 16-bit weight casts", 0)
 
     vllm_share = vllm_need = 0
-    rd = _get(prec, "rollout_dtype", "fp32")
+    rd = _gpu_dtype(prec, "rollout_dtype")
     if _get(r, "engine", "hf") == "vllm":
         util = float(_get(r, "gpu_memory_utilization", 0.4))
         vllm_share = int(util * device_bytes)
@@ -310,7 +317,7 @@ def cheapest_fix(cfg: Any, shape: ModelShape, device_bytes: int, world_size: Opt
     steps: List[Tuple[str, Dict[str, Any]]] = []
     if _get(cfg.rollout, "engine", "hf") == "vllm" and not _get(cfg.rollout, "max_model_len", None):
         steps.append(("rollout.max_model_len=4096", {"rollout__max_model_len": 4096}))
-    if _get(cfg.precision, "rollout_dtype", "fp32") == "fp32" or _get(cfg.precision, "trainer_dtype", "fp32") == "fp32":
+    if _gpu_dtype(cfg.precision, "rollout_dtype") == "fp32" or _gpu_dtype(cfg.precision, "trainer_dtype") == "fp32":
         steps.append(("precision=bf16", {"precision__rollout_dtype": "bf16", "precision__trainer_dtype": "bf16"}))
     stage = int(_get(cfg.trainer, "zero_stage", 0)) if _get(cfg.trainer, "engine", "torch") == "deepspeed" else -1
     if world > 1:

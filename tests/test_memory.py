@@ -70,15 +70,15 @@ def test_does_not_fit_names_the_cheapest_fix(compose):
     from rlpost.memory import check, cheapest_fix, estimate, shape_from_config
 
     s = shape_from_config(QWEN3_8B)
-    # the flagship command as typed, on one 80 GB GPU: fp32 everything, no sharding
-    cfg = compose(["algo=sao", "model=qwen3-8b", "rollout=vllm", "trainer=deepspeed", "logger=none"])
+    # the flagship command with fp32 asked for, on one 80 GB GPU: fp32 everything, no sharding
+    cfg = compose(["algo=sao", "model=qwen3-8b", "rollout=vllm", "trainer=deepspeed", "logger=none", "precision=fp32"])
     with pytest.raises(ConfigError, match=r"does not fit in GPU memory.*Fix: .*precision=bf16"):
         check(cfg, s, 80 * GiB)
     # on 8 GPUs the fix is ZeRO-3 and bf16, not more GPUs; re-estimating with it applied fits
     fix = cheapest_fix(cfg, s, 80 * GiB, world_size=8)
     assert "trainer.zero_stage=3" in fix and "GPUs" not in fix
     fixed = compose(["algo=sao", "model=qwen3-8b", "rollout=vllm", "trainer=deepspeed", "logger=none",
-                     "trainer.num_procs=8", *fix.split()])
+                     "precision=fp32", "trainer.num_procs=8", *fix.split()])
     assert estimate(fixed, s, 80 * GiB).problems() == []
     # a vLLM share too small for its own weights is named as such
     small = compose(["model=qwen3-8b", "rollout=vllm", "precision=bf16", "rollout.gpu_memory_utilization=0.1",
@@ -107,7 +107,7 @@ def test_gpu_check_dry_run_runs_on_cpu(tmp_path):
     p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--json", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "would use" in p.stdout and "Fix: precision=bf16" in p.stdout  # plan + flagship budget with its fix
+    assert "would use" in p.stdout and "Fix: " in p.stdout  # plan + flagship budget with its fix
     recs = json.loads(out.read_text())
     assert [r["check"] for r in recs] == ["hf_engine_generate", "torch_trainer_update", "weight_push_parity",
                                          "sao_critic", "deepspeed_zero2"]
