@@ -149,7 +149,7 @@ class GPGParams:
 
 @dataclass(frozen=True)
 class MCGRPOParams:
-    """MC-GRPO's median-centred advantage (the catalog gives the centring only; std normalisation is ours)."""
+    """MC-GRPO's median-centred advantage (the abstract gives the centring only; std normalisation is our choice)."""
 
     norm_by_std: bool = param(True, "divide by the std of all G + 1 rewards (our choice)")
     eps: float = param(1e-6, "added to the std")
@@ -637,7 +637,7 @@ def mc_grpo_advantage(
     """Median-centred group advantage over ``G + 1`` rollouts, pivot excluded.
 
     ``A_i = (r_i - median_g) / (std_g + eps)`` (``/`` only when ``norm_by_std``;
-    the std is over all ``G + 1`` rewards, our choice: the catalog gives only
+    the std is over all ``G + 1`` rewards, our choice: the abstract gives only
     the centring). In each group one rollout whose reward equals the median,
     the first in batch order, is the *pivot*: it gets advantage 0 and
     ``loss_mask`` 0 so it is left out of the update, leaving ``G`` rollouts with

@@ -310,7 +310,7 @@ def build_eval_tasks(specs: Sequence[str], extra_overrides: Sequence[str] = ()) 
     """Tasks named in ``eval.tasks``, each composed from its preset ``conf/task/<name>.yaml``.
 
     An entry is ``<preset>`` or ``<preset>:<path>`` (sets ``task.path``, e.g.
-    ``gsm8k:../shared/data/gsm8k/test.jsonl``). Tasks are evaluation-only here:
+    ``gsm8k:data/gsm8k/test.jsonl``). Tasks are evaluation-only here:
     their training split is never read.
 
     Args:
