@@ -132,8 +132,13 @@ def needs_old_logprobs(a: Any) -> bool:
     minimum-variance baseline (``algo.adv_params.baseline=min_variance``,
     arXiv:2602.17616: sequence weights ``pi_old / pi_behav``).
     """
-    a3po = (a.loss_params or {}).get("proximal", "recompute") == "a3po"
-    min_var = (a.adv_params or {}).get("baseline", "mean") == "min_variance"
+    from rlpost.algos.registries import ADV_ESTIMATORS
+    from rlpost.algos.validate import trainer_loss_params
+
+    # effective values from the declarations (their defaults live there, not here)
+    a3po = str(trainer_loss_params(a).proximal) == "a3po"
+    baseline = ADV_ESTIMATORS.kwargs(a.adv_estimator, adv_overrides(a), "algo.adv_params").get("baseline")
+    min_var = str(baseline) == "min_variance"  # estimators without a baseline parameter never need it
     return (a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward) or min_var
 
 
