@@ -4,9 +4,10 @@ The first SIGINT or SIGTERM only records the request: the runner finishes the
 step in progress, writes a checkpoint, says what it saved and exits with status
 130. A second one exits at once (status 130, no checkpoint; the last one on disk
 is intact), after killing this process's child processes (the verifier worker),
-so nothing is left running. Verifier workers ignore SIGINT themselves
-(:func:`ignore_sigint`), so a terminal's Ctrl-C, which reaches the whole process
-group, prints no child-process traceback.
+so nothing is left running. The verifier worker ignores SIGINT and SIGTERM
+itself (``rlpost.rewards.scoring``), so a terminal's Ctrl-C or a scheduler's
+SIGTERM to the whole process group neither prints a child traceback nor takes
+away the verifier the step in progress still needs.
 """
 
 from __future__ import annotations
@@ -15,12 +16,6 @@ import os
 import signal
 import threading
 from typing import Any, Dict, Optional
-
-
-def ignore_sigint() -> None:
-    """Pool initializer of child processes: let the parent handle Ctrl-C; SIGTERM (``Pool.terminate``) ends them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class StopRequest:

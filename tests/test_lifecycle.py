@@ -359,3 +359,34 @@ def test_second_sigint_exits_at_once_without_a_new_checkpoint(tmp_path):
     assert "Traceback" not in err and "ForkPoolWorker" not in err
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").glob("step_*"))
     assert not (run / "DONE").exists()
+
+
+def test_sigterm_to_the_process_group_checkpoints_and_exits(tmp_path):
+    """A scheduler's SIGTERM reaches every process of the job (``kill -TERM -PGID``, SLURM,
+    ``timeout``): the run finishes its step, saves, exits 130 and leaves no process behind.
+
+    With ``multiprocessing.Pool`` as the verifier worker this hung after the checkpoint: the
+    idle worker died inside the pool's queue lock and ``Pool.terminate`` waited for it forever.
+    """
+    run = tmp_path / "term"
+    p = _cli("train", *tiny_overrides("steps=50", "checkpoint.every=100", "seed=3"), "logger=jsonl",
+             f"hydra.run.dir={run}", start_new_session=True)
+    deadline = time.time() + 600
+    while not ((run / "metrics.jsonl").exists() and '"step": 2' in (run / "metrics.jsonl").read_text()):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    ckpts = sorted((run / "checkpoints").glob("step_*"))
+    assert len(ckpts) == 1 and (ckpts[0] / "state.pt").exists()
+    k = int(ckpts[0].name.split("_")[1])
+    assert f"interrupted (SIGTERM) after step {k} of 50" in err
+    # the finished step was scored by a live verifier: its reward row exists and is a number
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r["step"] > 0][-1] == k
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # nothing of the job's process group is left running
+        os.killpg(p.pid, 0)

@@ -113,3 +113,43 @@ def test_ttrl_on_a_reasoning_gym_task_rewrites_the_entry():
     r, m = rf(responses, [e] * 3, torch.ones(3, dtype=torch.long))
     assert r.tolist() == [1.0, 1.0, 0.0]
     assert m["reward/ttrl_label_accuracy"] == 0.0
+
+
+def test_worker_killed_while_idle_is_replaced_and_close_never_blocks():
+    """A worker killed between calls (SIGKILL from outside, as an OOM killer would) costs the next
+    response one verifier error, is replaced, and close() returns at once."""
+    import signal
+
+    rf = RewardFunction(ToyTask(), timeout_s=5.0)
+    try:
+        r, _ = rf(["4"], [ex(0, "4")], torch.full((1,), 5))
+        assert r.tolist() == [1.0]
+        os.kill(rf._pool._proc.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        r, m = rf(["4", "4"], [ex(0, "4")] * 2, torch.full((2,), 5))
+        assert r.tolist() == [0.0, 1.0]
+        assert m["reward/verifier_errors"] == 1.0 and m["reward/verifier_timeouts"] == 0.0
+        os.kill(rf._pool._proc.pid, signal.SIGKILL)
+        time.sleep(0.2)
+    finally:
+        t0 = time.monotonic()
+        rf.close()
+        assert time.monotonic() - t0 < 3.0
+    assert rf._pool is None
+
+
+def test_worker_ignores_sigterm_so_the_step_in_progress_keeps_its_verifier():
+    """SIGTERM sent to the whole process group must not take the verifier away mid-step."""
+    import signal
+
+    rf = RewardFunction(ToyTask(), timeout_s=5.0)
+    try:
+        rf(["4"], [ex(0, "4")], torch.full((1,), 5))
+        pid = rf._pool._proc.pid
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.2)
+        r, m = rf(["4", "5"], [ex(0, "4")] * 2, torch.full((2,), 5))
+        assert r.tolist() == [1.0, 0.0] and m["reward/verifier_errors"] == 0.0
+        assert rf._pool._proc.pid == pid  # the same worker answered
+    finally:
+        rf.close()

@@ -7,6 +7,7 @@ sample and is counted in the metrics (``reward/verifier_errors``,
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,88 @@ def _score_one(args: Tuple[str, Any]) -> Tuple[str, float, bool]:
         return ("ok", s, fmt)
     except Exception:  # noqa: BLE001 - any verifier failure becomes reward 0
         return ("error", 0.0, False)
+
+
+class _WorkerDied(Exception):
+    """The verifier worker process ended while scoring (its reply never came)."""
+
+
+def _worker_loop(conn: Any) -> None:
+    """Body of the verifier worker: score each ``(response, example)`` received until ``None``."""
+    import signal
+
+    # Ctrl-C and `kill -TERM -PGID` reach the whole process group: the runner handles them (it
+    # finishes the step, which still needs this worker) and ends the worker itself with SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        try:
+            item = conn.recv()
+        except (EOFError, OSError):
+            return
+        if item is None:
+            return
+        conn.send(_score_one(item))
+
+
+class _VerifierWorker:
+    """One forked process that runs verifier calls, talking to the runner over a private pipe.
+
+    Why not ``multiprocessing.Pool``: a pool's workers and its shutdown share a
+    queue lock, and a worker that dies while holding it (an idle worker waits for
+    work inside that lock, so a SIGTERM sent to the whole process group kills it
+    there) makes ``Pool.terminate`` wait for the lock forever: a run that saved its
+    checkpoint on SIGTERM then never exited. Here nothing is shared but a pipe, so
+    a timeout, a crash or shutdown is always ``kill`` + ``join``.
+
+    The task is inherited through ``fork`` (module global ``_WORKER_TASK``), not
+    pickled. The process is daemonic, so an interpreter that exits without
+    :meth:`close` still ends it.
+    """
+
+    def __init__(self, task: Any) -> None:
+        global _WORKER_TASK
+        _WORKER_TASK = task
+        ctx = mp.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker_loop, args=(child,), daemon=True, name="rlpost-verifier")
+        self._proc.start()
+        child.close()
+        # before multiprocessing's own exit hook, which would SIGTERM (ignored here) and join forever
+        atexit.register(self.kill)
+
+    def call(self, item: Tuple[str, Any], timeout_s: float) -> Tuple[str, float, bool]:
+        """Score one ``(response, example)``: ``(status, score, format_ok)``.
+
+        Raises:
+            TimeoutError: no answer within ``timeout_s`` seconds (the caller kills the worker).
+            _WorkerDied: the worker ended before answering.
+        """
+        try:  # (TimeoutError is an OSError: raised outside this block)
+            self._conn.send(item)
+            answered = self._conn.poll(timeout_s)
+            if answered:
+                return self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise _WorkerDied(str(e)) from None
+        raise TimeoutError(f"verifier took longer than {timeout_s} s")
+
+    def kill(self) -> None:
+        """SIGKILL the worker and reap it (used after a timeout or a crash)."""
+        atexit.unregister(self.kill)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(5)
+        self._conn.close()
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it if it has not within one second."""
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._proc.join(1.0)
+        self.kill()
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
@@ -213,25 +296,21 @@ class RewardFunction:
             raise ConfigError(f"task.reward: {e}. Fix: an overlong_buffer in (0, 1) (share of rollout.max_new_tokens) "
                               f"or a whole number of tokens <= rollout.max_new_tokens.") from None
 
-    def _ensure_pool(self) -> Any:
-        global _WORKER_TASK
+    def _ensure_pool(self) -> "_VerifierWorker":
         if self._pool is None:
-            _WORKER_TASK = self.task
-            ctx = mp.get_context("fork")
-            from rlpost.interrupts import ignore_sigint
-
-            self._pool = ctx.Pool(1, initializer=ignore_sigint)  # Ctrl-C is the runner's to handle
+            self._pool = _VerifierWorker(self.task)
         return self._pool
 
     def _restart(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._pool.kill()
             self._pool = None
 
     def close(self) -> None:
-        """Stop the worker process."""
-        self._restart()
+        """Stop the worker process (never blocks for more than about a second)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def correctness(self, responses: Sequence[str], examples: Sequence[Any]) -> Tuple[List[float], List[bool], Dict[str, float]]:
         """Verifier scores and format flags for each response, plus failure counts.
@@ -252,31 +331,20 @@ class RewardFunction:
                 scores[i], fmts[i] = s, f
                 errors += st == "error"
             return scores, fmts, {"errors": errors, "timeouts": 0}
-        i = 0
-        while i < n:
-            pool = self._ensure_pool()
-            pending = [(j, pool.apply_async(_score_one, ((responses[j], examples[j]),))) for j in range(i, n)]
-            restarted = False
-            for j, res in pending:
-                deadline = time.monotonic() + self.timeout_s
-                try:
-                    st, s, f = res.get(timeout=max(0.0, deadline - time.monotonic()))
-                except mp.TimeoutError:
-                    timeouts += 1
-                    self._restart()
-                    i = j + 1
-                    restarted = True
-                    break
-                except Exception:  # worker died (segfault, os._exit)
-                    errors += 1
-                    self._restart()
-                    i = j + 1
-                    restarted = True
-                    break
-                scores[j], fmts[j] = s, f
-                errors += st == "error"
-            if not restarted:
-                i = n
+        for j in range(n):
+            worker = self._ensure_pool()
+            try:
+                st, s, f = worker.call((responses[j], examples[j]), self.timeout_s)
+            except TimeoutError:
+                timeouts += 1
+                self._restart()
+                continue
+            except _WorkerDied:  # segfault, os._exit, killed from outside
+                errors += 1
+                self._restart()
+                continue
+            scores[j], fmts[j] = s, f
+            errors += st == "error"
         return scores, fmts, {"errors": errors, "timeouts": timeouts}
 
     def __call__(
