@@ -1,7 +1,7 @@
 """The ``rlpost`` command line (Typer). Hydra resolves the config groups.
 
-Commands: ``train``, ``eval``, ``config``, ``list`` (and ``compare`` from the
-evaluation module). User errors print one line and exit with the error's code
+Commands: ``train``, ``eval``, ``config``, ``list`` (and ``compare`` and
+``report`` from the evaluation modules). User errors print one line and exit with the error's code
 (2 for config errors) without a traceback.
 """
 
@@ -389,6 +389,9 @@ def main() -> None:
     from rlpost.eval.compare import register_cli
 
     register_cli(app)  # `rlpost compare`
+    from rlpost.eval.report import register_cli as register_report
+
+    register_report(app)  # `rlpost report`
     app()
 
 
