@@ -192,6 +192,21 @@ def train(
     _launch(_guard(task), overrides, multirun)
 
 
+def _harness_shorthand(overrides: List[str]) -> List[str]:
+    """``rlpost eval``'s shorthand: ``harness=a,b`` is ``eval.harness.tasks=[a,b]``, ``harness.K=V`` is ``eval.harness.K=V``."""
+    out = []
+    for o in overrides:
+        key, sep, val = o.partition("=")
+        if key == "harness" and sep:
+            names = val.strip("[]")
+            out.append(f"eval.harness.tasks=[{names}]")
+        elif key.startswith("harness.") and sep:
+            out.append(f"eval.{o}")
+        else:
+            out.append(o)
+    return out
+
+
 @app.command("eval", context_settings=EXTRA)
 def eval_cmd(ctx: typer.Context) -> None:
     """Evaluate a model or checkpoint on a task's held-out split; writes eval.json.
@@ -203,15 +218,21 @@ def eval_cmd(ctx: typer.Context) -> None:
       rlpost eval eval.checkpoint=outputs/grpo-arithmetic/<time>/final
 
       rlpost eval task=gsm8k eval.limit=100        (written to outputs/eval-gsm8k/<time>/)
+
+      rlpost eval harness=gsm8k,arc_easy eval.checkpoint=outputs/<run>/final   (lm-evaluation-harness; harness.json)
+
+      rlpost eval harness=my_task harness.include=tasks/ harness.limit=50     (a local task YAML)
     """
-    overrides = list(ctx.args)
+    overrides = _harness_shorthand(list(ctx.args))
     try:
         _validate(overrides, False)
     except RlpostError as e:
         _fail(e)
 
+    harness = any(o.split("=", 1)[0] == "eval.harness.tasks" for o in overrides)
     if not any(o.split("=", 1)[0].lstrip("+") in ("name", "hydra.run.dir") for o in overrides):
-        overrides = ["name=eval-${task.name}"] + overrides  # outputs/eval-<task>/<time>, apart from training runs
+        # outputs/eval-<task>/<time> (or eval-harness/), apart from training runs
+        overrides = [f"name=eval-{'harness' if harness else '${task.name}'}"] + overrides
 
     def task(cfg: Any) -> None:
         from omegaconf import OmegaConf
@@ -236,6 +257,17 @@ def eval_cmd(ctx: typer.Context) -> None:
         device = pick_device(cfg.device)
         policy, tok = load_policy(mcfg, seed=cfg.seed)
         policy.to(device).eval()
+        if cfg.eval.harness.tasks:  # lm-evaluation-harness tasks instead of the rlpost task's held-out split
+            from rlpost.eval.harness import metric_lines, run_harness, write_results
+
+            res = run_harness(policy, tok, cfg.eval.harness, seed=cfg.seed, device=str(device))
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            path = write_results(run_dir, res)
+            for line in metric_lines(res):
+                log.info(line)
+            log.info(f"wrote {path} and {run_dir / 'harness_samples.jsonl'}")
+            return
         engine = build_engine(cfg, policy, tok, device)
         t = build_task(cfg.task)
         res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout)
