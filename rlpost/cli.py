@@ -121,6 +121,7 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     (:class:`rlpost.errors.Interrupted`) does not, since ``resume=auto`` continues it.
     """
     from rlpost.errors import Interrupted
+    from rlpost.sweep import summarize_current_sweep
     from rlpost.tracking import log
 
     def wrapped(cfg: Any) -> Any:
@@ -141,6 +142,7 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
             sys.exit(e.exit_code)
         except RlpostError as e:
             _mark_failed(e)
+            summarize_current_sweep()  # a failed sweep job: Hydra calls no callback after sys.exit
             log.error(f"error: {e}")
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
@@ -148,6 +150,7 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
             sys.exit(130)
         except Exception as e:
             _mark_failed(e)
+            summarize_current_sweep()
             raise
 
     wrapped.__name__ = fn.__name__

@@ -153,6 +153,24 @@ def _sweep_dir(config: Any) -> Optional[Path]:
         return None
 
 
+def summarize_current_sweep() -> None:
+    """Rewrite the summary of the sweep this Hydra job belongs to (nothing outside a multirun).
+
+    Called by the CLI when a job fails: Hydra calls no callback after a job that
+    exits (``sys.exit``) or stops the sweep, so the failed job is recorded here.
+    Never raises.
+    """
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            write_summary(Path(str(hc.sweep.dir)))
+    except Exception:  # noqa: BLE001 - a summary must never hide the job's own error
+        pass
+
+
 class SweepSummary(Callback):
     """Hydra callback: rewrite the sweep's summary after each job and at the end of the multirun.
 

@@ -173,3 +173,22 @@ def test_report_logs_figures_to_an_offline_wandb_run(tmp_path):
     media = list(Path(rep["wandb"]["dir"]).rglob("*.png"))
     assert len(media) == 2  # both figures, as wandb.Image files of the offline run
     assert rep["final"][0]["final_reward"]["mean"] == pytest.approx(1.0) and rep["comparisons"] == []
+
+
+def test_summary_marks_failed_and_incomplete_jobs(tmp_path):
+    from rlpost.sweep import write_summary
+
+    for num, marker in ((0, "DONE"), (1, "FAILED"), (2, None)):
+        d = tmp_path / f"{num}_seed={num}"
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- seed={num}\n")
+        if marker:
+            (d / marker).write_text("DataError: task.path='x' does not exist\ntrace\n" if marker == "FAILED" else "3\n")
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.25 * num, "time/step_s": 1.5}) + "\n")
+    (tmp_path / ".submitit").mkdir()  # launcher folders are not jobs
+    s = json.loads(write_summary(tmp_path).read_text())
+    assert s["status"] == {"done": 1, "failed": 1, "incomplete": 1} and s["n_jobs"] == 3
+    assert [r["status"] for r in s["jobs"]] == ["done", "failed", "incomplete"]
+    assert s["jobs"][1]["error"] == "DataError: task.path='x' does not exist"
+    assert s["jobs"][2]["final"]["reward/mean"] == 0.5 and s["jobs"][2]["train_wall_s"] == 1.5
+    assert write_summary(tmp_path / ".submitit") is None

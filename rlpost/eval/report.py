@@ -215,7 +215,7 @@ def group_runs(runs: List[RunCurves]) -> List[Tuple[str, List[RunCurves]]]:
     if len(members) == 1:
         ovs = members[0][0].overrides
         label = ",".join(f"{k}={v}" for k, v in ovs.items() if k != "seed") or str(members[0][0].config.get("name", "runs"))
-        return [(label, members[0])]
+        return [(label if len(label) <= 80 else label[:77] + "...", members[0])]
 
     def labels_from(dicts: List[Dict[str, Any]]) -> List[str]:
         keys = sorted({k for d in dicts for k in d if k != "seed" and not k.startswith("logger.")})
