@@ -131,6 +131,12 @@ def test_submitit_slurm_launcher_composes():
     assert cfg.hydra.callbacks.sweep_summary._target_ == "rlpost.sweep.SweepSummary"
 
 
+def test_misspelt_launcher_names_the_installed_launchers():
+    r = _cli("train", "-m", "model=tiny", "hydra/launcher=jobib", "seed=0,1")
+    assert r.returncode == 2
+    assert "Valid choices for hydra/launcher: basic, joblib, submitit_local, submitit_slurm." in r.stderr
+
+
 def test_mean_band_and_grouping_by_config_minus_seed(tmp_path):
     from rlpost.errors import ConfigError, DataError
     from rlpost.eval.report import discover, group_runs, load_run_curves, mean_band
