@@ -292,7 +292,9 @@ def plot_curves(series: Dict[str, Any], x_axis: str, band: str = "ci95", title: 
     """A 2 x 3 matplotlib figure of the panels against ``x_axis`` (``step`` or ``wall_time``).
 
     Per method: the mean line (with markers where a panel has few points), the
-    band as a shaded area, each seed's own curve thin and faint. Uses the Agg
+    band as a shaded area, each seed's own curve thin and faint. The y range
+    covers the curves (means and seeds) with a margin; a wider band is cut
+    there (with two seeds the 95% t band is +-8.98 sd). Uses the Agg
     backend (no display needed). Returns the Figure; the caller closes it.
 
     Raises:
@@ -321,16 +323,22 @@ def plot_curves(series: Dict[str, Any], x_axis: str, band: str = "ci95", title: 
             ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes,
                     color="gray", fontsize=9)
             continue
+        seen: List[float] = []  # the y range: the curves, not the bands (a 2-seed t band is +-8.98 sd)
         for lab, agg in p["groups"].items():
             c = colors[lab]
+            seen.extend(agg["mean"])
             for rpath, sr in agg["runs"].items():
                 if len(agg["runs"]) > 1 and sr["value"]:
-                    ax.plot(sr[x_axis], sr["value"], color=c, alpha=0.25, lw=0.8, gid=f"run:{rpath}")
+                    ax.plot(sr[x_axis], sr["value"], color=c, alpha=0.45, lw=0.7, gid=f"run:{rpath}")
+                    seen.extend(sr["value"])
             few = len(agg["step"]) <= 12
             ax.plot(agg[x_axis], agg["mean"], color=c, lw=1.8, marker="o" if few else None, ms=3.5,
                     label=lab, gid=f"mean:{lab}")
             if max(agg["n"]) > 1:
                 ax.fill_between(agg[x_axis], agg["low"], agg["high"], color=c, alpha=0.18, lw=0)
+        lo, hi = min(seen), max(seen)
+        pad = 0.12 * (hi - lo) if hi > lo else max(abs(hi) * 0.1, 0.05)
+        ax.set_ylim(lo - pad, hi + pad)
     handles, labs = [], []
     for ax in axs.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -339,19 +347,23 @@ def plot_curves(series: Dict[str, Any], x_axis: str, band: str = "ci95", title: 
                 labs.append(lab)
     fig.legend(handles, labs, loc="upper center", ncol=min(4, max(1, len(labs))), fontsize=9, frameon=False,
                bbox_to_anchor=(0.5, 0.995))
-    sup = (title + "  |  " if title else "") + f"mean over seeds, shaded: {band_name}, thin: each seed"
+    sup = (title + "  |  " if title else "") + (f"mean over seeds, shaded: {band_name} (cut at the plotted range), "
+                                                "thin: each seed")
     fig.suptitle(sup, fontsize=10, y=0.955)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return fig
 
 
 def final_table(groups: List[Tuple[str, List[RunCurves]]], band: str = "ci95") -> List[Dict[str, Any]]:
-    """Per method: seeds, and mean [band] over seeds of the last logged reward, the final held-out
-    accuracy (``eval.json``) and the loop's wall time (see the module doc)."""
+    """Per method: seeds, each run's last logged step, mean [band] over seeds of the last logged
+    reward and of the final held-out accuracy (``eval.json``), and the loop's wall time (see the
+    module doc) as mean with min and max (a t band of durations can go below 0)."""
     rows = []
     for label, rs in groups:
         row: Dict[str, Any] = {"method": label, "seeds": [r.seed for r in rs], "runs": [str(r.path) for r in rs]}
-        rew = [sr["value"][-1] for sr in (r.series("reward/mean") for r in rs) if sr["value"]]
+        rew_series = [r.series("reward/mean") for r in rs]
+        rew = [sr["value"][-1] for sr in rew_series if sr["value"]]
+        row["last_steps"] = [int(sr["step"][-1]) if sr["step"] else 0 for sr in rew_series]
         walls = [r.series("step")["wall_time"][-1] if r.series("step")["wall_time"] else None for r in rs]
         accs = []
         for r in rs:
@@ -363,11 +375,12 @@ def final_table(groups: List[Tuple[str, List[RunCurves]]], band: str = "ci95") -
                     a = None
                 if a is not None:
                     accs.append(float(a))
-        for name, vals in (("final_reward", rew), ("final_accuracy", accs),
-                           ("wall_time_s", [w for w in walls if w is not None])):
+        for name, vals in (("final_reward", rew), ("final_accuracy", accs)):
             row[name] = dict(zip(("mean", "low", "high"), mean_band(vals, band))) if vals else None
             if vals:
                 row[name]["n"] = len(vals)
+        w = [x for x in walls if x is not None]
+        row["wall_time_s"] = {"mean": float(np.mean(w)), "min": float(min(w)), "max": float(max(w)), "n": len(w)} if w else None
         rows.append(row)
     return rows
 
@@ -405,6 +418,12 @@ def _fmt_band(d: Optional[Dict[str, float]], fmt: str = "{:.3f}") -> str:
     return s
 
 
+def _fmt_range(d: Optional[Dict[str, float]]) -> str:
+    if not d:
+        return "-"
+    return f"{d['mean']:.1f}" + (f" ({d['min']:.1f}-{d['max']:.1f})" if d.get("n", 1) > 1 else "")
+
+
 def render_html(report: Dict[str, Any], images: Dict[str, Path]) -> str:
     """The self-contained HTML page: figures inlined as base64 PNG, the tables, the runs."""
     e = html.escape
@@ -426,13 +445,23 @@ def render_html(report: Dict[str, Any], images: Dict[str, Path]) -> str:
         parts.append(f"<h2>Against {e(name)}</h2>")
         b64 = base64.b64encode(images[x_axis].read_bytes()).decode("ascii")
         parts.append(f"<img alt='curves against {e(name)}' src='data:image/png;base64,{b64}'>")
-    parts.append("<h2>Final figures per method</h2><table><tr><th>method</th><th>seeds</th>"
+    parts.append("<h2>Final figures per method</h2><p class='note'>Mean over seeds [the band]; wall time: mean "
+                 "(min-max).</p><table><tr><th>method</th><th>seeds</th><th>last step</th>"
                  "<th>final reward/mean</th><th>held-out accuracy (eval.json)</th><th>wall time (s)</th></tr>")
+    uneven = []
     for row in report["final"]:
+        steps = row["last_steps"]
+        if len(set(steps)) > 1:
+            uneven.append(row["method"])
         parts.append(f"<tr><td>{e(row['method'])}</td><td>{e(', '.join(str(s) for s in row['seeds']))}</td>"
+                     f"<td>{e(', '.join(str(s) for s in steps))}</td>"
                      f"<td>{_fmt_band(row['final_reward'])}</td><td>{_fmt_band(row['final_accuracy'])}</td>"
-                     f"<td>{_fmt_band(row['wall_time_s'], '{:.1f}')}</td></tr>")
+                     f"<td>{_fmt_range(row['wall_time_s'])}</td></tr>")
     parts.append("</table>")
+    if uneven:
+        parts.append(f"<p class='err'>The runs of {e(', '.join(uneven))} end at different steps (unfinished or "
+                     "interrupted runs): their final figures mix steps, and the held-out accuracy covers only the "
+                     "runs that finished.</p>")
     if report["comparisons"]:
         parts.append("<h2>Paired comparison against the first method</h2><p class='note'>Held-out accuracy "
                      "difference B - A over matched seeds and problems, paired bootstrap 95% CI "
@@ -489,7 +518,7 @@ def log_to_wandb(out_dir: Path, images: Dict[str, Path], report: Dict[str, Any],
     table = wandb.Table(columns=["method", "seeds", "final_reward", "final_accuracy", "wall_time_s"])
     for row in report["final"]:
         table.add_data(row["method"], ", ".join(str(s) for s in row["seeds"]), _fmt_band(row["final_reward"]),
-                       _fmt_band(row["final_accuracy"]), _fmt_band(row["wall_time_s"], "{:.1f}"))
+                       _fmt_band(row["final_accuracy"]), _fmt_range(row["wall_time_s"]))
     run.log({**{f"report/curves_{x}": wandb.Image(str(p)) for x, p in images.items()}, "report/final": table})
     info = {"mode": mode, "dir": str(Path(run.dir).parent), "url": (getattr(run, "url", "") or "") if mode == "online" else ""}
     run.finish()
