@@ -181,6 +181,7 @@ class SweepSummary(Callback):
     """
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        """After each job of a multirun (in the process that ran it): rewrite the summary."""
         from hydra.types import RunMode
 
         try:
@@ -193,6 +194,7 @@ class SweepSummary(Callback):
             write_summary(d)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        """After the last job (in the launching process): the final summary."""
         d = _sweep_dir(config)
         if d is not None:
             write_summary(d)

@@ -476,11 +476,14 @@ def render_html(report: Dict[str, Any], images: Dict[str, Path]) -> str:
             rows = list(c["tasks"].items()) + ([("overall", c["overall"])] if len(c["tasks"]) > 1 else [])
             for t, st in rows:
                 cls = "sig" if st["significant"] else "ns"
+                # the full sentence on the row the decision is made on (overall, or the only task)
+                say = c["verdict"] if t == "overall" or len(c["tasks"]) == 1 else (
+                    "significant" if st["significant"] else "not significant")
                 parts.append(
                     f"<tr><td>{e(c['b'])}</td><td>{e(c['a'])}</td><td>{e(t)}</td><td>{st['mean_a']:.3f}</td>"
                     f"<td>{st['mean_b']:.3f}</td><td>{st['diff']:+.3f} [{st['ci_low']:+.3f}, {st['ci_high']:+.3f}]</td>"
                     f"<td>{st['p_value']:.3f}</td><td>{st['n_seeds']}</td><td>{st['n_problems']}</td>"
-                    f"<td class='{cls}'>{e(c['verdict'] if t in ('overall',) or len(c['tasks']) == 1 else ('significant' if st['significant'] else 'not significant'))}</td></tr>")
+                    f"<td class='{cls}'>{e(say)}</td></tr>")
         parts.append("</table>")
     parts.append("<h2>Runs</h2><table><tr><th>method</th><th>seed</th><th>run directory</th><th>steps logged</th></tr>")
     for label, rs in report["groups"].items():
