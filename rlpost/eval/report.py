@@ -435,7 +435,7 @@ def render_html(report: Dict[str, Any], images: Dict[str, Path]) -> str:
         "table{border-collapse:collapse;font-size:13px;margin:8px 0}td,th{border:1px solid #ccc;padding:4px 8px;"
         "text-align:left;vertical-align:top}th{background:#f3f3f3}img{width:100%;border:1px solid #eee}"
         ".sig{color:#0a6b0a;font-weight:600}.ns{color:#777}.err{color:#a00}code{font-size:12px}"
-        ".note{color:#555;font-size:13px}</style></head><body>",
+        ".note{color:#555;font-size:13px}.nw{white-space:nowrap}</style></head><body>",
         f"<h1>rlpost report</h1><p class='note'>{len(report['runs'])} runs in {len(report['groups'])} "
         f"method(s), made {e(report['created'])}. Lines: mean over seeds; shaded: {e(band)}; thin lines: each "
         "seed. Wall time: the training loop's own time (steps and evaluations; no model loading or "
@@ -481,7 +481,7 @@ def render_html(report: Dict[str, Any], images: Dict[str, Path]) -> str:
                     "significant" if st["significant"] else "not significant")
                 parts.append(
                     f"<tr><td>{e(c['b'])}</td><td>{e(c['a'])}</td><td>{e(t)}</td><td>{st['mean_a']:.3f}</td>"
-                    f"<td>{st['mean_b']:.3f}</td><td>{st['diff']:+.3f} [{st['ci_low']:+.3f}, {st['ci_high']:+.3f}]</td>"
+                    f"<td>{st['mean_b']:.3f}</td><td class='nw'>{st['diff']:+.3f} [{st['ci_low']:+.3f}, {st['ci_high']:+.3f}]</td>"
                     f"<td>{st['p_value']:.3f}</td><td>{st['n_seeds']}</td><td>{st['n_problems']}</td>"
                     f"<td class='{cls}'>{e(say)}</td></tr>")
         parts.append("</table>")
