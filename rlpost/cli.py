@@ -1,7 +1,7 @@
 """The ``rlpost`` command line (Typer). Hydra resolves the config groups.
 
-Commands: ``train``, ``eval``, ``config``, ``list`` (and ``compare`` from the
-evaluation module). User errors print one line and exit with the error's code
+Commands: ``train``, ``eval``, ``config``, ``list`` (and ``compare`` and
+``report`` from the evaluation modules). User errors print one line and exit with the error's code
 (2 for config errors) without a traceback.
 """
 
@@ -121,6 +121,7 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     (:class:`rlpost.errors.Interrupted`) does not, since ``resume=auto`` continues it.
     """
     from rlpost.errors import Interrupted
+    from rlpost.sweep import summarize_current_sweep
     from rlpost.tracking import log
 
     def wrapped(cfg: Any) -> Any:
@@ -141,6 +142,7 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
             sys.exit(e.exit_code)
         except RlpostError as e:
             _mark_failed(e)
+            summarize_current_sweep()  # a failed sweep job: Hydra calls no callback after sys.exit
             log.error(f"error: {e}")
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
@@ -148,6 +150,7 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
             sys.exit(130)
         except Exception as e:
             _mark_failed(e)
+            summarize_current_sweep()
             raise
 
     wrapped.__name__ = fn.__name__
@@ -192,6 +195,21 @@ def train(
     _launch(_guard(task), overrides, multirun)
 
 
+def _harness_shorthand(overrides: List[str]) -> List[str]:
+    """``rlpost eval``'s shorthand: ``harness=a,b`` is ``eval.harness.tasks=[a,b]``, ``harness.K=V`` is ``eval.harness.K=V``."""
+    out = []
+    for o in overrides:
+        key, sep, val = o.partition("=")
+        if key == "harness" and sep:
+            names = val.strip("[]")
+            out.append(f"eval.harness.tasks=[{names}]")
+        elif key.startswith("harness.") and sep:
+            out.append(f"eval.{o}")
+        else:
+            out.append(o)
+    return out
+
+
 @app.command("eval", context_settings=EXTRA)
 def eval_cmd(ctx: typer.Context) -> None:
     """Evaluate a model or checkpoint on a task's held-out split; writes eval.json.
@@ -203,15 +221,21 @@ def eval_cmd(ctx: typer.Context) -> None:
       rlpost eval eval.checkpoint=outputs/grpo-arithmetic/<time>/final
 
       rlpost eval task=gsm8k eval.limit=100        (written to outputs/eval-gsm8k/<time>/)
+
+      rlpost eval harness=gsm8k,arc_easy eval.checkpoint=outputs/<run>/final   (lm-evaluation-harness; harness.json)
+
+      rlpost eval harness=my_task harness.include=tasks/ harness.limit=50     (a local task YAML)
     """
-    overrides = list(ctx.args)
+    overrides = _harness_shorthand(list(ctx.args))
     try:
         _validate(overrides, False)
     except RlpostError as e:
         _fail(e)
 
+    harness = any(o.split("=", 1)[0] == "eval.harness.tasks" for o in overrides)
     if not any(o.split("=", 1)[0].lstrip("+") in ("name", "hydra.run.dir") for o in overrides):
-        overrides = ["name=eval-${task.name}"] + overrides  # outputs/eval-<task>/<time>, apart from training runs
+        # outputs/eval-<task>/<time> (or eval-harness/), apart from training runs
+        overrides = [f"name=eval-{'harness' if harness else '${task.name}'}"] + overrides
 
     def task(cfg: Any) -> None:
         from omegaconf import OmegaConf
@@ -236,6 +260,17 @@ def eval_cmd(ctx: typer.Context) -> None:
         device = pick_device(cfg.device)
         policy, tok = load_policy(mcfg, seed=cfg.seed)
         policy.to(device).eval()
+        if cfg.eval.harness.tasks:  # lm-evaluation-harness tasks instead of the rlpost task's held-out split
+            from rlpost.eval.harness import metric_lines, run_harness, write_results
+
+            res = run_harness(policy, tok, cfg.eval.harness, seed=cfg.seed, device=str(device))
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            path = write_results(run_dir, res)
+            for line in metric_lines(res):
+                log.info(line)
+            log.info(f"wrote {path} and {run_dir / 'harness_samples.jsonl'}")
+            return
         engine = build_engine(cfg, policy, tok, device)
         t = build_task(cfg.task)
         res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout)
@@ -389,6 +424,9 @@ def main() -> None:
     from rlpost.eval.compare import register_cli
 
     register_cli(app)  # `rlpost compare`
+    from rlpost.eval.report import register_cli as register_report
+
+    register_report(app)  # `rlpost report`
     app()
 
 

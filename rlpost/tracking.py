@@ -73,6 +73,16 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def resolve_wandb_mode(mode: str) -> str:
+    """``logger.mode`` as W&B takes it: ``auto`` becomes ``online`` when an API key is set (``WANDB_API_KEY``
+    or a ``~/.netrc`` entry for api.wandb.ai) and ``WANDB_MODE`` is not ``offline``, else ``offline``."""
+    if mode != "auto":
+        return mode
+    netrc = Path.home() / ".netrc"
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or netrc.exists() and "api.wandb.ai" in netrc.read_text()
+    return "online" if has_key and os.environ.get("WANDB_MODE") != "offline" else "offline"
+
+
 class RunLogger:
     """Writes one JSON line per step to ``metrics.jsonl`` and mirrors it to W&B.
 
@@ -119,11 +129,7 @@ class RunLogger:
     def _init_wandb(self, config, name, project, entity, mode, tags) -> None:
         import wandb
 
-        if mode == "auto":
-            has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists() and "api.wandb.ai" in (
-                Path.home() / ".netrc"
-            ).read_text()
-            mode = "online" if has_key and os.environ.get("WANDB_MODE") != "offline" else "offline"
+        mode = resolve_wandb_mode(mode)
         id_file = self.run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)

@@ -29,9 +29,21 @@ def conf_dir() -> Path:
 
 
 def group_choices(group: str) -> List[str]:
-    """Preset names available in ``conf/<group>/``."""
+    """Preset names available in ``conf/<group>/``; for Hydra's own groups (``hydra/launcher``),
+    the choices Hydra and its installed plugins register (basic, joblib, submitit_slurm, ...)."""
     d = conf_dir() / group
-    return sorted(p.stem for p in d.glob("*.yaml")) if d.exists() else []
+    if d.exists():
+        return sorted(p.stem for p in d.glob("*.yaml"))
+    if group.startswith("hydra/"):
+        from hydra.core.config_store import ConfigStore
+        from hydra.core.plugins import Plugins
+
+        Plugins.instance()  # imports the installed plugins, which register their configs
+        node: Any = ConfigStore.instance().repo
+        for part in group.split("/"):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        return sorted(k[:-5] for k in node if k.endswith(".yaml"))
+    return []
 
 
 def _schema_keys(path: str) -> List[str]:

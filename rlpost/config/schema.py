@@ -427,6 +427,29 @@ class LoggerConfig:
 
 
 @dataclass
+class HarnessConfig:
+    """lm-evaluation-harness tasks scored by ``rlpost eval`` (``rlpost eval harness=TASKS``).
+
+    Attributes:
+        tasks: lm-eval task or group names (``gsm8k``, ``arc_easy``, or a task
+            defined in a YAML under ``include``); empty: no harness evaluation.
+        include: a folder of extra task YAMLs (lm-eval's ``include_path``), for
+            local tasks such as one over a local jsonl file.
+        limit: documents per task (an int), or a fraction of each task (< 1); null: all.
+        num_fewshot: few-shot examples; null: each task's own default.
+        batch_size: lm-eval's batch size.
+        apply_chat_template: format prompts with the tokenizer's chat template.
+    """
+
+    tasks: List[str] = field(default_factory=list)
+    include: Optional[str] = None
+    limit: Optional[float] = None
+    num_fewshot: Optional[int] = None
+    batch_size: int = 8
+    apply_chat_template: bool = False
+
+
+@dataclass
 class EvalConfig:
     """Evaluation settings (during training and ``rlpost eval``).
 
@@ -445,6 +468,7 @@ class EvalConfig:
             training task, each reported as ``eval/<task>/...``; empty: the
             training task only.
         n_boot: bootstrap replicates of the 95% confidence intervals.
+        harness: lm-evaluation-harness tasks (``rlpost eval`` only; see :class:`HarnessConfig`).
     """
 
     every: int = 0
@@ -459,6 +483,7 @@ class EvalConfig:
     batch_size: int = 64
     tasks: List[str] = field(default_factory=list)
     n_boot: int = 1000
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
 
 @dataclass
