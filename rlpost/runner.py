@@ -255,6 +255,8 @@ class Run:
 
             raise ConfigError("executor.partial_rollout=true does not carry unfinished multi-turn episodes over yet "
                               "(it would silently drop the environment). Fix: executor.partial_rollout=false with env=...")
+        if cfg.sampler.name == "episode":
+            _check_episode_rewards(cfg)
         from rlpost.algos.stages import check_sampler
 
         check_sampler(cfg.algo, cfg.sampler.name)  # per-token temperature: the sampler's only
@@ -551,6 +553,8 @@ class Run:
             kl = kl_penalty(a.kl.estimator, batch.extras["old_logprobs"], batch.extras["ref_logprobs"])
             token_rewards = -a.kl.coef * kl * batch.response_mask
             ctx.metrics["actor/kl_ref"] = float((kl * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
+        if "turn_rewards" in batch.extras:  # multi-turn episodes: per-turn rewards on each turn's last model token
+            token_rewards = batch.extras["turn_rewards"] if token_rewards is None else token_rewards + batch.extras["turn_rewards"]
         out = compute_advantages(
             a.adv_estimator,
             AdvantageInput(rewards=batch.rewards, response_mask=batch.response_mask, group_index=batch.group_index,
@@ -827,3 +831,21 @@ class _progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _check_episode_rewards(cfg: Any) -> None:
+    """``env_reward_at=turn`` puts per-turn rewards in token rewards: the estimator must read them.
+
+    Raises:
+        ConfigError: an estimator not tagged ``uses_token_rewards`` (the rewards would be dropped).
+    """
+    from rlpost.algos.registries import ADV_ESTIMATORS
+    from rlpost.errors import ConfigError
+
+    p = cfg.sampler.params or {}
+    if str(p.get("env_reward_at", "episode")) == "turn" and float(p.get("env_reward_weight", 0.0) or 0.0):
+        if not ADV_ESTIMATORS.entry(cfg.algo.adv_estimator).tags.get("uses_token_rewards"):
+            users = ", ".join(e.name for e in ADV_ESTIMATORS if e.tags.get("uses_token_rewards"))
+            raise ConfigError(f"sampler.params.env_reward_at=turn gives per-turn token rewards, which "
+                              f"algo.adv_estimator={cfg.algo.adv_estimator} ignores. Fix: an estimator that reads "
+                              f"them ({users}) or env_reward_at=episode")
