@@ -15,6 +15,7 @@ temperatures are the engine's on model tokens and 0 on environment tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -310,14 +311,16 @@ class EpisodeSampler(Sampler):
         budget = [c - self.n_global(c) for c in counts]  # branch rows left per prompt
         rng = random.Random(0 if params.seed is None else int(params.seed) * 7919 + int(getattr(ctx, "step", 0) or 0))
         stats = {"root": [], "tool": [], "branches": 0}
-        call = self._run(engine, eps, params, ctx, tok, eos_ids, budget, rng, stats, 0)
-        fill = [pos for pos, b in enumerate(budget) for _ in range(b)]  # unspent branch budget: fresh global episodes
-        if fill:
-            more = [self._new_episode(ctx, pos, prompts[pos], tok) for pos in fill]
-            for e in more:
-                e.can_branch = False
-            eps.extend(more)
-            self._run(engine, more, params, ctx, tok, eos_ids, budget, rng, stats, call)
+        session = getattr(engine, "session", None)
+        with (session() if session is not None else contextlib.nullcontext()):  # vLLM: prefix cache kept across turns
+            call = self._run(engine, eps, params, ctx, tok, eos_ids, budget, rng, stats, 0)
+            fill = [pos for pos, b in enumerate(budget) for _ in range(b)]  # unspent branch budget: fresh global episodes
+            if fill:
+                more = [self._new_episode(ctx, pos, prompts[pos], tok) for pos in fill]
+                for e in more:
+                    e.can_branch = False
+                eps.extend(more)
+                self._run(engine, more, params, ctx, tok, eos_ids, budget, rng, stats, call)
         if self.branching == "aepo":  # pre-monitoring for the next step
             if stats["root"]:
                 self._h_root = sum(stats["root"]) / len(stats["root"])
