@@ -494,3 +494,23 @@ def test_aepo_penalises_consecutive_branching_and_sets_the_global_count_from_ent
     assert s.n_global(4) == 4 and s.n_global(8) == 7
     s._h_root = -9.0
     assert s.n_global(4) == 1
+
+
+def test_trainer_log_probs_see_the_environment_text_the_rollout_saw(tiny_engine, echo_env):
+    """The trainer recomputes each model token's log-prob with the inserted environment tokens attended to
+    (``extras['response_attn']``), so on-policy it matches the engine's rollout log-probs; attending only to
+    the loss mask (the trainer's default) would condition turns 2+ on a context without the tool results."""
+    from rlpost.models.logprobs import response_logprobs
+
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, stop=list("aeiou "))
+    res = EpisodeSampler(2, max_turns=3, max_total_tokens=400).sample(tiny_engine, [[5, 6, 7]], sp, SamplerContext(step=1))
+    g = res.generation
+    m, attn = g.response_mask, res.extras["response_attn"]
+    assert int(attn.sum()) > int(m.sum()) and bool((attn >= m).all())  # env tokens attended, not trained
+    with torch.no_grad():
+        lp, _ = response_logprobs(tiny_engine.model, g.prompt_ids, g.prompt_mask, g.response_ids, attn, g.temperatures)
+        wrong, _ = response_logprobs(tiny_engine.model, g.prompt_ids, g.prompt_mask, g.response_ids, (m > 0).long(),
+                                     g.temperatures)
+    gap = ((lp - g.rollout_logprobs).abs() * m).sum() / m.sum()
+    assert gap < 1e-4
+    assert ((wrong - g.rollout_logprobs).abs() * m).sum() / m.sum() > 1e-2
