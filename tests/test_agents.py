@@ -514,3 +514,19 @@ def test_trainer_log_probs_see_the_environment_text_the_rollout_saw(tiny_engine,
     gap = ((lp - g.rollout_logprobs).abs() * m).sum() / m.sum()
     assert gap < 1e-4
     assert ((wrong - g.rollout_logprobs).abs() * m).sum() / m.sum() > 1e-2
+
+
+def test_gpu_check_agent_part_dry_run_on_cpu(tmp_path):
+    """scripts/gpu_check.py --dry-run --part agent: the multi-turn vLLM check's own code path, with the hf engine."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "gc.json"
+    p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--part", "agent", "--json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    assert [r["check"] for r in recs] == ["agent_episode"] and recs[0]["pass"]
+    assert recs[0]["turns_per_episode"] >= 2 and recs[0]["gap"] <= 1e-3
