@@ -364,71 +364,83 @@ class EpisodeSampler(Sampler):
         One engine call per round for every live episode. Returns the next engine-call number
         (the seed of call ``c`` is :func:`step_params`'s; call 0 keeps ``params.seed``).
         """
-        stop = list(params.stop) + ([TOOL_CALL_STOP] if self.stop_at_tool_call else [])
         while True:
             live = [e for e in eps if not e.done]
             if not live:
                 return call
-            room = [self.max_total_tokens - len(e.ids) for e in live]
-            sp = dataclasses.replace(step_params(params, ctx, call), stop=stop,
-                                     max_new_tokens=max(1, min(int(params.max_new_tokens), max(room))))
+            self.round(engine, live, step_params(params, ctx, call), tok, eos_ids, eps, budget, rng, stats)
             call += 1
-            # branching candidates: the state before a turn that follows a tool response (copied lazily)
-            snaps = {}
+
+    def round(self, engine, live: List[_Episode], params, tok, eos_ids, eps=None, budget=None, rng=None,
+              stats=None) -> None:
+        """One engine call: every episode of ``live`` (not done) speaks one turn and its environment answers.
+
+        Used turn by turn by :meth:`sample` and, across RL steps, by the partial-rollout producer
+        (:class:`rlpost.samplers.episode_partial.EpisodePartialProducer`), which carries the
+        ``_Episode`` objects (ids, masks, log-probs, turn count, environment) between steps.
+        ``eps``, ``budget``, ``rng``, ``stats``: branching only (branches are appended to ``eps``).
+        """
+        stop = list(params.stop) + ([TOOL_CALL_STOP] if self.stop_at_tool_call else [])
+        stats = stats if stats is not None else {"root": [], "tool": [], "branches": 0}
+        room = [self.max_total_tokens - len(e.ids) for e in live]
+        sp = dataclasses.replace(params, stop=stop,
+                                 max_new_tokens=max(1, min(int(params.max_new_tokens), max(room))))
+        # branching candidates: the state before a turn that follows a tool response (copied lazily)
+        snaps = {}
+        if self.branching != "none" and eps is not None:
+            for e in live:
+                if e.after_tool and e.can_branch and budget[e.pos] > 0:
+                    snaps[id(e)] = copy.deepcopy(e)
+        gen = engine.generate([e.prompt + e.ids for e in live], sp)
+        for j, e in enumerate(live):
+            keep = gen.response_mask[j] > 0
+            ids, lps, temps = gen.response_ids[j][keep], gen.rollout_logprobs[j][keep], gen.temperatures[j][keep]
+            cut = len(ids) > room[j]
+            text = gen.texts[j]
+            if cut:
+                ids, lps, temps = ids[: room[j]], lps[: room[j]], temps[: room[j]]
+                text = tok.decode(ids.tolist(), skip_special_tokens=True)
+            e.add(ids.tolist(), 1.0, lps.tolist(), temps.tolist())
+            e.turns += 1
+            e.final_text = text
+            e.transcript.append({"role": "assistant", "content": text, "tokens": len(ids)})
             if self.branching != "none":
-                for e in live:
-                    if e.after_tool and e.can_branch and budget[e.pos] > 0:
-                        snaps[id(e)] = copy.deepcopy(e)
-            gen = engine.generate([e.prompt + e.ids for e in live], sp)
-            for j, e in enumerate(live):
-                keep = gen.response_mask[j] > 0
-                ids, lps, temps = gen.response_ids[j][keep], gen.rollout_logprobs[j][keep], gen.temperatures[j][keep]
-                cut = len(ids) > room[j]
-                text = gen.texts[j]
-                if cut:
-                    ids, lps, temps = ids[: room[j]], lps[: room[j]], temps[: room[j]]
-                    text = tok.decode(ids.tolist(), skip_special_tokens=True)
-                e.add(ids.tolist(), 1.0, lps.tolist(), temps.tolist())
-                e.turns += 1
-                e.final_text = text
-                e.transcript.append({"role": "assistant", "content": text, "tokens": len(ids)})
-                if self.branching != "none":
-                    h = self._entropy(lps.tolist())
-                    if e.turns == 1:
-                        e.h_first = h
-                        stats["root"].append(h)
-                    elif e.after_tool:
-                        stats["tool"].append(h)
-                    if id(e) in snaps:
-                        self._maybe_branch(e, snaps[id(e)], h, eps, budget, rng, stats)
-                e.after_tool = False
-                if cut or not bool(gen.finished[j]):  # the turn did not end: the episode is truncated
-                    e.done, e.truncated, e.finished = True, True, False
-                    continue
-                step, secs = _timed_step(e.env, text)
-                e.env_seconds += secs
-                e.env_reward += float(step.reward)
-                if float(step.reward) != 0.0 and len(e.ids):  # on the turn's last model token
-                    e.turn_rewards.append((len(e.ids) - 1, float(step.reward)))
-                info = step.info
-                e.tool_calls += int(info.get("tool_calls", 0))
-                e.tool_errors += int(info.get("tool_errors", 0))
-                e.tool_timeouts += int(info.get("tool_timeouts", 0))
-                e.env_errors += int(info.get("env_errors", 0))
-                e.void = e.void or bool(info.get("void", 0))
-                if step.done:
-                    e.done, e.finished = True, True
-                    continue
-                if e.turns >= self.max_turns:  # out of turns while still acting
-                    e.done, e.truncated = True, True
-                    continue
-                ins = render_insert(tok, step.messages, after_eos=int(ids[-1]) in eos_ids) if len(ids) else []
-                e.transcript.extend({"role": m["role"], "content": m["content"], "tokens": len(ins)} for m in step.messages)
-                if len(e.ids) + len(ins) >= self.max_total_tokens:
-                    e.done, e.truncated = True, True
-                    continue
-                e.add(ins, 0.0)
-                e.after_tool = True
+                h = self._entropy(lps.tolist())
+                if e.turns == 1:
+                    e.h_first = h
+                    stats["root"].append(h)
+                elif e.after_tool:
+                    stats["tool"].append(h)
+                if id(e) in snaps and budget is not None:
+                    self._maybe_branch(e, snaps[id(e)], h, eps, budget, rng, stats)
+            e.after_tool = False
+            if cut or not bool(gen.finished[j]):  # the turn did not end: the episode is truncated
+                e.done, e.truncated, e.finished = True, True, False
+                continue
+            step, secs = _timed_step(e.env, text)
+            e.env_seconds += secs
+            e.env_reward += float(step.reward)
+            if float(step.reward) != 0.0 and len(e.ids):  # on the turn's last model token
+                e.turn_rewards.append((len(e.ids) - 1, float(step.reward)))
+            info = step.info
+            e.tool_calls += int(info.get("tool_calls", 0))
+            e.tool_errors += int(info.get("tool_errors", 0))
+            e.tool_timeouts += int(info.get("tool_timeouts", 0))
+            e.env_errors += int(info.get("env_errors", 0))
+            e.void = e.void or bool(info.get("void", 0))
+            if step.done:
+                e.done, e.finished = True, True
+                continue
+            if e.turns >= self.max_turns:  # out of turns while still acting
+                e.done, e.truncated = True, True
+                continue
+            ins = render_insert(tok, step.messages, after_eos=int(ids[-1]) in eos_ids) if len(ids) else []
+            e.transcript.extend({"role": m["role"], "content": m["content"], "tokens": len(ins)} for m in step.messages)
+            if len(e.ids) + len(ins) >= self.max_total_tokens:
+                e.done, e.truncated = True, True
+                continue
+            e.add(ins, 0.0)
+            e.after_tool = True
 
     def _maybe_branch(self, e: _Episode, snap: _Episode, h: float, eps: List[_Episode], budget: List[int],
                       rng: random.Random, stats: Dict[str, Any]) -> None:
