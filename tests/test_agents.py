@@ -293,7 +293,7 @@ def test_one_training_step_on_episodes_logs_episode_metrics_and_a_transcript(com
     assert tr["step"] == 1 and tr["transcript"][0]["role"] == "assistant"
 
 
-def test_held_out_evaluation_runs_episodes_and_partial_rollouts_are_refused(compose, tmp_path):
+def test_held_out_evaluation_runs_episodes_and_branching_partial_rollouts_are_refused(compose, tmp_path):
     from rlpost.errors import ConfigError
     from rlpost.runner import Run
 
@@ -305,8 +305,12 @@ def test_held_out_evaluation_runs_episodes_and_partial_rollouts_are_refused(comp
         run.close()
     assert res["n"] == 3 and len(res["records"]) == 3 and 0 <= m["eval/accuracy"] <= 1
     assert "eval/multiply/tool_call_frac" in m and m["eval/multiply/turns_mean"] >= 1
-    with pytest.raises(ConfigError, match="partial_rollout"):
-        Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true")), tmp_path / "p")
+    with pytest.raises(ConfigError, match="without branching"):
+        Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true", "sampler.params.branching=arpo")),
+            tmp_path / "p")
+    with pytest.raises(ConfigError, match="env_reward_at=turn"):
+        Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true",
+                                   "sampler.params.env_reward_weight=1.0")), tmp_path / "q")
 
 
 def test_void_turn_filter_keeps_the_reward_and_drops_the_loss(tok):
@@ -530,3 +534,78 @@ def test_gpu_check_agent_part_dry_run_on_cpu(tmp_path):
     recs = json.loads(out.read_text())
     assert [r["check"] for r in recs] == ["agent_episode"] and recs[0]["pass"]
     assert recs[0]["turns_per_episode"] >= 2 and recs[0]["gap"] <= 1e-3
+
+
+# ------------------------------------------------------------------ partial rollouts of unfinished episodes
+class _Recording(RolloutEngine):
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.tokenizer, self.pad_id, self.eos_ids = inner.tokenizer, inner.pad_id, inner.eos_ids
+
+    def generate(self, prompts, params):
+        g = self.inner.generate(prompts, params)
+        self.calls.append(([list(p) for p in prompts], g))
+        return g
+
+    def sync_weights(self, policy):
+        self.inner.sync_weights(policy)
+
+
+def test_carried_episodes_resume_token_exact_under_new_weights(compose, echo_env):
+    """APRIL-style carry of whole episodes: an episode begun under version v resumes at its next turn
+    under version v+1; its row is exactly the sampled turns plus inserted text, each turn's log-probs are
+    those recorded when it was sampled, and token_version says which weights sampled which turn."""
+    from rlpost.algos.turns import turn_spans
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout.hf import HFRolloutEngine
+    from rlpost.samplers.episode_partial import EpisodePartialProducer
+
+    policy, tk = load_policy(compose(tiny_overrides()).model, torch.float32, seed=0)
+    eng = _Recording(HFRolloutEngine(policy, tk, batch_size=8))
+    s = EpisodeSampler(2, max_turns=3, max_total_tokens=400)
+    prod = EpisodePartialProducer(s, 2, over_provision=2.0, pad_id=tk.pad_token_id)
+    queue = iter(range(100))
+    prompts = {i: [5 + i, 6, 7] for i in range(100)}
+    rows, multi = [], 0
+    for step in range(4):
+        sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=10 + step, stop=list("aeiou "))
+        ps = prod.produce(1, lambda: [next(queue)], prompts.__getitem__, eng, sp, version=step, weights_step=step)
+        assert len(ps.texts) == 2 and ps.batch.group.unique().numel() == 1  # one whole group per step
+        rows.append(ps)
+        with torch.no_grad():  # new weights for the next step
+            for p in policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    resumed = 0
+    for ps in rows:
+        b, attn = ps.batch, ps.extras["response_attn"]
+        for i in range(len(ps.texts)):
+            p = b.prompt_ids[i][b.prompt_mask[i] > 0].tolist()
+            full = p + b.response_ids[i][: int(attn[i].sum())].tolist()
+            m = b.response_mask[i]
+            assert int(attn[i].sum()) >= int(m.sum())
+            for s0, e0 in turn_spans(m):  # each turn: sent as prompt + everything before it, sampled exactly these ids
+                hit = [(sent[j], g) for sent, g in eng.calls for j in range(len(sent))
+                       if sent[j] == full[: len(p) + s0]
+                       and g.response_ids[j][g.response_mask[j] > 0].tolist()[: e0 - s0] == full[len(p) + s0: len(p) + e0]
+                       and torch.allclose(g.rollout_logprobs[j][: e0 - s0], b.rollout_logprobs[i, s0:e0])]
+                assert hit, (i, s0, e0)
+            versions = set(b.token_version[i][m > 0].tolist())
+            resumed += len(versions) > 1
+    assert resumed >= 1  # at least one released episode was carried across a weight change mid-episode
+    assert any(r.metrics["partial/resumed_frac"] > 0 for r in rows)
+    assert all("episode/turns_mean" in r.metrics for r in rows)
+
+
+def test_async_partial_rollouts_train_on_episodes(compose, tmp_path):
+    from rlpost.runner import train
+
+    cfg = compose(tiny_overrides("algo=grpo", "env=calculator", "task=multiply", "executor=async",
+                                 "executor.partial_rollout=true", "executor.over_provision=2.0", "steps=2",
+                                 "eval.at_end=false", "eval.every=0", "sampler.params.max_total_tokens=24",
+                                 "checkpoint.every=0", "selector.prompts_per_step=2", "algo.n_samples_per_prompt=2"))
+    train(cfg, tmp_path / "a")
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "episode/turns_mean" in r]
+    assert len(steps) == 2 and all("partial/carried_groups" in r for r in steps)
+    assert steps[1]["partial/carried_in_groups"] >= 1  # over-provisioned groups were carried into step 2
+    assert (tmp_path / "a" / "transcripts" / "step_000002.json").exists()

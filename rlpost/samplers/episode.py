@@ -90,6 +90,9 @@ class _Episode:
     after_tool: bool = False  # the next model turn follows inserted environment text
     h_first: Optional[float] = None  # mean surprisal (nats) of the first turn's first k tokens
     consecutive: int = 0  # AEPO: consecutive branching steps along this path
+    vers: List[int] = dataclasses.field(default_factory=list)  # partial rollouts: policy version of each token
+    rounds: int = 0  # partial rollouts: rounds (turns) this episode took part in
+    resumed: bool = False  # partial rollouts: continued in a later step than it began
 
     def add(self, ids, mask: float, lps=None, temps=None) -> None:
         self.ids.extend(int(x) for x in ids)
