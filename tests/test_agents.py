@@ -609,3 +609,25 @@ def test_async_partial_rollouts_train_on_episodes(compose, tmp_path):
     assert len(steps) == 2 and all("partial/carried_groups" in r for r in steps)
     assert steps[1]["partial/carried_in_groups"] >= 1  # over-provisioned groups were carried into step 2
     assert (tmp_path / "a" / "transcripts" / "step_000002.json").exists()
+
+
+def test_void_turn_filter_drops_a_final_turn_without_an_answer(tok, compose):
+    """SimpleTIR: a turn with neither a tool call nor an answer is void; with the filter that episode gets no loss."""
+    from rlpost.rewards.scoring import Rewards
+    from rlpost.tasks.base import build_task
+
+    task = build_task(compose(tiny_overrides()).task)
+    assert task.extract_answer("no idea") is None and task.extract_answer("56088") is not None
+
+    def score(rows, texts, lengths):
+        return Rewards(torch.zeros(len(texts)), {"correct": torch.zeros(len(texts))})
+
+    masks = []
+    for text in ("no idea", "56088"):
+        eng = ScriptedEngine(tok, [_ids(tok, text) + [tok.eos_token_id]])
+        s = EpisodeSampler(1, max_turns=2, max_total_tokens=500, void_turn_filter=True)
+        s.attach(task=task)
+        res = s.sample(eng, [[3, 4]], SamplingParams(max_new_tokens=64), SamplerContext(score=score, step=1))
+        masks.append(int(res.generation.response_mask.sum()))
+        assert res.metrics["episode/void_filtered_frac"] == (1.0 if text == "no idea" else 0.0)
+    assert masks[0] == 0 and masks[1] > 0
