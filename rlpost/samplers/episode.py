@@ -216,12 +216,11 @@ class EpisodeSampler(Sampler):
 
     uses_rollout_counts = True
 
-    def __init__(self, n_samples: int = 1, *, env: str = "tools", env_params: Optional[Dict[str, Any]] = None,
-                 max_turns: int = 4, max_total_tokens: int = 256, stop_at_tool_call: bool = True,
-                 env_reward_weight: float = 0.0, env_reward_at: str = "episode", void_turn_filter: bool = False,
-                 transcripts: bool = True, branching: str = "none", initial_rollouts: int = 0, branch_width: int = 2,
-                 branch_probability: float = 0.5, entropy_weight: float = 0.2, entropy_window: int = 20,
-                 aepo_sensitivity: float = 1.0, aepo_penalty: float = 0.5) -> None:
+    def __init__(self, n_samples: int = 1, *, env: str, env_params: Optional[Dict[str, Any]], max_turns: int,
+                 max_total_tokens: int, stop_at_tool_call: bool, env_reward_weight: float, env_reward_at: str,
+                 void_turn_filter: bool, transcripts: bool, branching: str, initial_rollouts: int, branch_width: int,
+                 branch_probability: float, entropy_weight: float, entropy_window: int, aepo_sensitivity: float,
+                 aepo_penalty: float) -> None:
         super().__init__(n_samples)
         from rlpost.envs import make_env
 
