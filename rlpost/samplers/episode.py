@@ -323,7 +323,7 @@ class EpisodeSampler(Sampler):
                     e.can_branch = False
                 eps.extend(more)
                 self._run(engine, more, params, ctx, tok, eos_ids, budget, rng, stats, call)
-        if self.branching == "aepo":  # pre-monitoring for the next step
+        if self.branching == "aepo" and max(counts) > 1:  # pre-monitoring for the next step (not from evaluation)
             if stats["root"]:
                 self._h_root = sum(stats["root"]) / len(stats["root"])
             if stats["tool"]:
