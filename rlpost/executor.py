@@ -105,7 +105,15 @@ def check_partial(cfg: Any) -> None:
     if chunk < 1:
         raise ConfigError(f"executor.partial_chunk_tokens={chunk} must be >= 1 (tokens per response per round).")
     sampler = cfg.sampler.name
-    if sampler not in PARTIAL_SAMPLERS:
+    if sampler == "episode":  # unfinished episodes are carried whole (rlpost.samplers.episode_partial)
+        sp = cfg.sampler.params or {}
+        if str(sp.get("branching", "none")) != "none":
+            raise ConfigError("executor.partial_rollout=true carries episodes without branching. "
+                              "Fix: sampler.params.branching=none, or executor.partial_rollout=false.")
+        if float(sp.get("env_reward_weight", 0.0) or 0.0) and str(sp.get("env_reward_at", "episode")) == "episode":
+            raise ConfigError("executor.partial_rollout=true with env_reward_weight needs per-turn token rewards. "
+                              "Fix: sampler.params.env_reward_at=turn, or executor.partial_rollout=false.")
+    elif sampler not in PARTIAL_SAMPLERS:
         raise ConfigError(f"executor.partial_rollout=true generates plain groups through the carry-over buffer, "
                           f"so sampler={sampler} would be ignored. Fix: sampler=group (or single), or "
                           f"executor.partial_rollout=false.")

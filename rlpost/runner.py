@@ -250,11 +250,8 @@ class Run:
         check_allocation(self.selector, self.sampler, cfg.selector.name, cfg.sampler.name)
         if hasattr(self.sampler, "attach"):  # sampler=episode: environments reset on examples, transcripts
             self.sampler.attach(task=self.task, examples=self.train_examples, run_dir=self.run_dir)
-        if cfg.sampler.name == "episode" and bool(cfg.executor.get("partial_rollout", False)):
-            from rlpost.errors import ConfigError
-
-            raise ConfigError("executor.partial_rollout=true does not carry unfinished multi-turn episodes over yet "
-                              "(it would silently drop the environment). Fix: executor.partial_rollout=false with env=...")
+        if cfg.sampler.name == "episode":
+            _check_episode_rewards(cfg)
         from rlpost.algos.stages import check_sampler
 
         check_sampler(cfg.algo, cfg.sampler.name)  # per-token temperature: the sampler's only
@@ -287,6 +284,11 @@ class Run:
         from rlpost.partial import PartialRolloutProducer
         from rlpost.samplers.base import SamplerContext, pad_id_of
 
+        if self.cfg.sampler.name == "episode":  # whole episodes (ids, masks, turn count, environment) carried over
+            from rlpost.samplers.episode_partial import EpisodePartialProducer
+
+            return EpisodePartialProducer(self.sampler, self.sampler.counts(1, SamplerContext())[0],
+                                          over_provision=float(ex.over_provision), pad_id=pad_id_of(self.engine))
         return PartialRolloutProducer(
             int(self.cfg.rollout.max_new_tokens), group_size=self.sampler.counts(1, SamplerContext())[0],
             over_provision=float(ex.over_provision), chunk_tokens=int(ex.partial_chunk_tokens),
@@ -465,17 +467,20 @@ class Run:
         gi = torch.tensor([gmap.setdefault(int(g), len(gmap)) for g in sb.group.tolist()], dtype=torch.long)
         first_row = {int(g): r for r, g in reversed(list(enumerate(gi.tolist())))}
         prompt_indices = [ps.prompt_index[first_row[g]] for g in range(len(gmap))]
-        texts = [self.tokenizer.decode(sb.response_ids[b][sb.response_mask[b] > 0].tolist(), skip_special_tokens=True)
-                 for b in range(len(gi))]
+        texts = getattr(ps, "texts", None) or [  # episodes: the final turn's text, which the verifier scores
+            self.tokenizer.decode(sb.response_ids[b][sb.response_mask[b] > 0].tolist(), skip_special_tokens=True)
+            for b in range(len(gi))]
         temps = sb.temperatures if sb.temperatures is not None else float(self.cfg.rollout.temperature) * sb.response_mask
         gen = GenerationResult(sb.prompt_ids, sb.prompt_mask, sb.response_ids, sb.response_mask, sb.rollout_logprobs,
                                temps, sb.finished, texts)
         extras = {"token_version": sb.token_version, "token_policy_step": ps.token_step,
-                  "policy_step": row_oldest(ps.token_step, sb.response_mask)}
+                  "policy_step": row_oldest(ps.token_step, sb.response_mask), **getattr(ps, "extras", {})}
         res = SampleResult(gen, gi, ps.new_groups * self.partial.group_size, extras, {})
         # rows are positions in prompt_indices (one group per prompt position)
         score_rows(SamplerContext(score=lambda rows, t, n: score([prompt_indices[r] for r in rows], t, n)), res)
         rewards = res.rewards
+        if getattr(ps, "episodes", None):  # RUN_DIR/transcripts/step_NNNNNN.json, as the per-step sampler writes
+            self.sampler._write_transcript(SamplerContext(step=step, prompt_indices=ps.prompt_index), ps.episodes, res)
         observed = [(prompt_indices[g], rewards[gi == g].tolist()) for g in range(len(gmap))]
         out = StepRollouts(res, prompt_indices, rewards, observed)
         out.metrics = {**rollout_metrics(out, res.rollouts_spent, ps.rounds, skipped[0]), **ps.metrics}
@@ -551,6 +556,8 @@ class Run:
             kl = kl_penalty(a.kl.estimator, batch.extras["old_logprobs"], batch.extras["ref_logprobs"])
             token_rewards = -a.kl.coef * kl * batch.response_mask
             ctx.metrics["actor/kl_ref"] = float((kl * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
+        if "turn_rewards" in batch.extras:  # multi-turn episodes: per-turn rewards on each turn's last model token
+            token_rewards = batch.extras["turn_rewards"] if token_rewards is None else token_rewards + batch.extras["turn_rewards"]
         out = compute_advantages(
             a.adv_estimator,
             AdvantageInput(rewards=batch.rewards, response_mask=batch.response_mask, group_index=batch.group_index,
@@ -827,3 +834,21 @@ class _progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _check_episode_rewards(cfg: Any) -> None:
+    """``env_reward_at=turn`` puts per-turn rewards in token rewards: the estimator must read them.
+
+    Raises:
+        ConfigError: an estimator not tagged ``uses_token_rewards`` (the rewards would be dropped).
+    """
+    from rlpost.algos.registries import ADV_ESTIMATORS
+    from rlpost.errors import ConfigError
+
+    p = cfg.sampler.params or {}
+    if str(p.get("env_reward_at", "episode")) == "turn" and float(p.get("env_reward_weight", 0.0) or 0.0):
+        if not ADV_ESTIMATORS.entry(cfg.algo.adv_estimator).tags.get("uses_token_rewards"):
+            users = ", ".join(e.name for e in ADV_ESTIMATORS if e.tags.get("uses_token_rewards"))
+            raise ConfigError(f"sampler.params.env_reward_at=turn gives per-turn token rewards, which "
+                              f"algo.adv_estimator={cfg.algo.adv_estimator} ignores. Fix: an estimator that reads "
+                              f"them ({users}) or env_reward_at=episode")

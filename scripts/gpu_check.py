@@ -3,6 +3,7 @@
     python scripts/gpu_check.py --dry-run          # CPU: the plan, the memory estimates, every check on a tiny model
     python scripts/gpu_check.py --part hf          # one NVIDIA GPU, no vLLM: torch + transformers (+ DeepSpeed)
     python scripts/gpu_check.py --part vllm        # a GPU machine with vLLM installed
+    python scripts/gpu_check.py --part agent       # multi-turn episodes through vLLM (--dry-run: hf engine on CPU)
 
 Part ``hf`` needs only PyTorch, transformers, safetensors, tokenizers and the small
 wheels rlpost's config needs (hydra-core, omegaconf, antlr4-python3-runtime;
@@ -29,6 +30,12 @@ vocabulary. It runs
 Part ``vllm`` builds rlpost's vLLM engine on a saved random Qwen3 model and checks
 that a push changes vLLM's log-probs to within tolerance of the trainer's, for
 bf16 and fp8 (the fp8 path is vLLM's worker reload), and prints tokens/s.
+
+Part ``agent`` runs multi-turn episodes (``sampler=episode``, an environment that answers every turn)
+through the vLLM engine, one call per turn inside the engine's session: every call's token-id prompt
+and every row must be token-exact, the trainer's log-probs of the model tokens (environment tokens
+attended to) must match vLLM's, and turns 2+ must hit vLLM's prefix cache. ``--dry-run --part agent``
+runs the same check with the hf engine on CPU.
 """
 
 from __future__ import annotations
@@ -429,10 +436,129 @@ def vllm_teacher_forced_gap(eng, batch, lp_trainer: torch.Tensor) -> float:
     return tot / max(1, n)
 
 
+# --------------------------------------------------------------------------- part agent
+class RecordingEngine:
+    """Passes every call to a real engine and keeps ``(prompts, result, cached prompt tokens)`` of each."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.tokenizer, self.pad_id = inner.tokenizer, inner.pad_id
+        self.eos_ids = getattr(inner, "eos_ids", None)
+
+    def generate(self, prompts, params):
+        gen = self.inner.generate(prompts, params)
+        self.calls.append(([list(p) for p in prompts], gen, getattr(self.inner, "last_cached_tokens", None)))
+        return gen
+
+    def session(self):
+        return self.inner.session()
+
+
+def _register_echo_env():
+    """``gpu_check_echo``: answers every turn with a short observation (a random model makes no tool calls)."""
+    from rlpost.envs.base import ENVS, Env, EnvStep
+
+    if "gpu_check_echo" in [e.name for e in ENVS]:
+        return
+
+    @ENVS.register("gpu_check_echo", description="gpu_check only: an observation after every turn")
+    class Echo(Env):
+        def __init__(self):
+            self.k = 0
+
+        def step(self, text):
+            self.k += 1
+            return EnvStep([{"role": "tool", "content": f"t5 t6 t{self.k + 7}"}], 0.0, False, {"tool_calls": 1})
+
+
+def part_agent(device: torch.device, shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
+    """Multi-turn episodes through the rollout engine (vLLM on a GPU; the hf engine in --dry-run).
+
+    One engine call per turn with token-id prompts (prompt + every earlier turn + inserted text), inside
+    the engine's session (vLLM: awake, prefix cache on). Checks: (1) token exactness, each call's prompt is
+    exactly what the row holds before that turn and each row is exactly sampled + inserted ids, with the
+    loss mask on the sampled ones; (2) the trainer's log-probs of every model token (environment tokens
+    attended to) match the engine's rollout log-probs; (3) vLLM: turns 2+ are served from the prefix cache.
+    """
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.samplers.base import SamplerContext
+    from rlpost.samplers.episode import EpisodeSampler
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    _register_echo_env()
+    V = int(SHAPES[shape]["vocab_size"])
+    tok = word_tokenizer(V)
+    B, P, G = (4, 8, 2) if dry else (32, 64, 4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B)]
+    # random weights never stop on their own: stop strings end the turns after a few tokens
+    sp = SamplingParams(max_new_tokens=32, temperature=1.0, seed=11, stop=["t3", "t7"])
+    over = ["precision=bf16" if not dry else "precision=fp32", "trainer.micro_batch_size=8",
+            f"rollout.batch_size={B * G}", f"model.cache_dir={tmp / 'agent'}"]
+    name = "agent_episode"
+    with guard(name):
+        print(f"\n== multi-turn episodes through the {'hf (dry run)' if dry else 'vLLM'} engine: {shape}"
+              f"{'' if layers is None else f' with {layers} layers'}, {B} prompts x {G} episodes, 3 turns")
+        cfg = rl_config(over + ([] if dry else ["rollout=vllm", "rollout.gpu_memory_utilization=0.35"]))
+        policy = build_model(shape, layers, torch.float32, device, seed=1)
+        trainer = TorchTrainer(policy, cfg, device)
+        if dry:
+            from rlpost.rollout.hf import HFRolloutEngine
+
+            inner = HFRolloutEngine(trainer.policy, tok, B * G, share_weights=True, device=device)
+        else:
+            from rlpost.rollout.vllm import VLLMRolloutEngine
+
+            inner = VLLMRolloutEngine(cfg, trainer.policy, tok)
+        eng = RecordingEngine(inner)
+        s = EpisodeSampler(G, env="gpu_check_echo", max_turns=3, max_total_tokens=256, transcripts=False)
+        t0 = time.perf_counter()
+        res = s.sample(eng, prompts, sp, SamplerContext(step=1))
+        dt = time.perf_counter() - t0
+        gen = res.generation
+        rows = gen.response_ids.shape[0]
+        turns = res.extras["episode_turns"].long().tolist()
+        # (1) token exactness: call k served the rows still live at turn k, in row order
+        bad, expect_mask = 0, torch.zeros_like(gen.response_mask)
+        for k, (sent, out, _) in enumerate(eng.calls):
+            live = [i for i in range(rows) if turns[i] > k]
+            for j, i in enumerate(live):
+                p = gen.prompt_ids[i][gen.prompt_mask[i] > 0].tolist()
+                full = p + gen.response_ids[i][: int(res.extras["response_attn"][i].sum())].tolist()
+                ids = out.response_ids[j][out.response_mask[j] > 0].tolist()
+                n = len(sent[j])
+                if full[:n] != sent[j] or full[n:n + len(ids)] != ids[: len(full) - n]:
+                    bad += 1
+                expect_mask[i, n - len(p): n - len(p) + len(ids)] = 1
+        exact = bad == 0 and torch.equal(expect_mask[:, : gen.response_mask.shape[1]], gen.response_mask)
+        # (2) trainer log-probs of the model tokens, environment tokens attended to
+        batch = batch_from(gen, G)
+        batch.extras["response_attn"] = res.extras["response_attn"]
+        lp, _ = trainer.compute_logprobs(batch)
+        gap = masked_abs_mean(gen.rollout_logprobs, lp, gen.response_mask)
+        tol = 1e-3 if dry else 0.05
+        cached = [c for _, _, c in eng.calls[1:]]
+        cache_ok = dry or (all(c is not None for c in cached) and sum(cached) > 0)
+        later = sum(len(p) for sent, _, _ in eng.calls[1:] for p in sent)
+        cache_txt = "n/a (hf engine)" if dry else (f"{sum(c or 0 for c in cached)} of {later} prompt tokens of turns 2+ "
+                                                   "served from vLLM's prefix cache")
+        report(name, exact and gap <= tol and cache_ok and max(turns) >= 2,
+               f"{rows} episodes, {sum(turns) / rows:.2f} turns/episode, {len(eng.calls)} engine calls, "
+               f"{gen.num_tokens / dt:,.0f} model tokens/s; token-exact rows {rows - min(bad, rows)}/{rows}; "
+               f"|trainer - rollout| log-prob per model token {gap:.4f}; {cache_txt} "
+               f"(threshold: every call and row token-exact, mask = sampled tokens, gap <= {tol}, some episode reaches "
+               f"turn 2{'' if dry else ', cached tokens > 0'})",
+               turns_per_episode=sum(turns) / rows, gap=gap, seconds=dt)
+        if hasattr(inner, "close"):
+            inner.close()
+        del eng, inner, trainer, policy
+        reset_peak(device)
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--part", choices=["hf", "vllm", "agent"], default="hf")
     ap.add_argument("--dry-run", action="store_true", help="CPU: plan, memory estimates, every hf check on a toy Qwen3")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--vllm-layers", type=int, default=8, help="layers of --shape for the vLLM part")
@@ -451,7 +577,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         b = estimate(rl_config(ov), shape_from_config(hf_config("qwen3-8b", n).to_dict()), 141 * GiB, world_size=1)
         print(f"\n== on a 141 GiB GPU the trainer check would use {n} of Qwen3-8B's 36 layers:\n{b.table()}")
-        part_hf(device, shape, dry=True)
+        if a.part == "agent":
+            print("Plan (GPU part agent): multi-turn episodes through vLLM: token exactness per call, trainer vs "
+                  "rollout log-probs with environment tokens attended, prefix-cache hits on turns 2+.")
+            import tempfile
+
+            part_agent(device, shape, None, True, Path(tempfile.mkdtemp(prefix="rlpost_agent_")))
+        else:
+            part_hf(device, shape, dry=True)
     else:
         if not torch.cuda.is_available():
             print("FAIL  gpu: no CUDA GPU visible (use --dry-run on CPU)")
@@ -463,6 +596,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"GPU: {p.name}, {p.total_memory / GiB:.1f} GiB, torch {torch.__version__}")
         if a.part == "hf":
             part_hf(device, a.shape, dry=False)
+        elif a.part == "agent":
+            import tempfile
+
+            part_agent(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_agent_")))
         else:
             import tempfile
 

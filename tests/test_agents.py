@@ -293,7 +293,7 @@ def test_one_training_step_on_episodes_logs_episode_metrics_and_a_transcript(com
     assert tr["step"] == 1 and tr["transcript"][0]["role"] == "assistant"
 
 
-def test_held_out_evaluation_runs_episodes_and_partial_rollouts_are_refused(compose, tmp_path):
+def test_held_out_evaluation_runs_episodes_and_branching_partial_rollouts_are_refused(compose, tmp_path):
     from rlpost.errors import ConfigError
     from rlpost.runner import Run
 
@@ -305,8 +305,12 @@ def test_held_out_evaluation_runs_episodes_and_partial_rollouts_are_refused(comp
         run.close()
     assert res["n"] == 3 and len(res["records"]) == 3 and 0 <= m["eval/accuracy"] <= 1
     assert "eval/multiply/tool_call_frac" in m and m["eval/multiply/turns_mean"] >= 1
-    with pytest.raises(ConfigError, match="partial_rollout"):
-        Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true")), tmp_path / "p")
+    with pytest.raises(ConfigError, match="without branching"):
+        Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true", "sampler.params.branching=arpo")),
+            tmp_path / "p")
+    with pytest.raises(ConfigError, match="env_reward_at=turn"):
+        Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true",
+                                   "sampler.params.env_reward_weight=1.0")), tmp_path / "q")
 
 
 def test_void_turn_filter_keeps_the_reward_and_drops_the_loss(tok):
@@ -330,3 +334,300 @@ def test_void_turn_filter_keeps_the_reward_and_drops_the_loss(tok):
         if flt:  # scored once by the sampler, reward kept
             assert res.rewards.tolist() == [1.0] and res.metrics["episode/void_filtered_frac"] == 1.0
     assert scored == [["56088"]]
+
+
+# ------------------------------------------------------------------ turn-level advantages and per-turn rewards
+def test_turn_grpo_hand_computed_on_three_turn_episodes():
+    from rlpost.algos.advantages import AdvantageInput, compute_advantages
+
+    # row 0: turns at 0-1, 3, 5-6 (per-turn rewards 0.5, 0, 1.0 on each turn's last token); row 1: turns 0, 2-3
+    mask = torch.tensor([[1, 1, 0, 1, 0, 1, 1, 0], [1, 0, 1, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    tr = torch.zeros(2, 8)
+    tr[0, 1], tr[0, 6], tr[1, 3] = 0.5, 1.0, 0.2
+    inp = AdvantageInput(rewards=torch.tensor([1.0, 0.0]), response_mask=mask, group_index=torch.tensor([0, 0]),
+                         token_rewards=tr)
+    out = compute_advantages("turn_grpo", inp, gamma=0.5, norm_by_std=False)
+    # outcome term +-0.5; return-to-go G: row 0 (0.75, 0.5, 1.0), row 1 (0.1, 0.2);
+    # baselines per turn index: (0.425, 0.35, 1.0) -> turn terms row 0 (0.325, 0.15, 0), row 1 (-0.325, -0.15)
+    assert torch.allclose(out.advantages[0], torch.tensor([0.825, 0.825, 0, 0.65, 0, 0.5, 0.5, 0]))
+    assert torch.allclose(out.advantages[1], torch.tensor([-0.825, 0, -0.65, -0.65, 0, 0, 0, 0]))
+    assert out.returns is None
+    # turn_coef scales only the turn term; without token rewards it is GRPO exactly
+    out2 = compute_advantages("turn_grpo", inp, gamma=0.5, norm_by_std=False, turn_coef=2.0)
+    assert torch.allclose(out2.advantages[0, [0, 3, 5]], torch.tensor([1.15, 0.8, 0.5]))
+    plain = AdvantageInput(rewards=inp.rewards, response_mask=mask, group_index=inp.group_index)
+    assert torch.equal(compute_advantages("turn_grpo", plain).advantages, compute_advantages("grpo", plain).advantages)
+
+
+def test_sao_value_targets_with_per_turn_token_rewards_and_no_critic_loss_on_env_tokens():
+    from rlpost.algos.advantages import AdvantageInput, compute_advantages
+    from rlpost.algos.aggregation import aggregate
+    from rlpost.algos.regularizers import value_loss
+
+    # 3 turns: tokens 0-1 | env 2-3 | token 4 | env 5 | tokens 6-7 | pad 8; turn rewards 0.5 and 0.25, outcome 1
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 1, 0]], dtype=torch.float32)
+    v = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.4, 9.0, 0.6, 0.7, 9.0]])
+    tr = torch.zeros(1, 9)
+    tr[0, 1], tr[0, 4] = 0.5, 0.25
+    inp = AdvantageInput(rewards=torch.tensor([1.0]), response_mask=mask, group_index=torch.tensor([0]), values=v,
+                         token_rewards=tr)
+    out = compute_advantages("sao", inp, gamma=1.0, lam=1.0, whiten=False)
+    model = [0, 1, 4, 6, 7]
+    assert torch.allclose(out.returns[0, model], torch.tensor([1.75, 1.75, 1.25, 1.0, 1.0]))
+    assert torch.allclose(out.advantages[0, model], torch.tensor([1.65, 1.55, 0.85, 0.4, 0.3]))
+    # gamma = 0.5: discount per model token; env tokens carry V and the return through
+    out = compute_advantages("sao", inp, gamma=0.5, lam=1.0, whiten=False)
+    # G7 = 1, G6 = .5, G4 = .25 + .25 = .5, G1 = .5 + .25 = .75, G0 = .375
+    assert torch.allclose(out.returns[0, model], torch.tensor([0.375, 0.75, 0.5, 0.5, 1.0]))
+    # the critic's loss (token-mean over the response mask) has no gradient on environment tokens or padding
+    vals = v.clone().requires_grad_(True)
+    loss_mat, _ = value_loss(vals, v, out.returns, mask, clip_range=None)
+    aggregate("token-mean", loss_mat, mask).backward()
+    assert vals.grad[0, [2, 3, 5, 8]].abs().sum() == 0
+    assert torch.allclose(vals.grad[0, model], (v[0, model] - out.returns[0, model]) / 5)
+
+
+class _EchoEnv:
+    """Every turn gets an observation back (so every later turn follows environment text); turn k's reward is k / 10."""
+
+    instructions = ""
+
+    def __init__(self):
+        self.k = 0
+
+    def reset(self, example):
+        return None
+
+    def step(self, text):
+        from rlpost.envs.base import EnvStep
+
+        self.k += 1
+        return EnvStep([{"role": "tool", "content": f"obs {self.k}"}], self.k / 10, False, {"tool_calls": 1})
+
+
+@pytest.fixture
+def echo_env(monkeypatch):
+    import rlpost.envs
+
+    monkeypatch.setattr(rlpost.envs, "make_env", lambda name, params=None: _EchoEnv())
+
+
+def test_per_turn_rewards_sit_on_each_turns_last_model_token(tok, echo_env):
+    t = [_ids(tok, "a b"), _ids(tok, "c"), _ids(tok, "d e f")]
+    eng = ScriptedEngine(tok, t)
+    s = EpisodeSampler(1, max_turns=3, max_total_tokens=1000, env_reward_weight=2.0, env_reward_at="turn")
+    res = s.sample(eng, [[3, 4]], SamplingParams(max_new_tokens=16), SamplerContext(step=1))
+    tr, m = res.extras["turn_rewards"][0], res.generation.response_mask[0]
+    ins = [render_insert(tok, [{"role": "tool", "content": f"obs {k}"}], after_eos=False) for k in (1, 2)]
+    ends = [len(t[0]) - 1, len(t[0]) + len(ins[0]) + len(t[1]) - 1, int(m.nonzero().max())]
+    assert tr.nonzero().flatten().tolist() == ends and tr[ends].tolist() == pytest.approx([0.2, 0.4, 0.6])
+    assert all(m[i] == 1 for i in ends) and "reward_env" not in res.extras and res.rewards is None
+
+
+def test_turn_rewards_need_an_estimator_that_reads_token_rewards(compose, tmp_path):
+    from rlpost.errors import ConfigError
+    from rlpost.runner import Run
+
+    with pytest.raises(ConfigError, match="env_reward_at=turn"):
+        Run(compose(tiny_overrides("algo=grpo", "env=calculator", "sampler.params.env_reward_at=turn",
+                                   "sampler.params.env_reward_weight=1.0")), tmp_path / "t")
+
+
+# ------------------------------------------------------------------ ARPO / AEPO branching (real tiny model)
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from rlpost.config.compose import compose_config
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout.hf import HFRolloutEngine
+
+    policy, tk = load_policy(compose_config(tiny_overrides()).model, torch.float32, seed=0)
+    return HFRolloutEngine(policy, tk, batch_size=8)
+
+
+def _check_tree(res, group, n_prompts):
+    g, ex = res.generation, res.extras
+    assert res.group_index.tolist() == sorted(res.group_index.tolist())  # rows grouped by prompt
+    assert torch.bincount(res.group_index).tolist() == [group] * n_prompts  # the branch budget: exactly G rows
+    for i, (par, n) in enumerate(zip(ex["branch_parent"].tolist(), ex["branch_prefix_len"].tolist())):
+        if par < 0:
+            assert n == 0
+            continue
+        assert res.group_index[par] == res.group_index[i] and n > 0
+        for f in ("response_ids", "response_mask", "rollout_logprobs", "temperatures"):  # the prefix, id for id
+            assert torch.equal(getattr(g, f)[i, :n], getattr(g, f)[par, :n]), f
+        assert torch.equal(g.prompt_ids[i], g.prompt_ids[par])
+
+
+def test_arpo_branches_share_the_prefix_exactly_and_respect_the_budget(tiny_engine, echo_env):
+    prompts = [[5, 6, 7], [8, 9]]
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, stop=list("aeiou "))  # random model: end turns early
+    s = EpisodeSampler(4, max_turns=3, max_total_tokens=400, branching="arpo", initial_rollouts=1, branch_width=2,
+                       branch_probability=1.0, entropy_weight=0.0)  # always branch: 1 global + 3 branches per prompt
+    res = s.sample(tiny_engine, prompts, sp, SamplerContext(step=1))
+    _check_tree(res, 4, 2)
+    par = res.extras["branch_parent"]
+    assert int((par >= 0).sum()) == 6 and res.metrics["episode/branches"] == 6
+    # the first branches re-sample turn 2: they share turn 1 and the inserted observation, nothing more
+    first = res.extras["branch_prefix_len"][par == 0]
+    m0 = res.generation.response_mask[0]
+    turn1 = int(m0.tolist().index(0.0))
+    ins = len(render_insert(tiny_engine.tokenizer, [{"role": "tool", "content": "obs 1"}],
+                            after_eos=int(res.generation.response_ids[0, turn1 - 1]) in tiny_engine.eos_ids))
+    assert first.tolist()[0] == turn1 + ins
+    # never branching: the budget is filled with global episodes
+    s0 = EpisodeSampler(4, max_turns=3, max_total_tokens=400, branching="arpo", branch_probability=0.0, entropy_weight=0.0)
+    res0 = s0.sample(tiny_engine, prompts, sp, SamplerContext(step=1))
+    _check_tree(res0, 4, 2)
+    assert res0.extras["branch_parent"].tolist() == [-1] * 8 and res0.metrics["episode/branches"] == 0
+
+
+def test_aepo_penalises_consecutive_branching_and_sets_the_global_count_from_entropy(tiny_engine, echo_env):
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=4, stop=list("aeiou "))
+    s = EpisodeSampler(4, max_turns=4, max_total_tokens=400, branching="aepo", branch_width=1,
+                       branch_probability=1.0, entropy_weight=0.0, aepo_penalty=1.0)
+    assert s.n_global(4) == 2  # first step: sigmoid(0) = 1/2
+    res = s.sample(tiny_engine, [[5, 6, 7]], sp, SamplerContext(step=1))
+    _check_tree(res, 4, 1)
+    # penalty 1: after one branching step a path never branches again, so each global episode branches once
+    par = res.extras["branch_parent"].tolist()
+    assert sorted(p for p in par if p >= 0) == [0, 1]
+    assert s._h_root is not None and s._h_tool is not None  # pre-monitoring for the next step
+    s._h_root, s._h_tool = 1.0, 1.0
+    assert s.n_global(4) == 2
+    s._h_root = 3.0  # sigmoid(2) * 4 = 3.52
+    assert s.n_global(4) == 4 and s.n_global(8) == 7
+    s._h_root = -9.0
+    assert s.n_global(4) == 1
+
+
+def test_trainer_log_probs_see_the_environment_text_the_rollout_saw(tiny_engine, echo_env):
+    """The trainer recomputes each model token's log-prob with the inserted environment tokens attended to
+    (``extras['response_attn']``), so on-policy it matches the engine's rollout log-probs; attending only to
+    the loss mask (the trainer's default) would condition turns 2+ on a context without the tool results."""
+    from rlpost.models.logprobs import response_logprobs
+
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, stop=list("aeiou "))
+    res = EpisodeSampler(2, max_turns=3, max_total_tokens=400).sample(tiny_engine, [[5, 6, 7]], sp, SamplerContext(step=1))
+    g = res.generation
+    m, attn = g.response_mask, res.extras["response_attn"]
+    assert int(attn.sum()) > int(m.sum()) and bool((attn >= m).all())  # env tokens attended, not trained
+    with torch.no_grad():
+        lp, _ = response_logprobs(tiny_engine.model, g.prompt_ids, g.prompt_mask, g.response_ids, attn, g.temperatures)
+        wrong, _ = response_logprobs(tiny_engine.model, g.prompt_ids, g.prompt_mask, g.response_ids, (m > 0).long(),
+                                     g.temperatures)
+    gap = ((lp - g.rollout_logprobs).abs() * m).sum() / m.sum()
+    assert gap < 1e-4
+    assert ((wrong - g.rollout_logprobs).abs() * m).sum() / m.sum() > 1e-2
+
+
+def test_gpu_check_agent_part_dry_run_on_cpu(tmp_path):
+    """scripts/gpu_check.py --dry-run --part agent: the multi-turn vLLM check's own code path, with the hf engine."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "gc.json"
+    p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--part", "agent", "--json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    assert [r["check"] for r in recs] == ["agent_episode"] and recs[0]["pass"]
+    assert recs[0]["turns_per_episode"] >= 2 and recs[0]["gap"] <= 1e-3
+
+
+# ------------------------------------------------------------------ partial rollouts of unfinished episodes
+class _Recording(RolloutEngine):
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.tokenizer, self.pad_id, self.eos_ids = inner.tokenizer, inner.pad_id, inner.eos_ids
+
+    def generate(self, prompts, params):
+        g = self.inner.generate(prompts, params)
+        self.calls.append(([list(p) for p in prompts], g))
+        return g
+
+    def sync_weights(self, policy):
+        self.inner.sync_weights(policy)
+
+
+def test_carried_episodes_resume_token_exact_under_new_weights(compose, echo_env):
+    """APRIL-style carry of whole episodes: an episode begun under version v resumes at its next turn
+    under version v+1; its row is exactly the sampled turns plus inserted text, each turn's log-probs are
+    those recorded when it was sampled, and token_version says which weights sampled which turn."""
+    from rlpost.algos.turns import turn_spans
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout.hf import HFRolloutEngine
+    from rlpost.samplers.episode_partial import EpisodePartialProducer
+
+    policy, tk = load_policy(compose(tiny_overrides()).model, torch.float32, seed=0)
+    eng = _Recording(HFRolloutEngine(policy, tk, batch_size=8))
+    s = EpisodeSampler(2, max_turns=3, max_total_tokens=400)
+    prod = EpisodePartialProducer(s, 2, over_provision=2.0, pad_id=tk.pad_token_id)
+    queue = iter(range(100))
+    prompts = {i: [5 + i, 6, 7] for i in range(100)}
+    rows, multi = [], 0
+    for step in range(4):
+        sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=10 + step, stop=list("aeiou "))
+        ps = prod.produce(1, lambda: [next(queue)], prompts.__getitem__, eng, sp, version=step, weights_step=step)
+        assert len(ps.texts) == 2 and ps.batch.group.unique().numel() == 1  # one whole group per step
+        rows.append(ps)
+        with torch.no_grad():  # new weights for the next step
+            for p in policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    resumed = 0
+    for ps in rows:
+        b, attn = ps.batch, ps.extras["response_attn"]
+        for i in range(len(ps.texts)):
+            p = b.prompt_ids[i][b.prompt_mask[i] > 0].tolist()
+            full = p + b.response_ids[i][: int(attn[i].sum())].tolist()
+            m = b.response_mask[i]
+            assert int(attn[i].sum()) >= int(m.sum())
+            for s0, e0 in turn_spans(m):  # each turn: sent as prompt + everything before it, sampled exactly these ids
+                hit = [(sent[j], g) for sent, g in eng.calls for j in range(len(sent))
+                       if sent[j] == full[: len(p) + s0]
+                       and g.response_ids[j][g.response_mask[j] > 0].tolist()[: e0 - s0] == full[len(p) + s0: len(p) + e0]
+                       and torch.allclose(g.rollout_logprobs[j][: e0 - s0], b.rollout_logprobs[i, s0:e0])]
+                assert hit, (i, s0, e0)
+            versions = set(b.token_version[i][m > 0].tolist())
+            resumed += len(versions) > 1
+    assert resumed >= 1  # at least one released episode was carried across a weight change mid-episode
+    assert any(r.metrics["partial/resumed_frac"] > 0 for r in rows)
+    assert all("episode/turns_mean" in r.metrics for r in rows)
+
+
+def test_async_partial_rollouts_train_on_episodes(compose, tmp_path):
+    from rlpost.runner import train
+
+    cfg = compose(tiny_overrides("algo=grpo", "env=calculator", "task=multiply", "executor=async",
+                                 "executor.partial_rollout=true", "executor.over_provision=2.0", "steps=2",
+                                 "eval.at_end=false", "eval.every=0", "sampler.params.max_total_tokens=24",
+                                 "checkpoint.every=0", "selector.prompts_per_step=2", "algo.n_samples_per_prompt=2"))
+    train(cfg, tmp_path / "a")
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "episode/turns_mean" in r]
+    assert len(steps) == 2 and all("partial/carried_groups" in r for r in steps)
+    assert steps[1]["partial/carried_in_groups"] >= 1  # over-provisioned groups were carried into step 2
+    assert (tmp_path / "a" / "transcripts" / "step_000002.json").exists()
+
+
+def test_void_turn_filter_drops_a_final_turn_without_an_answer(tok, compose):
+    """SimpleTIR: a turn with neither a tool call nor an answer is void; with the filter that episode gets no loss."""
+    from rlpost.rewards.scoring import Rewards
+    from rlpost.tasks.base import build_task
+
+    task = build_task(compose(tiny_overrides()).task)
+    assert task.extract_answer("no idea") is None and task.extract_answer("56088") is not None
+
+    def score(rows, texts, lengths):
+        return Rewards(torch.zeros(len(texts)), {"correct": torch.zeros(len(texts))})
+
+    masks = []
+    for text in ("no idea", "56088"):
+        eng = ScriptedEngine(tok, [_ids(tok, text) + [tok.eos_token_id]])
+        s = EpisodeSampler(1, max_turns=2, max_total_tokens=500, void_turn_filter=True)
+        s.attach(task=task)
+        res = s.sample(eng, [[3, 4]], SamplingParams(max_new_tokens=64), SamplerContext(score=score, step=1))
+        masks.append(int(res.generation.response_mask.sum()))
+        assert res.metrics["episode/void_filtered_frac"] == (1.0 if text == "no idea" else 0.0)
+    assert masks[0] == 0 and masks[1] > 0

@@ -262,3 +262,48 @@ def test_local_rank_sets_the_current_cuda_device(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "9")
     with pytest.raises(ConfigError, match="LOCAL_RANK=9"):
         local_device("cuda")
+
+
+def test_multi_turn_episode_through_vllm_keeps_the_engine_awake_and_sends_exact_token_prompts(compose, monkeypatch, tmp_path):
+    """Episodes call generate once per turn with token-id prompts (prompt + everything so far); inside the
+    sampler's session the engine sleeps once at the end, so vLLM's prefix cache (enabled) survives between turns."""
+    import rlpost.envs
+    from rlpost.config.schema import ModelConfig
+    from rlpost.envs.base import EnvStep
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.samplers.base import SamplerContext
+    from rlpost.samplers.episode import EpisodeSampler, render_insert
+
+    class Echo:
+        instructions = ""
+
+        def reset(self, example):
+            return None
+
+        def step(self, text):
+            return EnvStep([{"role": "tool", "content": "ok"}], 0.0, False, {"tool_calls": 1})
+
+    monkeypatch.setattr(rlpost.envs, "make_env", lambda name, params=None: Echo())
+    calls = []
+    _fake_vllm(monkeypatch, calls)
+    cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}"))
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
+    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    assert calls[0][1]["enable_prefix_caching"] is True
+    sent = []
+    orig = eng.llm.generate
+    eng.llm.generate = lambda inputs, sps, use_tqdm=False: (sent.append([i["prompt_token_ids"] for i in inputs]),
+                                                           orig(inputs, sps, use_tqdm))[1]
+    res = EpisodeSampler(1, max_turns=3, max_total_tokens=200).sample(
+        eng, [[7, 8, 9]], SamplingParams(max_new_tokens=4, seed=1), SamplerContext(step=1))
+    assert _kinds(calls[1:]) == ["generate", "generate", "generate", "sleep"]
+    assert tok.eos_token_id == 2  # each fake turn ends with the end-of-turn token: it is not inserted again
+    ins = render_insert(tok, [{"role": "tool", "content": "ok"}], after_eos=True)
+    assert sent == [[[7, 8, 9]], [[7, 8, 9, 4, 2] + ins], [[7, 8, 9, 4, 2] + ins + [4, 2] + ins]]
+    g = res.generation
+    assert g.response_ids[0].tolist() == [4, 2] + ins + [4, 2] + ins + [4, 2]
+    assert g.response_mask[0].tolist() == [1, 1] + [0] * len(ins) + [1, 1] + [0] * len(ins) + [1, 1]
+    eng.generate([[1]], SamplingParams(max_new_tokens=2))  # outside a session: asleep again after the call
+    assert _kinds(calls[-4:]) == ["wake('weights',)", "wake('kv_cache',)", "generate", "sleep"]

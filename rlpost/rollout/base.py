@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -94,6 +95,16 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         """Free engine resources (processes, GPU memory)."""
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """A run of dependent :meth:`generate` calls (the turns of multi-turn episodes).
+
+        Inside it an engine keeps what makes the next call cheap: ``rollout=vllm`` stays awake
+        so its prefix cache (the KV of the prompt and the earlier turns) survives from one turn
+        to the next instead of being released after every call. The default does nothing.
+        """
+        yield
 
 
 def concat_generations(parts: Sequence[GenerationResult], pad_id: int = 0) -> GenerationResult:

@@ -68,6 +68,7 @@ rather than silently reporting other log-probs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -307,6 +308,7 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, An
         model=str(model_dir), tokenizer=str(model_dir), dtype=VLLMRolloutEngine.DTYPES[rd], seed=int(cfg.seed),
         gpu_memory_utilization=float(r.gpu_memory_utilization), enforce_eager=bool(r.enforce_eager),
         enable_sleep_mode=True, max_num_seqs=int(r.batch_size), logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,  # multi-turn episodes: turn k+1's prompt is turn k's prompt + response + tool text
     )
     mml = r.get("max_model_len") if hasattr(r, "get") else getattr(r, "max_model_len", None)
     if mml:
@@ -376,6 +378,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = vllm.LLM(**engine_kwargs(cfg, str(path), world_size))
         self._SamplingParams = vllm.SamplingParams
         self.sleeping: set = set()  # which of {"weights", "kv_cache"} are offloaded
+        self._in_session = 0  # > 0: inside session(): stay awake between generate calls (prefix cache kept)
+        self.last_cached_tokens: Optional[int] = None  # prompt tokens vLLM served from its prefix cache in the last call
 
     @staticmethod
     def _init_dir(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Path:
@@ -403,8 +407,30 @@ class VLLMRolloutEngine(RolloutEngine):
         self._wake("weights")
         self._wake("kv_cache")
         outs = self.llm.generate(inputs, [self._SamplingParams(**k) for k in kws], use_tqdm=False)
-        self.sleep()  # colocated: hand the GPU memory back to the trainer until the next rollout
+        cached = [getattr(o, "num_cached_tokens", None) for o in outs]
+        self.last_cached_tokens = None if any(c is None for c in cached) else int(sum(cached))
+        if not self._in_session:
+            self.sleep()  # colocated: hand the GPU memory back to the trainer until the next rollout
         return extract_result(outs, prompts, self.pad_id, params.temperature, params.greedy)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Stay awake across the dependent ``generate`` calls of a multi-turn step.
+
+        Sleeping (``LLM.sleep(level=1)``) releases the KV cache, and with it vLLM's prefix
+        cache; inside a session the engine sleeps only at the end, so turn ``k + 1`` (whose
+        token-id prompt starts with turn ``k``'s prompt and response, id for id) is served
+        from the cached KV of the shared prefix (``enable_prefix_caching``, vLLM's automatic
+        prefix caching). ``last_cached_tokens`` reports the prompt tokens served from cache by
+        the last call (``RequestOutput.num_cached_tokens``; None where vLLM does not report it).
+        """
+        self._in_session += 1
+        try:
+            yield
+        finally:
+            self._in_session -= 1
+            if not self._in_session:
+                self.sleep()
 
     def sync_weights(self, policy: torch.nn.Module | Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Push the trainer's current weights into vLLM in memory, after waking the weights (not the KV cache).
