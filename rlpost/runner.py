@@ -266,7 +266,14 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
-        self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        self.shard = self._rollout_sharding()
+        if self.shard:  # data-parallel rollouts: every generate call is split across ranks and gathered
+            from rlpost.distributed import ShardedEngine
+
+            self.engine = ShardedEngine(self.local_engine)
+        else:
+            self.engine = self.local_engine
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         from rlpost.algos.stages import AlgoState, algo_requirements
@@ -292,6 +299,35 @@ class Run:
             over_provision=float(ex.over_provision), chunk_tokens=int(ex.partial_chunk_tokens),
             pad_id=pad_id_of(self.engine),
         )
+
+    def _rollout_sharding(self) -> bool:
+        """Whether this run splits rollouts, scoring and no-grad passes across ranks (:mod:`rlpost.distributed`).
+
+        On when several processes run and ``trainer.shard_rollouts`` is not false,
+        unless the run uses something that cannot be split (then off, or a
+        ConfigError when ``trainer.shard_rollouts=true`` asked for it).
+
+        Raises:
+            ConfigError: ``trainer.shard_rollouts=true`` with the asynchronous
+                executor, partial rollouts or multi-turn episodes.
+        """
+        from rlpost.distributed import world_size
+        from rlpost.errors import ConfigError
+
+        want = self.cfg.trainer.get("shard_rollouts", None)
+        if world_size() == 1 or want is False:
+            return False
+        ex = self.cfg.executor
+        blockers = [why for why, on in (
+            ("executor=async (its producer thread would interleave collectives with the update's)", ex.name == "async"),
+            ("executor.partial_rollout=true (the carry-over buffer is per process)", bool(ex.get("partial_rollout", False))),
+            ("sampler=episode (environments step per process)", self.cfg.sampler.name == "episode"),
+        ) if on]
+        if blockers and want is True:
+            raise ConfigError(f"trainer.shard_rollouts=true cannot split this run's rollouts across ranks: "
+                              f"{'; '.join(blockers)}. Fix: trainer.shard_rollouts=null (every rank then repeats "
+                              f"the rollouts) or change what is named.")
+        return not blockers
 
     def _build_trainer(self):
         if self.cfg.trainer.engine == "deepspeed":
@@ -418,7 +454,11 @@ class Run:
         from rlpost.selectors.mixture import make_hint_fn
 
         t_step = time.perf_counter()
-        scorer = StepScorer(self.reward_fn, self.train_examples)
+        scorer: Any = StepScorer(self.reward_fn, self.train_examples)
+        if self.shard:  # each rank scores its share of every scoring call; rewards are gathered
+            from rlpost.distributed import ShardedScorer
+
+            scorer = ShardedScorer(scorer)
         if self.partial is not None:
             out = self._partial_rollouts(step, version, weights_step, scorer)
         else:
@@ -535,14 +575,31 @@ class Run:
             answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
         ))
 
+    def _rows_pass(self, batch: RolloutBatch, fn: Callable[[RolloutBatch], torch.Tensor],
+                   collective_model: bool = False) -> torch.Tensor:
+        """``fn(batch)`` ``[B, R]``; with sharded rollouts each rank computes its groups' rows and they are gathered.
+
+        ``collective_model``: the pass runs a ZeRO-3-partitioned module, whose
+        forward is itself collective; ranks then compute the whole batch in step.
+        """
+        if not self.shard or collective_model:
+            return fn(batch)
+        from rlpost.distributed import gather_rows, sharded_rows
+
+        rows = sharded_rows(batch.group_index)
+        local = fn(batch.select(rows)) if rows else None
+        return gather_rows(local, rows, len(batch), batch.response_mask.shape[1])
+
     def _old_logprobs(self, ctx: "LearnContext") -> None:
-        ctx.batch.extras["old_logprobs"], _ = self.trainer.compute_logprobs(ctx.batch)
+        ctx.batch.extras["old_logprobs"] = self._rows_pass(ctx.batch, lambda b: self.trainer.compute_logprobs(b)[0])
 
     def _ref_logprobs(self, ctx: "LearnContext") -> None:
-        ctx.batch.extras["ref_logprobs"], _ = self.trainer.compute_logprobs(ctx.batch, "ref")
+        ctx.batch.extras["ref_logprobs"] = self._rows_pass(ctx.batch,
+                                                           lambda b: self.trainer.compute_logprobs(b, "ref")[0])
 
     def _values(self, ctx: "LearnContext") -> None:
-        ctx.batch.extras["values"] = self.trainer.compute_values(ctx.batch)
+        zero3 = self.cfg.trainer.engine == "deepspeed" and int(self.cfg.trainer.zero_stage) == 3
+        ctx.batch.extras["values"] = self._rows_pass(ctx.batch, self.trainer.compute_values, collective_model=zero3)
 
     def _advantages(self, ctx: "LearnContext") -> None:
         a, batch = self.cfg.algo, ctx.batch
@@ -628,18 +685,18 @@ class Run:
         if self.cfg.sampler.name == "episode":  # multi-turn: evaluate episodes with the training environment
             from rlpost.eval.episodes import evaluate_episodes
 
-            res = evaluate_episodes(self.sampler, self.engine, self.tokenizer, self.task, self.reward_fn,
+            res = evaluate_episodes(self.sampler, self.local_engine, self.tokenizer, self.task, self.reward_fn,
                                     self.cfg.eval, seed=self.cfg.seed)
             out = {"eval/accuracy": res["accuracy"],
                    **{f"eval/{name}/{k}": res[k] for k in ("tool_call_frac", "turns_mean", "truncated_frac")}}
         else:
-            res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed,
+            res = evaluate(self.local_engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed,
                            rollout_cfg=self.cfg.rollout)
             out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
         if self.cfg.eval.get("tasks"):
             if self._eval_tasks is None:
                 self._eval_tasks = build_eval_tasks(list(self.cfg.eval.tasks))
-            out.update(evaluate_tasks(self.engine, self.tokenizer, self._eval_tasks, self.cfg.eval, seed=self.cfg.seed)["metrics"])
+            out.update(evaluate_tasks(self.local_engine, self.tokenizer, self._eval_tasks, self.cfg.eval, seed=self.cfg.seed)["metrics"])
         return out, res
 
     def close(self) -> None:
