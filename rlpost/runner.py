@@ -156,6 +156,7 @@ class Collected:
     t_rollout: float
     t_reward: float
     weights_step: int = -1  # RL steps completed by the engine weights of this collect
+    cpu_rollout: float = 0.0  # CPU seconds (user + system, this process) of this collect
 
 
 # the stages whose seconds make up ``time/update_s`` (log-probs, values, advantages and the updates)
@@ -171,6 +172,7 @@ class LearnContext:
     metrics: Dict[str, Any]
     sync_engine: bool = True
     seconds: Dict[str, float] = field(default_factory=dict)
+    cpu_learn: float = 0.0  # CPU seconds of this process in the learn stages
 
 
 def format_graph(cfg: DictConfig) -> str:
@@ -206,6 +208,12 @@ def pick_device(name: str) -> torch.device:
 def is_main_process() -> bool:
     """True for the only process, or rank 0 of a ``trainer.num_procs > 1`` launch: it writes logs and files."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds this process has used so far (all its threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def peak_rss_mb() -> float:
@@ -453,7 +461,7 @@ class Run:
         from rlpost.samplers.driver import collect_rollouts
         from rlpost.selectors.mixture import make_hint_fn
 
-        t_step = time.perf_counter()
+        t_step, cpu0 = time.perf_counter(), cpu_seconds()
         scorer: Any = StepScorer(self.reward_fn, self.train_examples)
         if self.shard:  # each rank scores its share of every scoring call; rewards are gathered
             from rlpost.distributed import ShardedScorer
@@ -473,7 +481,7 @@ class Run:
         t_rollout = time.perf_counter() - t_step - scorer.seconds
         self.mark(step, *PRODUCER_STAGES)
         return Collected(step, batch, examples, out.group_rewards(), out.reward_metrics, out, t_step, t_rollout,
-                         scorer.seconds, weights_step)
+                         scorer.seconds, weights_step, cpu_seconds() - cpu0)
 
     def _partial_rollouts(self, step: int, version: int, weights_step: int, score: Any) -> Any:
         """The step's rollouts through the partial-rollout producer (APRIL arXiv:2509.18521; CoPRIS).
@@ -544,6 +552,7 @@ class Run:
                 asynchronous executor loads its engine itself).
         """
         ctx = LearnContext(c, c.batch, {"step": c.step}, sync_engine)
+        cpu0 = cpu_seconds()
         for st in self.graph:
             if st.phase == LEARN and st.enabled:
                 t0 = time.perf_counter()
@@ -551,6 +560,7 @@ class Run:
                 ctx.seconds[st.name] = time.perf_counter() - t0
                 self.mark(c.step, st.name)
         self.step = c.step
+        ctx.cpu_learn = cpu_seconds() - cpu0
         return self._step_metrics(ctx)
 
     # learn-phase stages: each reads and extends ctx.batch.extras / ctx.metrics
@@ -669,6 +679,13 @@ class Run:
             m["partial/token_staleness_max"] = float(st.max()) if st.numel() else 0.0
         m["bench/update_tokens"] = float(batch.prompt_mask.sum() + batch.response_mask.sum())
         m["time/step_s"] = time.perf_counter() - c.t_start
+        cpu = [(c.cpu_rollout, ctx.cpu_learn)]
+        if self.shard:  # every rank runs this step's learn stages in step: add up the work of all ranks
+            from rlpost.distributed import all_gather_object
+
+            cpu = all_gather_object(cpu[0])
+        m["time/rollout_cpu_s"] = float(sum(x for x, _ in cpu))
+        m["time/learn_cpu_s"] = float(sum(y for _, y in cpu))
         m["memory/peak_rss_mb"] = peak_rss_mb()
         return m
 
