@@ -34,7 +34,6 @@ Timings on a shared machine are noisy: compare the rows of one run as ratios.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re
@@ -122,13 +121,14 @@ def part_tokens(a) -> None:
     cfg0 = compose_config(base)
     policy, _ = load_policy(cfg0.model, torch.float32, seed=0)
     vocab = int(policy.config.vocab_size)
+    del policy  # one model in memory at a time: each setting loads its own copy
     batch, rlen = long_tailed_batch(a.rows, vocab)
     width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
     settings = [("8 sequences per micro-batch", ["trainer.micro_batch_size=8"]),
                 (f"max_tokens_per_micro_batch={8 * width}", [f"trainer.max_tokens_per_micro_batch={8 * width}"])]
     out, grads = [], []
     for name, ov in settings:
-        t = TorchTrainer(copy.deepcopy(policy), compose_config(base + ov), "cpu")
+        t = TorchTrainer(load_policy(cfg0.model, torch.float32, seed=0)[0], compose_config(base + ov), "cpu")
         captured = {}
 
         def capture(params, t=t, captured=captured):
@@ -145,6 +145,7 @@ def part_tokens(a) -> None:
             cpus.append(time.process_time() - c0)
         n_micro = len(t._split(batch))
         grads.append(captured["g"])
+        del t
         out.append((name, n_micro, m["bench/padding_frac"], statistics.median(secs), statistics.median(cpus)))
         print(f"done: {name}", file=sys.stderr, flush=True)
     rel = float((grads[1] - grads[0]).norm() / grads[0].norm())
