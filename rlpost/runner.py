@@ -317,7 +317,8 @@ class Run:
 
         Raises:
             ConfigError: ``trainer.shard_rollouts=true`` with the asynchronous
-                executor, partial rollouts or multi-turn episodes.
+                executor, partial rollouts, multi-turn episodes or HAPO's
+                adaptive-temperature sampler.
         """
         from rlpost.distributed import world_size
         from rlpost.errors import ConfigError
@@ -330,6 +331,8 @@ class Run:
             ("executor=async (its producer thread would interleave collectives with the update's)", ex.name == "async"),
             ("executor.partial_rollout=true (the carry-over buffer is per process)", bool(ex.get("partial_rollout", False))),
             ("sampler=episode (environments step per process)", self.cfg.sampler.name == "episode"),
+            ("sampler=adaptive_temperature (its temperature hook keeps entropy statistics of the rows it sees)",
+             self.cfg.sampler.name == "adaptive_temperature"),
         ) if on]
         if blockers and want is True:
             raise ConfigError(f"trainer.shard_rollouts=true cannot split this run's rollouts across ranks: "

@@ -406,7 +406,8 @@ class TrainerConfig:
         shard_rollouts: with several processes, each rank generates, scores and runs the
             log-prob/reference/critic passes of 1/N of the step's groups and the results are
             gathered (:mod:`rlpost.distributed`). null (default): on whenever the run supports
-            it (``executor=sync``, no partial rollouts, no multi-turn episodes); true: required
+            it (``executor=sync``, no partial rollouts, no multi-turn episodes, no adaptive-temperature
+            sampler); true: required
             (a ConfigError names what prevents it); false: every rank repeats the whole step.
     """
 
