@@ -103,3 +103,23 @@ def test_rows_sample_the_same_tokens_whatever_call_they_are_in():
     assert torch.equal(whole.response_ids[:2, : a.response_ids.shape[1]], a.response_ids)
     assert torch.equal(whole.response_ids[2:, : b.response_ids.shape[1]], b.response_ids)
     assert not torch.equal(whole.response_ids[0], whole.response_ids[1])  # a group's samples differ
+
+
+def test_shard_rollouts_setting_and_what_prevents_it(compose, monkeypatch):
+    from types import SimpleNamespace
+
+    import rlpost.distributed as dist_mod
+    from conftest import tiny_overrides
+    from rlpost.errors import ConfigError
+    from rlpost.runner import Run
+
+    def decide(*over, world=2):
+        monkeypatch.setattr(dist_mod, "world_size", lambda: world)
+        return Run._rollout_sharding(SimpleNamespace(cfg=compose(tiny_overrides("trainer=deepspeed", *over))))
+
+    assert decide() is True
+    assert decide(world=1) is False
+    assert decide("trainer.shard_rollouts=false") is False
+    assert decide("executor=async") is False  # default (null): off where unsupported
+    with pytest.raises(ConfigError, match="executor=async"):
+        decide("executor=async", "trainer.shard_rollouts=true")
