@@ -156,6 +156,7 @@ class Collected:
     t_rollout: float
     t_reward: float
     weights_step: int = -1  # RL steps completed by the engine weights of this collect
+    cpu_rollout: float = 0.0  # CPU seconds (user + system, this process) of this collect
 
 
 # the stages whose seconds make up ``time/update_s`` (log-probs, values, advantages and the updates)
@@ -171,6 +172,7 @@ class LearnContext:
     metrics: Dict[str, Any]
     sync_engine: bool = True
     seconds: Dict[str, float] = field(default_factory=dict)
+    cpu_learn: float = 0.0  # CPU seconds of this process in the learn stages
 
 
 def format_graph(cfg: DictConfig) -> str:
@@ -206,6 +208,12 @@ def pick_device(name: str) -> torch.device:
 def is_main_process() -> bool:
     """True for the only process, or rank 0 of a ``trainer.num_procs > 1`` launch: it writes logs and files."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds this process has used so far (all its threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def peak_rss_mb() -> float:
@@ -263,7 +271,14 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
-        self.engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        self.shard = self._rollout_sharding()
+        if self.shard:  # data-parallel rollouts: every generate call is split across ranks and gathered
+            from rlpost.distributed import ShardedEngine
+
+            self.engine = ShardedEngine(self.local_engine)
+        else:
+            self.engine = self.local_engine
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         from rlpost.algos.stages import AlgoState, algo_requirements
@@ -294,6 +309,38 @@ class Run:
             over_provision=float(ex.over_provision), chunk_tokens=int(ex.partial_chunk_tokens),
             pad_id=pad_id_of(self.engine),
         )
+
+    def _rollout_sharding(self) -> bool:
+        """Whether this run splits rollouts, scoring and no-grad passes across ranks (:mod:`rlpost.distributed`).
+
+        On when several processes run and ``trainer.shard_rollouts`` is not false,
+        unless the run uses something that cannot be split (then off, or a
+        ConfigError when ``trainer.shard_rollouts=true`` asked for it).
+
+        Raises:
+            ConfigError: ``trainer.shard_rollouts=true`` with the asynchronous
+                executor, partial rollouts, multi-turn episodes or HAPO's
+                adaptive-temperature sampler.
+        """
+        from rlpost.distributed import world_size
+        from rlpost.errors import ConfigError
+
+        want = self.cfg.trainer.get("shard_rollouts", None)
+        if world_size() == 1 or want is False:
+            return False
+        ex = self.cfg.executor
+        blockers = [why for why, on in (
+            ("executor=async (its producer thread would interleave collectives with the update's)", ex.name == "async"),
+            ("executor.partial_rollout=true (the carry-over buffer is per process)", bool(ex.get("partial_rollout", False))),
+            ("sampler=episode (environments step per process)", self.cfg.sampler.name == "episode"),
+            ("sampler=adaptive_temperature (its temperature hook keeps entropy statistics of the rows it sees)",
+             self.cfg.sampler.name == "adaptive_temperature"),
+        ) if on]
+        if blockers and want is True:
+            raise ConfigError(f"trainer.shard_rollouts=true cannot split this run's rollouts across ranks: "
+                              f"{'; '.join(blockers)}. Fix: trainer.shard_rollouts=null (every rank then repeats "
+                              f"the rollouts) or change what is named.")
+        return not blockers
 
     def _build_trainer(self):
         if self.cfg.trainer.engine == "deepspeed":
@@ -419,8 +466,12 @@ class Run:
         from rlpost.samplers.driver import collect_rollouts
         from rlpost.selectors.mixture import make_hint_fn
 
-        t_step = time.perf_counter()
-        scorer = StepScorer(self.reward_fn, self.train_examples)
+        t_step, cpu0 = time.perf_counter(), cpu_seconds()
+        scorer: Any = StepScorer(self.reward_fn, self.train_examples)
+        if self.shard:  # each rank scores its share of every scoring call; rewards are gathered
+            from rlpost.distributed import ShardedScorer
+
+            scorer = ShardedScorer(scorer)
         if self.partial is not None:
             out = self._partial_rollouts(step, version, weights_step, scorer)
         else:
@@ -435,7 +486,7 @@ class Run:
         t_rollout = time.perf_counter() - t_step - scorer.seconds
         self.mark(step, *PRODUCER_STAGES)
         return Collected(step, batch, examples, out.group_rewards(), out.reward_metrics, out, t_step, t_rollout,
-                         scorer.seconds, weights_step)
+                         scorer.seconds, weights_step, cpu_seconds() - cpu0)
 
     def _partial_rollouts(self, step: int, version: int, weights_step: int, score: Any) -> Any:
         """The step's rollouts through the partial-rollout producer (APRIL arXiv:2509.18521; CoPRIS).
@@ -509,6 +560,7 @@ class Run:
                 asynchronous executor loads its engine itself).
         """
         ctx = LearnContext(c, c.batch, {"step": c.step}, sync_engine)
+        cpu0 = cpu_seconds()
         for st in self.graph:
             if st.phase == LEARN and st.enabled:
                 t0 = time.perf_counter()
@@ -516,6 +568,7 @@ class Run:
                 ctx.seconds[st.name] = time.perf_counter() - t0
                 self.mark(c.step, st.name)
         self.step = c.step
+        ctx.cpu_learn = cpu_seconds() - cpu0
         return self._step_metrics(ctx)
 
     # learn-phase stages: each reads and extends ctx.batch.extras / ctx.metrics
@@ -540,14 +593,31 @@ class Run:
             answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
         ))
 
+    def _rows_pass(self, batch: RolloutBatch, fn: Callable[[RolloutBatch], torch.Tensor],
+                   collective_model: bool = False) -> torch.Tensor:
+        """``fn(batch)`` ``[B, R]``; with sharded rollouts each rank computes its groups' rows and they are gathered.
+
+        ``collective_model``: the pass runs a ZeRO-3-partitioned module, whose
+        forward is itself collective; ranks then compute the whole batch in step.
+        """
+        if not self.shard or collective_model:
+            return fn(batch)
+        from rlpost.distributed import gather_rows, sharded_rows
+
+        rows = sharded_rows(batch.group_index)
+        local = fn(batch.select(rows)) if rows else None
+        return gather_rows(local, rows, len(batch), batch.response_mask.shape[1])
+
     def _old_logprobs(self, ctx: "LearnContext") -> None:
-        ctx.batch.extras["old_logprobs"], _ = self.trainer.compute_logprobs(ctx.batch)
+        ctx.batch.extras["old_logprobs"] = self._rows_pass(ctx.batch, lambda b: self.trainer.compute_logprobs(b)[0])
 
     def _ref_logprobs(self, ctx: "LearnContext") -> None:
-        ctx.batch.extras["ref_logprobs"], _ = self.trainer.compute_logprobs(ctx.batch, "ref")
+        ctx.batch.extras["ref_logprobs"] = self._rows_pass(ctx.batch,
+                                                           lambda b: self.trainer.compute_logprobs(b, "ref")[0])
 
     def _values(self, ctx: "LearnContext") -> None:
-        ctx.batch.extras["values"] = self.trainer.compute_values(ctx.batch)
+        zero3 = self.cfg.trainer.engine == "deepspeed" and int(self.cfg.trainer.zero_stage) == 3
+        ctx.batch.extras["values"] = self._rows_pass(ctx.batch, self.trainer.compute_values, collective_model=zero3)
 
     def _advantages(self, ctx: "LearnContext") -> None:
         a, batch = self.cfg.algo, ctx.batch
@@ -619,6 +689,13 @@ class Run:
             m["partial/token_staleness_max"] = float(st.max()) if st.numel() else 0.0
         m["bench/update_tokens"] = float(batch.prompt_mask.sum() + batch.response_mask.sum())
         m["time/step_s"] = time.perf_counter() - c.t_start
+        cpu = [(c.cpu_rollout, ctx.cpu_learn)]
+        if self.shard:  # every rank runs this step's learn stages in step: add up the work of all ranks
+            from rlpost.distributed import all_gather_object
+
+            cpu = all_gather_object(cpu[0])
+        m["time/rollout_cpu_s"] = float(sum(x for x, _ in cpu))
+        m["time/learn_cpu_s"] = float(sum(y for _, y in cpu))
         m["memory/peak_rss_mb"] = peak_rss_mb()
         return m
 
@@ -635,18 +712,18 @@ class Run:
         if self.cfg.sampler.name == "episode":  # multi-turn: evaluate episodes with the training environment
             from rlpost.eval.episodes import evaluate_episodes
 
-            res = evaluate_episodes(self.sampler, self.engine, self.tokenizer, self.task, self.reward_fn,
+            res = evaluate_episodes(self.sampler, self.local_engine, self.tokenizer, self.task, self.reward_fn,
                                     self.cfg.eval, seed=self.cfg.seed)
             out = {"eval/accuracy": res["accuracy"],
                    **{f"eval/{name}/{k}": res[k] for k in ("tool_call_frac", "turns_mean", "truncated_frac")}}
         else:
-            res = evaluate(self.engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed,
+            res = evaluate(self.local_engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed,
                            rollout_cfg=self.cfg.rollout)
             out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
         if self.cfg.eval.get("tasks"):
             if self._eval_tasks is None:
                 self._eval_tasks = build_eval_tasks(list(self.cfg.eval.tasks))
-            out.update(evaluate_tasks(self.engine, self.tokenizer, self._eval_tasks, self.cfg.eval, seed=self.cfg.seed)["metrics"])
+            out.update(evaluate_tasks(self.local_engine, self.tokenizer, self._eval_tasks, self.cfg.eval, seed=self.cfg.seed)["metrics"])
         return out, res
 
     def close(self) -> None:

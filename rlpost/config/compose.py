@@ -239,6 +239,8 @@ def _check_ranges(cfg: DictConfig) -> None:
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         (cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+        (cfg.trainer.max_tokens_per_micro_batch >= 0,
+         "trainer.max_tokens_per_micro_batch must be >= 0 (0 = micro-batches of trainer.micro_batch_size sequences)"),
         (cfg.trainer.lr > 0, "trainer.lr must be > 0"),
     ]
     if a.mini_batches > 1:

@@ -397,6 +397,18 @@ class TrainerConfig:
             The entropy is computed anyway when the loss needs it (``algo.entropy_coef``
             != 0, with gradient; losses tagged ``needs_entropy``, as a constant).
         zero_stage, num_procs, offload_optimizer: DeepSpeed settings.
+        max_tokens_per_micro_batch: token budget of one micro-batch (0 = off: micro-batches
+            of ``micro_batch_size`` sequences). Rows are sorted by length and packed
+            first-fit so that ``rows x (longest prompt + longest response)`` of each
+            micro-batch stays within the budget (a longer row gets a micro-batch of its
+            own); each micro-batch is cut to its own widths. Gradients and logged values
+            are those of any other split (:func:`rlpost.trainer.torch_engine.token_budget_micro_batches`).
+        shard_rollouts: with several processes, each rank generates, scores and runs the
+            log-prob/reference/critic passes of 1/N of the step's groups and the results are
+            gathered (:mod:`rlpost.distributed`). null (default): on whenever the run supports
+            it (``executor=sync``, no partial rollouts, no multi-turn episodes, no adaptive-temperature
+            sampler); true: required
+            (a ConfigError names what prevents it); false: every rank repeats the whole step.
     """
 
     engine: TrainerEngine = TrainerEngine.torch
@@ -413,6 +425,8 @@ class TrainerConfig:
     zero_stage: int = 2
     num_procs: int = 1
     offload_optimizer: bool = False
+    max_tokens_per_micro_batch: int = 0
+    shard_rollouts: Optional[bool] = None
 
 
 @dataclass

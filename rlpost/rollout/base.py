@@ -32,7 +32,12 @@ class SamplingParams:
         greedy: argmax decoding; rollout log-probs are then those of the
             temperature-1 distribution.
         seed: seed of the sampling generator (reproducible rollouts, and exact
-            resume); None draws from torch's global RNG.
+            resume); None draws from torch's global RNG. Row ``i`` of a call
+            samples from its own stream, seeded ``seed + row_offset + i``, so a
+            row's tokens do not depend on which other rows share the call.
+        row_offset: position of this call's first row in a larger call that was
+            split across processes (:class:`rlpost.distributed.ShardedEngine`);
+            0 otherwise.
         temperature_hook: per-token temperature (see :data:`TemperatureHook`).
     """
 
@@ -43,6 +48,7 @@ class SamplingParams:
     stop: List[str] = field(default_factory=list)
     greedy: bool = False
     seed: Optional[int] = None
+    row_offset: int = 0
     temperature_hook: Optional[TemperatureHook] = None
 
 

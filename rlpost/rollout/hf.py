@@ -56,6 +56,44 @@ def sample_inverse_cdf(
     return idx
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _wrap64(x: int) -> int:
+    """``x`` modulo 2**64 as a signed int64 value (the bits row_uniforms reads)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def row_uniforms(row_seeds: "torch.Tensor", t: int) -> torch.Tensor:
+    """The uniform in [0, 1) that row ``r`` uses for its token ``t``: one counter-based stream per row.
+
+    SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number
+    generators", OOPSLA 2014) of ``splitmix64(row_seed) + t``, top 53 bits. A
+    row's draws depend only on its seed and the token position, never on the
+    other rows of the call or on how a call is split into batches or across
+    processes, which is what makes a data-parallel rollout equal a
+    single-process one.
+
+    Args:
+        row_seeds: ``[B]`` int64 seeds (taken modulo 2**64).
+        t: token position (0-based).
+    Returns:
+        ``[B]`` float64.
+    """
+    import numpy as np
+
+    def mix(z):
+        z = (z + np.uint64(0x9E3779B97F4A7C15))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        z = mix(mix(row_seeds.numpy().astype(np.uint64)) + np.uint64(t))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))
+
+
 def left_pad(seqs: List[List[int]], pad_id: int):
     """Left-pad token lists to ``[B, P]`` ids and mask (long)."""
     P = max(len(s) for s in seqs)
@@ -147,12 +185,13 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError("generate() needs at least one prompt")
         if not params.greedy and params.temperature <= 0:
             raise ValueError("temperature must be > 0 for sampling (use greedy decoding for argmax)")
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(int(params.seed))
+        seeds = None
+        if params.seed is not None:  # one stream per row: seed + row_offset + row (see SamplingParams)
+            base = int(params.seed) + int(params.row_offset)
+            seeds = torch.tensor([_wrap64(base + i) for i in range(len(prompts))], dtype=torch.int64)
         parts = [
-            self._generate_batch(prompts[i : i + self.batch_size], params, gen)
+            self._generate_batch(prompts[i : i + self.batch_size], params,
+                                 None if seeds is None else seeds[i : i + self.batch_size])
             for i in range(0, len(prompts), self.batch_size)
         ]
         return concat_generations(parts, self.pad_id)
@@ -161,7 +200,8 @@ class HFRolloutEngine(RolloutEngine):
         tail = self.tokenizer.decode(tokens[-16:], skip_special_tokens=True)
         return any(s in tail for s in stop)
 
-    def _generate_batch(self, prompts: List[List[int]], params: SamplingParams, gen) -> GenerationResult:
+    def _generate_batch(self, prompts: List[List[int]], params: SamplingParams,
+                        row_seeds: Optional[torch.Tensor]) -> GenerationResult:
         model = self.model
         was_training = model.training
         model.eval()
@@ -188,8 +228,8 @@ class HFRolloutEngine(RolloutEngine):
             next_pos = pos[:, -1] + 1
             Tn = params.max_new_tokens
             # Outputs for all B rows; the decode batch holds only the rows still running ("live"),
-            # so finished rows stop costing forward passes. Uniforms are drawn for all B rows each
-            # step and indexed, so a row's samples do not depend on when other rows finish.
+            # so finished rows stop costing forward passes. Each row draws from its own stream
+            # (row_uniforms), so its samples do not depend on when or whether other rows run.
             resp = torch.full((B, Tn), self.pad_id, dtype=torch.long)
             lp_out = torch.zeros(B, Tn)
             t_out = torch.zeros(B, Tn)
@@ -215,7 +255,8 @@ class HFRolloutEngine(RolloutEngine):
                             T = hookT.float().clamp(min=1e-3)
                     z = apply_top_k_top_p(logits / T[:, None], params.top_k, params.top_p)
                     logp = torch.log_softmax(z, -1)
-                    u = torch.rand(B, generator=gen, dtype=torch.float64)[rows]
+                    u = (row_uniforms(row_seeds[rows], t) if row_seeds is not None
+                         else torch.rand(n, dtype=torch.float64))
                     tok = sample_inverse_cdf(logp.exp(), u=u)
                 lp = logp.gather(-1, tok[:, None]).squeeze(-1)
                 live = ~finished[rows]  # all True when compacting

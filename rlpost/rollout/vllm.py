@@ -149,7 +149,7 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) -> 
         else :func:`vllm_temperature` (0.01 for a requested 0 < T < 0.01, as vLLM
         would clamp it anyway, so the request and the record agree);
         ``top_k`` -1 when off (vLLM's "all tokens"); ``logprobs=0`` (the sampled
-        token's log-prob only); ``seed = params.seed + i`` for request ``i`` (None
+        token's log-prob only); ``seed = params.seed + params.row_offset + i`` for request ``i`` (None
         without a seed), so a group of identical prompts draws different samples
         and a rerun draws the same ones; ``stop`` strings kept in the output
         (``include_stop_str_in_output``) as the hf engine does.
@@ -178,7 +178,7 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) -> 
             "stop": list(params.stop) or None,
             "include_stop_str_in_output": True,
             "logprobs": 0,
-            "seed": None if params.seed is None else int(params.seed + i) % (2**63 - 1),
+            "seed": None if params.seed is None else int(params.seed + params.row_offset + i) % (2**63 - 1),
             "detokenize": True,
         })
     return inputs, kws

@@ -6,13 +6,14 @@ loss is back-propagated, how the optimizer steps, how metrics are combined.
 The loss code is the torch trainer's, line for line.
 
 Data parallelism: every process runs the same run graph with the same seeds,
-so each holds the same rollout batch; in the update each process takes the rows
+so each holds the same rollout batch (with several processes the rollouts,
+scoring and no-grad passes are split by groups and gathered, see
+:mod:`rlpost.distributed`); in the update each process takes the rows
 ``rank::world`` of every mini-batch and DeepSpeed averages gradients. The loss
 of a process is normalised by the *global* mini-batch denominator and scaled by
 the world size, so the averaged gradient equals the single-process one and one
 step reproduces ``trainer=torch`` (tested for ZeRO-2 and ZeRO-3 on two CPU
-processes with gloo). Rollouts, reference and critic passes are repeated on
-every process (simple and exact; on GPUs the rollout engine is vLLM).
+processes with gloo).
 
 ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models", arXiv:1910.02054) stage 0/1/2/3 from ``trainer.zero_stage``;
@@ -251,27 +252,26 @@ class DeepSpeedTrainer(TorchTrainer):
         return Path(obj[0])
 
     # ------------------------------------------------------------ engine hooks
-    def _micro_batches(self, mini: RolloutBatch) -> List[RolloutBatch]:
+    def _micro_batches(self, mini: RolloutBatch, trim_response: bool = True) -> List[RolloutBatch]:
         """Rows ``rank::world`` of ``mini`` in micro-batches; every process gets the same count.
 
-        A process with fewer rows gets all-masked copies of row 0, so ZeRO's
+        Micro-batches hold ``trainer.micro_batch_size`` rows, or are packed by
+        ``trainer.max_tokens_per_micro_batch`` (:meth:`TorchTrainer._split`). A
+        process with fewer micro-batches gets all-masked copies of row 0, so ZeRO's
         collectives (one per forward/backward) stay in step; they add nothing to
         the loss.
         """
+        import torch.distributed as dist
+
         n = len(mini)
         local = list(range(self.rank, n, self.world))
-        mbs = max(1, int(self.tcfg.micro_batch_size))
-        per_rank = -(-n // self.world)
-        count = max(1, -(-per_rank // mbs))
-        out = []
-        for i in range(count):
-            rows = local[i * mbs:(i + 1) * mbs]
-            if rows:
-                out.append(mini.select(rows))
-            else:
-                dummy = mini.select([0])
-                dummy.response_mask = torch.zeros_like(dummy.response_mask)
-                out.append(dummy)
+        out = [mb for _, mb in self._split(mini.select(local), trim_response)] if local else []
+        count = torch.tensor([len(out)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        while len(out) < max(1, int(count.item())):
+            dummy = mini.select([0])
+            dummy.response_mask = torch.zeros_like(dummy.response_mask)
+            out.append(dummy)
         return out
 
     def _backward(self, loss: torch.Tensor) -> None:

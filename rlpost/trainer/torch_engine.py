@@ -53,6 +53,87 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
+def token_budget_micro_batches(prompt_lens: List[int], response_lens: List[int], budget: int) -> List[List[int]]:
+    """Pack rows into micro-batches whose padded size ``rows x (longest prompt + longest response)`` fits ``budget``.
+
+    First-fit decreasing: rows in order of decreasing ``prompt + response``
+    length (ties: lower row first), each into the first micro-batch it fits in,
+    else a new one. Similar lengths end up together, so a long response no
+    longer sets the width, and the memory, of a micro-batch of short ones; a row
+    longer than the budget alone gets a micro-batch of its own. (Packing several
+    sequences into one padding-free row needs variable-length attention kernels;
+    with left-padded prompts and right-padded responses, sorting by length is
+    what removes padding here.)
+
+    Args:
+        prompt_lens, response_lens: ``[B]`` real token counts of each row.
+        budget: padded tokens per micro-batch (> 0).
+    Returns:
+        row indices of each micro-batch (ascending within one), every row exactly once.
+    Raises:
+        ValueError: ``budget <= 0`` or lengths of different sizes.
+    """
+    if budget <= 0:
+        raise ValueError(f"token budget must be > 0, got {budget}")
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError("prompt_lens and response_lens differ in length")
+    order = sorted(range(len(prompt_lens)), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
+    bins: List[List[int]] = []
+    shape: List[List[int]] = []  # per micro-batch: [rows, longest prompt, longest response]
+    for i in order:
+        p, r = int(prompt_lens[i]), int(response_lens[i])
+        for b, (n, bp, br) in enumerate(shape):
+            if (n + 1) * (max(bp, p) + max(br, r)) <= budget:
+                bins[b].append(i)
+                shape[b] = [n + 1, max(bp, p), max(br, r)]
+                break
+        else:
+            bins.append([i])
+            shape.append([1, p, r])
+    return [sorted(b) for b in bins]
+
+
+def row_lengths(batch: RolloutBatch) -> tuple:
+    """``(prompt lengths, response widths)`` ``[B]`` lists: real prompt tokens, and the position after the
+    last response token the model reads (``extras['response_attn']``, else the response mask)."""
+    attn = batch.extras.get("response_attn", batch.response_mask)
+    R = attn.shape[1]
+    nz = (attn > 0).float()
+    last = torch.where(nz.any(-1), R - nz.flip(-1).argmax(-1), torch.zeros(len(batch), dtype=torch.long))
+    return [int(x) for x in batch.prompt_mask.sum(-1)], [int(x) for x in last]
+
+
+def trim_batch(batch: RolloutBatch, trim_response: bool = True) -> RolloutBatch:
+    """``batch`` cut to its own widths: prompt columns that are padding in every row (left) and, with
+    ``trim_response``, response columns after the last token any row reads (right; ``[B, R]`` extras too).
+
+    Exact: positions come from the attention mask, so removing all-padding
+    columns changes no log-prob, and responses are causal, so columns after a
+    row's end never reach it.
+    """
+    P, R = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    pl, rl = row_lengths(batch)
+    p = max(1, max(pl, default=1))
+    r = max(1, max(rl, default=1)) if trim_response else R
+    if p == P and r == R:
+        return batch
+    out = RolloutBatch(**{**{k: getattr(batch, k) for k in ("group_index", "prompt_index", "policy_version", "rewards",
+                                                            "response_texts", "answers", "meta")},
+                          "prompt_ids": batch.prompt_ids[:, P - p:], "prompt_mask": batch.prompt_mask[:, P - p:],
+                          "response_ids": batch.response_ids[:, :r], "response_mask": batch.response_mask[:, :r],
+                          "rollout_logprobs": batch.rollout_logprobs[:, :r],
+                          "extras": {k: (v[:, :r] if v.dim() == 2 and v.shape[1] == R else v)
+                                     for k, v in batch.extras.items()}})
+    return out
+
+
+def padded_tokens(batch: RolloutBatch) -> tuple:
+    """``(real, padded)`` token counts of one micro-batch as the model sees it (prompt + response)."""
+    attn = batch.extras.get("response_attn", batch.response_mask)
+    real = float(batch.prompt_mask.sum() + (attn > 0).sum())
+    return real, float(len(batch) * (batch.prompt_ids.shape[1] + batch.response_ids.shape[1]))
+
+
 class _MetricAcc:
     """Weighted running means of scalar metrics over micro-batches."""
 
@@ -133,6 +214,23 @@ class TorchTrainer:
         mb = max(1, int(self.tcfg.micro_batch_size))
         return [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
 
+    @property
+    def token_budget(self) -> int:
+        """``trainer.max_tokens_per_micro_batch`` (0: micro-batches of ``trainer.micro_batch_size`` rows)."""
+        return int(self.tcfg.get("max_tokens_per_micro_batch", 0) or 0)
+
+    def _split(self, batch: RolloutBatch, trim_response: bool = True) -> List[tuple]:
+        """``(rows, micro-batch)`` pairs covering ``batch``: by token budget (cut to their own widths) when
+        ``trainer.max_tokens_per_micro_batch > 0``, else consecutive slices of ``micro_batch_size`` rows."""
+        n = len(batch)
+        if self.token_budget <= 0:
+            return [(list(range(n))[sl], batch.select(list(range(n))[sl])) for sl in self._micro_slices(n)]
+        pl, rl = row_lengths(batch)
+        if not trim_response:
+            rl = [batch.response_ids.shape[1]] * n
+        return [(rows, trim_batch(batch.select(rows), trim_response))
+                for rows in token_budget_micro_batches(pl, rl, self.token_budget)]
+
     def _temperature(self, batch: RolloutBatch):
         t = batch.extras.get("temperatures")
         return t if t is not None else float(self.cfg.rollout.temperature)
@@ -186,22 +284,28 @@ class TorchTrainer:
             raise ValueError(f"no {which} model (set algo.kl.coef > 0 for a reference model)")
         was = model.training
         model.eval()
-        lps, ents = [], []
+        B, R = len(batch), batch.response_ids.shape[1]
+        lps, ents = torch.zeros(B, R), None
         try:
-            for sl in self._micro_slices(len(batch)):
-                lp, ent = self._logprobs(model, batch.select(list(range(len(batch)))[sl]), with_entropy)
-                lps.append(lp.cpu())
+            for rows, mb in self._split(batch):
+                lp, ent = self._logprobs(model, mb, with_entropy)
+                idx = torch.tensor(rows, dtype=torch.long)
+                lps[idx, : lp.shape[1]] = lp.float().cpu()
                 if ent is not None:
-                    ents.append(ent.cpu())
+                    ents = torch.zeros(B, R) if ents is None else ents
+                    ents[idx, : ent.shape[1]] = ent.float().cpu()
         finally:
             model.train(was)
-        return _cat_padded(lps), (_cat_padded(ents) if ents else None)
+        return lps, ents
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """Critic values ``[B, R]`` at rollout time."""
-        outs = [self._values(batch.select(list(range(len(batch)))[sl])).cpu() for sl in self._micro_slices(len(batch))]
-        return _cat_padded(outs) * batch.response_mask
+        out = torch.zeros(len(batch), batch.response_ids.shape[1])
+        for rows, mb in self._split(batch):
+            v = self._values(mb).float().cpu()
+            out[torch.tensor(rows, dtype=torch.long), : v.shape[1]] = v
+        return out * batch.response_mask
 
     # ---------------------------------------------------------------- updates
     def _correction_weights(self, old_lp: torch.Tensor, batch: RolloutBatch):
@@ -232,9 +336,9 @@ class TorchTrainer:
         return gn
 
     # ------------------------------------------------ engine hooks (DeepSpeed overrides)
-    def _micro_batches(self, mini: RolloutBatch) -> List[RolloutBatch]:
-        """The micro-batches of ``mini`` this process computes (all of them here)."""
-        return [mini.select(list(range(len(mini)))[sl]) for sl in self._micro_slices(len(mini))]
+    def _micro_batches(self, mini: RolloutBatch, trim_response: bool = True) -> List[RolloutBatch]:
+        """The micro-batches of ``mini`` this process computes (all of them here; see :meth:`_split`)."""
+        return [mb for _, mb in self._split(mini, trim_response)]
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss`` (already divided by the mini-batch denominator)."""
@@ -360,6 +464,7 @@ class TorchTrainer:
         self.updates += 1
         batch_stats = bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False))
         mm_rows: List[List[torch.Tensor]] = [[], [], []]  # rollout lp, old lp, mask (first epoch)
+        pad_acc = [0.0, 0.0]  # real and padded tokens of this process's micro-batches (first epoch)
         for epoch in range(a.ppo_epochs):
             order = torch.randperm(B, generator=rng) if (rng is not None and a.mini_batches > 1) else torch.arange(B)
             minis = [order[i :: a.mini_batches] if a.mini_batches > 1 else order for i in range(a.mini_batches)]
@@ -369,7 +474,13 @@ class TorchTrainer:
                 bad = False
                 ess_sums = [0.0, 0.0, 0.0]
                 mini.extras["_row"] = torch.arange(len(mini))
-                micro = self._micro_batches(mini)
+                # losses with batch statistics index the whole mini-batch: keep its response width
+                micro = self._micro_batches(mini, trim_response=not batch_stats)
+                for mb in micro:
+                    if epoch == 0:
+                        real, padded = padded_tokens(mb)
+                        pad_acc[0] += real
+                        pad_acc[1] += padded
                 whole = self._whole_batch_input(mini, v_start) if (len(micro) > 1 and batch_stats) else None
                 # One seed per mini-batch, shared by its micro-batches (and by every process, so a
                 # distributed engine draws the same tokens everywhere), for losses that sample tokens.
@@ -466,6 +577,8 @@ class TorchTrainer:
                     acc.add({"actor/grad_norm": gn, "actor/skipped_steps": 0.0}, 1.0)
                 self.sched.step()
         out = self._reduce_metrics(acc).means()
+        real, padded = (sum(x) for x in zip(*self._gather([torch.tensor(pad_acc)])))
+        out["bench/padding_frac"] = float(1.0 - real / padded) if padded > 0 else 0.0
         if mm_rows[0]:
             rl, ol, mk = (_cat_padded(self._gather(t)) for t in mm_rows)
             out.update(mismatch_metrics(rl, ol, mk))
@@ -480,8 +593,7 @@ class TorchTrainer:
         self.critic.train()
         for _ in range(max(1, a.critic.epochs)):
             denom = float(batch.response_mask.sum())
-            for sl in self._micro_slices(len(batch)):
-                mb = batch.select(list(range(len(batch)))[sl])
+            for mb in self._micro_batches(batch):
                 m = mb.response_mask.to(self.device)
                 v = self._values(mb)
                 old_v = mb.extras.get("values", v.detach()).to(self.device)
