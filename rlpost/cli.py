@@ -382,6 +382,7 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
 @app.command("recipes")
 def recipes_cmd(
     name: Optional[str] = typer.Argument(None, help="One recipe: print its card (paper setting, claim, CPU check)."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the table in Markdown (docs/RECIPES.md)."),
 ) -> None:
     """List the recipes with their papers' claims and whether `rlpost reproduce` reproduced them.
 
@@ -404,6 +405,9 @@ def recipes_cmd(
                 typer.echo(OmegaConf.to_yaml(raw).rstrip())
             res = R.load_result(name)
             typer.echo("reproduced: " + (R.format_result(res) if res else "not run (rlpost reproduce " + name + ")"))
+            return
+        if markdown:
+            typer.echo(R.markdown_table())
             return
         rows = R.table_rows()
     except RlpostError as e:

@@ -654,6 +654,8 @@ def claim_text(card: Card) -> str:
         fig = f"{c.delta:+g} {c.unit}"
     elif isinstance(c.value, (int, float)):
         fig = f"{c.value:g} {c.unit}" + (f" vs {c.baseline_value:g}" if isinstance(c.baseline_value, (int, float)) else "")
+    elif isinstance(c.value, str) and c.value not in SENTINELS:
+        fig = c.value
     elif c.delta not in SENTINELS and c.delta is not None:
         fig = str(c.delta)
     head = f"{fig} {c.metric}".strip()
@@ -680,3 +682,29 @@ def table_rows(names: Optional[Sequence[str]] = None) -> List[Tuple[str, str, st
         else:
             rows.append((n, f"{r.card.kind}={r.card.method}", claim_text(r.card), status_text(load_result(n))))
     return rows
+
+
+def markdown_table(names: Optional[Sequence[str]] = None, directory: Optional[Path] = None) -> str:
+    """The recipes as a Markdown table (docs/RECIPES.md): paper, claim, setting fields read, CPU check, status.
+
+    The status column comes from ``recipes/results/NAME.json`` (real ``rlpost reproduce`` runs).
+    """
+    out = ["| recipe | kind | paper | claim (source) | paper setting read | CPU baseline | reproduced here |",
+           "|---|---|---|---|---|---|---|"]
+    n_fields = len([f for f in fields(PaperSetting) if f.name not in ("source", "sources", "extra")])
+    for n in names or recipe_names():
+        r = load_recipe(n)
+        if not isinstance(r.card, Card):
+            if isinstance(r.card, LinkCard):
+                out.append(f"| `{n}` | deployment | see `{r.card.recipe_of}` | | | | |")
+            continue
+        c = r.card
+        ref = f"arXiv:{c.arxiv}" if c.arxiv else (c.code or "")
+        unread = sum(1 for x in incomplete_fields(c) if x.startswith("paper_setting.") and ".extra." not in x)
+        base = c.cpu.baseline if isinstance(c.cpu.baseline, str) else " ".join(f"`{o}`" for o in c.cpu.baseline)
+        if c.cpu.expect == "no_worse":
+            base += f" (no worse by {100 * c.cpu.margin:.0f} pts)"
+        claim = claim_text(c) if c.claim.source not in SENTINELS else f"{c.claim.summary} (figures not checked)"
+        out.append(f"| `{n}` | {c.kind} | {c.paper.split(':')[0]} ({ref}) | {claim} | {n_fields - unread}/{n_fields} | "
+                   f"{base} | {status_text(load_result(n, directory))} |")
+    return "\n".join(out)
