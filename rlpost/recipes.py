@@ -535,8 +535,9 @@ def summarize(name: str, card: Card, method_runs: List[Path], base_evals: List[P
         "diff": st["diff"], "ci_low": st["ci_low"], "ci_high": st["ci_high"], "p_value": st["p_value"],
         "verdict": verdict,
     }
-    if verdict == VERDICTS[1]:
-        rec["power"] = seeds_to_resolve(B - A)
+    if verdict == VERDICTS[1]:  # distance to the bar the CI must clear: 0, or -margin for no_worse
+        shift = abs(card.cpu.margin) if card.cpu.expect == "no_worse" else 0.0
+        rec["power"] = seeds_to_resolve(B - A + shift)
     return rec
 
 
