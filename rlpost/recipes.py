@@ -635,7 +635,7 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
     run_walls = [float((p / "wall_s.txt").read_text()) for p in method_runs + [Path(b) for b in base_evals]
                  if (Path(p) / "wall_s.txt").is_file()]
     result.update({
-        "budget": list(extra), "wall_s": time.perf_counter() - t0, "train_wall_s": sum(run_walls),
+        "budget": list(extra), "wall_s": time.perf_counter() - t0, "train_wall_s": sum(run_walls), "run_walls": run_walls,
         "runs_dir": str(root), "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": f"rlpost reproduce {name} --seeds {seeds}" + (f" {' '.join(extra)}" if extra else ""),
     })
