@@ -559,7 +559,9 @@ def format_result(rec: Dict[str, Any]) -> str:
         pw = rec["power"]
         lines.append(f"  power: {pw['reason']}" + (f" (need {pw['seeds']} seeds)" if pw.get("seeds") else ""))
     if "wall_s" in rec:
-        lines.append(f"  wall time {rec['wall_s']:.0f} s; budget: {' '.join(rec.get('budget', [])) or 'the recipe as written'}")
+        lines.append(f"  wall time {rec['wall_s']:.0f} s for this call, {rec.get('train_wall_s', 0.0):.0f} s in the runs' "
+                     f"training and evaluation (finished runs are reused); budget: "
+                     f"{' '.join(rec.get('budget', [])) or 'the recipe as written'}")
     return "\n".join(lines)
 
 
