@@ -414,6 +414,96 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
             _fail(ConfigError(f"Unknown group {g!r}. Valid groups: {valid}."))
 
 
+@app.command("recipes")
+def recipes_cmd(
+    name: Optional[str] = typer.Argument(None, help="One recipe: print its card (paper setting, claim, CPU check)."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the table in Markdown (docs/RECIPES.md)."),
+) -> None:
+    """List the recipes with their papers' claims and whether `rlpost reproduce` reproduced them.
+
+    Examples:
+
+      rlpost recipes
+
+      rlpost recipes vade
+    """
+    from omegaconf import OmegaConf
+
+    from rlpost import recipes as R
+
+    try:
+        if name is not None:
+            rec = R.load_recipe(name)
+            typer.echo(f"{name}: {rec.description}")
+            if rec.card is not None:
+                raw = OmegaConf.load(rec.path)["card"]
+                typer.echo(OmegaConf.to_yaml(raw).rstrip())
+            res = R.load_result(name)
+            typer.echo("reproduced: " + (R.format_result(res) if res else "not run (rlpost reproduce " + name + ")"))
+            return
+        if markdown:
+            typer.echo(R.markdown_table())
+            return
+        rows = R.table_rows()
+    except RlpostError as e:
+        _fail(e)
+    for n, what, claim, status in rows:
+        typer.echo(f"{n}  [{what}]")
+        typer.echo(_wrap(f"    claim: {claim}", 11))
+        typer.echo(_wrap(f"    here:  {status}", 11))
+
+
+@app.command("reproduce", context_settings=EXTRA)
+def reproduce_cmd(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Recipe name (rlpost recipes lists them)."),
+    seeds: int = typer.Option(3, "--seeds", help="Matched seeds, 0..N-1 (or from --first-seed)."),
+    first_seed: int = typer.Option(0, "--first-seed", help="Seed of the first pair."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run directories (default outputs/reproduce/NAME); finished runs are reused."),
+    record: bool = typer.Option(True, "--record/--no-record", help="Append the result to recipes/results/NAME.json."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print each arm's overrides and stop."),
+) -> None:
+    """Check a recipe's claim here: its CPU variant vs its baseline over matched seeds (paired bootstrap CI).
+
+    Extra arguments are Hydra overrides for both arms (the budget).
+
+    Examples:
+
+      rlpost reproduce cpu_arithmetic_grpo --seeds 3 steps=10 eval.limit=100
+
+      rlpost reproduce vade --seeds 5
+
+      rlpost reproduce dapo --dry-run
+    """
+    from rlpost import recipes as R
+
+    extra = list(ctx.args)
+    try:
+        _check_recipe(extra)
+        rec = R.load_recipe(name)
+        if dry_run:
+            card = rec.card
+            if not isinstance(card, R.Card):
+                raise ConfigError(f"recipe {name} has no claim card to reproduce"
+                                  + (f"; it deploys recipe {card.recipe_of}" if isinstance(card, R.LinkCard) else ""))
+            for s in range(first_seed, first_seed + seeds):
+                for arm, ov in R.arm_overrides(name, card, s, extra).items():
+                    typer.echo(f"seed {s} {arm}: " + (" ".join(ov) if ov else "(the method run's eval_start.json)"))
+            return
+        import logging
+
+        from rlpost.tracking import log
+
+        if not log.handlers and not logging.getLogger().handlers:  # outside Hydra: progress lines to stdout
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        res = R.reproduce(name, seeds=seeds, extra=extra, out=out, record=record, first_seed=first_seed, log=log.info)
+    except RlpostError as e:
+        _fail(e)
+    typer.echo(R.format_result(res))
+    if record:
+        typer.echo(f"recorded in {res['record']}")
+
+
 def main() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

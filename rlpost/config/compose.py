@@ -261,6 +261,14 @@ def _check_executor(cfg: DictConfig) -> None:
 #: The one validation entry point's checks, by config group, in order. Closed
 #: choices (``algo.loss_agg``, ``algo.kl.estimator``, ``trainer.engine``...) are
 #: enums in :mod:`rlpost.config.schema`, so composition already rejected them.
+def _check_card(cfg: DictConfig) -> None:
+    """A recipe's ``card`` (:mod:`rlpost.recipes`): every field known, every cited number sourced."""
+    if cfg.get("card") is not None:
+        from rlpost.recipes import parse_card
+
+        parse_card(cfg.card, "card")
+
+
 GROUP_CHECKS = (
     ("algo", _check_algo),
     ("precision", _check_precision),
@@ -269,6 +277,7 @@ GROUP_CHECKS = (
     ("task", _check_task),
     ("ranges", _check_ranges),
     ("executor", _check_executor),
+    ("card", _check_card),
 )
 
 

@@ -544,6 +544,9 @@ class RootConfig:
             directory / checkpoint path.
         name: run name (directory and W&B name).
         device: auto | cpu | cuda.
+        card: a recipe's record (paper, paper setting, claim, CPU baseline), set only
+            by ``+recipe=NAME``; read and validated by :mod:`rlpost.recipes`, never by
+            training.
     """
 
     defaults: List[Any] = field(default_factory=list)
@@ -564,6 +567,7 @@ class RootConfig:
     executor: ExecutorConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    card: Optional[Dict[str, Any]] = None
 
 
 GROUP_SCHEMAS = {

@@ -1,0 +1,292 @@
+"""Recipes (rlpost/recipes.py): cards, composition, the verdict, the power estimate, `rlpost reproduce`.
+
+What runs where: every recipe composes (with and without its baseline overrides) in the
+normal suite; a representative subset of CPU variants (one per kind of component, plus the
+single-rollout and off-policy bodies) trains 2 steps on model=tiny through `rlpost reproduce`
+machinery; the run of *every* CPU variant for 2 steps is marked slow (about 5 min).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from rlpost import recipes as R
+from rlpost.errors import ConfigError
+
+NAMES = R.recipe_names()
+# short runs: the tiny random model, few tokens, few held-out problems; group sizes stay the recipe's own
+TINY_RUN = ["model=tiny", "rollout.max_new_tokens=8", "eval.limit=4", "eval.max_new_tokens=8",
+            "task.train_size=64", "task.eval_size=16", "trainer.micro_batch_size=8", "steps=2"]
+
+
+def _card(name: str) -> R.Card:
+    card = R.resolve_card(R.load_recipe(name))
+    assert isinstance(card, R.Card), name
+    return card
+
+
+# --------------------------------------------------------------------------- composition
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_recipe_composes_with_rlpost_config(name):
+    from rlpost.cli import app
+
+    r = CliRunner().invoke(app, ["config", f"+recipe={name}", "logger=none"])
+    assert r.exit_code == 0, r.output
+    assert "# effective component parameters" in r.output
+
+
+def test_every_baseline_arm_composes(compose):
+    from rlpost.config.compose import validate_config
+
+    n = 0
+    for name in NAMES:
+        rec = R.load_recipe(name)
+        if isinstance(rec.card, R.Card) and rec.card.cpu.baseline != R.UNTRAINED:
+            cfg = compose([f"+recipe={name}", "logger=none", *rec.card.cpu.baseline])
+            validate_config(cfg)
+            n += 1
+    assert n >= 50
+
+
+# --------------------------------------------------------------------------- cards
+
+
+def test_every_recipe_has_a_complete_card_and_every_number_a_source():
+    for name in NAMES:
+        rec = R.load_recipe(name)
+        assert rec.card is not None, f"recipe {name} has no card"
+        card = R.resolve_card(rec)
+        assert card.paper and (card.arxiv or card.code), name
+        assert card.claim.summary and card.claim.metric and card.claim.baseline, name
+        assert R.unsourced_numbers(card) == [], name
+        if card.arxiv:
+            assert len(card.arxiv.split(".")[0]) == 4, name
+        if card.gpu_recipe:
+            assert card.gpu_recipe in NAMES
+
+
+def test_every_method_from_a_paper_has_a_recipe():
+    """Each algo preset, selector, sampler and correction that comes from a paper has a recipe for it."""
+    import rlpost.algos  # noqa: F401
+    import rlpost.samplers  # noqa: F401
+    import rlpost.selectors  # noqa: F401
+    from rlpost.algos.corrections import CORRECTIONS
+    from rlpost.config.compose import group_choices
+
+    covered = {(c.kind, c.method) for c in (R.load_recipe(n).card for n in NAMES) if isinstance(c, R.Card)}
+    not_papers = {("algo", "sft"), ("selector", "uniform"), ("sampler", "group"), ("sampler", "single"),
+                  ("sampler", "episode"), ("correction", "none")}
+    want = {("algo", a) for a in group_choices("algo")} | {("selector", s) for s in group_choices("selector")}
+    want |= {("sampler", s) for s in group_choices("sampler")} | {("correction", c.name) for c in CORRECTIONS}
+    want |= {("executor", "async"), ("executor", "partial_rollout")}
+    # the default recipe covers GRPO's own claim under kind=baseline; grpo.yaml covers the paper
+    missing = sorted(want - not_papers - covered)
+    assert missing == []
+
+
+def test_the_paper_settings_that_were_read_hold_their_sources():
+    dapo = _card("dapo")
+    assert dapo.paper_setting.group_size == 16 and dapo.paper_setting.prompts_per_step == 512
+    assert dapo.paper_setting.lr == 1e-6 and "0.28" in dapo.paper_setting.clip
+    assert "run_dapo_qwen2.5_32b.sh" in dapo.paper_setting.source
+    grpo = _card("grpo")
+    assert (grpo.claim.value, grpo.claim.baseline_value, grpo.claim.delta) == (51.7, 46.8, 4.9)
+    assert math.isclose(grpo.claim.value - grpo.claim.baseline_value, grpo.claim.delta)
+    assert R.is_citation(grpo.claim.source)
+    # the deployment recipe reads its claim from the method recipe
+    assert R.resolve_card(R.load_recipe("dapo_qwen2.5_32b")) == dapo
+
+
+def _good_card():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(R.recipes_dir() / "grpo.yaml")["card"])
+
+
+def test_misspelt_card_field_is_an_error_naming_the_valid_one():
+    d = _good_card()
+    d["claim"]["vaule"] = d["claim"].pop("value")
+    with pytest.raises(ConfigError, match=r"unknown field 'vaule' \(did you mean 'value'\?\)"):
+        R.parse_card(d)
+    d = _good_card()
+    del d["paper_setting"]["lr"]
+    with pytest.raises(ConfigError, match=r"missing field\(s\) lr.*not stated"):
+        R.parse_card(d)
+    d = _good_card()
+    d["cpu"]["expect"] = "better"
+    with pytest.raises(ConfigError, match="higher, no_worse"):
+        R.parse_card(d)
+    d = _good_card()
+    d["cpu"]["baseline"] = ["uniform"]
+    with pytest.raises(ConfigError, match="untrained"):
+        R.parse_card(d)
+
+
+def test_a_number_without_a_source_is_an_error():
+    d = _good_card()
+    d["claim"]["source"] = "we remember it"
+    with pytest.raises(ConfigError, match="claim.value=51.7 has no source"):
+        R.parse_card(d)
+    d = _good_card()
+    d["paper_setting"]["source"] = R.NOT_CHECKED
+    with pytest.raises(ConfigError, match="paper_setting.model"):  # "DeepSeekMath-Instruct 7B" holds a number
+        R.parse_card(d)
+    d["paper_setting"]["sources"] = {k: "arXiv:2402.03300 Sec. 4.2" for k in
+                                     ("model", "data", "prompts_per_step", "group_size", "max_response_len", "lr",
+                                      "kl_coef", "policy_updates_per_exploration", "reward_model_lr")}
+    assert isinstance(R.parse_card(d), R.Card)  # per-field sources suffice
+
+
+def test_misspelt_card_field_exits_2_from_the_cli():
+    from rlpost.cli import app
+
+    r = CliRunner().invoke(app, ["config", "+recipe=vade", "+card.claim.metrc=x"])
+    assert r.exit_code == 2 and "unknown field 'metrc'" in r.output
+
+
+# --------------------------------------------------------------------------- verdict and power
+
+
+def test_judge_on_hand_made_intervals():
+    assert R.judge(0.01, 0.20) == "reproduced direction"
+    assert R.judge(-0.05, 0.20) == "not resolved"
+    assert R.judge(-0.20, -0.01) == "contradicted"
+    assert R.judge(0.0, 0.1) == "not resolved"  # touching 0 is not excluding it
+    # non-inferiority with a 5-point margin
+    assert R.judge(-0.04, 0.02, "no_worse", 0.05) == "reproduced direction"
+    assert R.judge(-0.08, 0.02, "no_worse", 0.05) == "not resolved"
+    assert R.judge(-0.12, -0.06, "no_worse", 0.05) == "contradicted"
+    with pytest.raises(ConfigError):
+        R.judge(0.2, 0.1)
+
+
+def test_variance_components_by_hand():
+    # seed effect only: seed means 0.1 and 0.3 (var 0.02), no problem effect, no residual
+    d = np.array([[0.1, 0.1, 0.1], [0.3, 0.3, 0.3]])
+    vc = R.variance_components(d)
+    assert math.isclose(vc["mean"], 0.2) and math.isclose(vc["var_seed"], 0.02)
+    assert vc["var_problem"] == 0.0 and math.isclose(vc["var_resid"], 0.0, abs_tol=1e-15)
+    # a 2x2 with interaction: d = [[1, 0], [0, 1]]: seed and problem means all 0.5, residual MS = 1
+    vc = R.variance_components(np.array([[1.0, 0.0], [0.0, 1.0]]))
+    assert math.isclose(vc["var_resid"], 1.0) and vc["var_seed"] == 0.0 and vc["var_problem"] == 0.0
+
+
+def test_seeds_to_resolve_by_hand():
+    z = 1.959964 + 0.841621  # z_{0.975} + z_{0.8}
+    target = (0.2 / z) ** 2  # 0.0050963
+    res = R.seeds_to_resolve(np.array([[0.1, 0.1, 0.1], [0.3, 0.3, 0.3]]))
+    assert res["seeds"] == math.ceil(0.02 / target) == 4
+    # problem-to-problem variance alone too large on 2 problems: seeds cannot help, ~17 problems would
+    res = R.seeds_to_resolve(np.array([[0.0, 0.4], [0.0, 0.4]]))
+    assert res["seeds"] is None and res["problems"] == math.ceil(0.08 / target) + 1 == 17
+    assert "more seeds cannot resolve" in res["reason"]
+    res = R.seeds_to_resolve(np.array([[0.1, 0.3]]))
+    assert res["seeds"] is None and "one seed" in res["reason"]
+    assert R.seeds_to_resolve(np.zeros((3, 4)))["seeds"] is None
+    # a smaller effect needs more seeds (the seed term scales as 1/S)
+    d = np.array([[0.1, 0.1, 0.1], [0.3, 0.3, 0.3]])
+    assert R.seeds_to_resolve(d, effect=0.1)["seeds"] == math.ceil(0.02 / (0.1 / z) ** 2) == 16
+
+
+def _eval_file(path: Path, scores, seed: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    recs = [{"index": i, "question": f"q{i}", "correct": float(s)} for i, s in enumerate(scores)]
+    (path / "eval.json").write_text(json.dumps({"task": "arithmetic", "seed": seed, "records": recs}))
+
+
+def test_summarize_pairs_seeds_and_problems_and_records(tmp_path):
+    card = _card("vade")
+    m, b = [], []
+    base = [[1, 0, 0, 0, 1, 0, 0, 0], [0, 1, 0, 0, 0, 1, 0, 0]]
+    meth = [[1, 1, 1, 0, 1, 1, 1, 0], [1, 1, 1, 0, 1, 1, 1, 0]]
+    for s in (0, 1):
+        _eval_file(tmp_path / "b" / str(s), base[s], s)
+        _eval_file(tmp_path / "m" / str(s), meth[s], s)
+        m.append(tmp_path / "m" / str(s))
+        b.append(tmp_path / "b" / str(s))
+    rec = R.summarize("vade", card, m, b, [0, 1])
+    assert rec["acc_baseline"] == [0.25, 0.25] and rec["acc_method"] == [0.75, 0.75]
+    assert math.isclose(rec["diff"], 0.5) and rec["verdict"] == "reproduced direction"
+    assert rec["ci_low"] > 0
+    f = R.record_result({**rec, "recipe": "vade"}, tmp_path / "results")
+    assert json.loads(f.read_text())["runs"][-1]["diff"] == rec["diff"]
+    assert R.load_result("vade", tmp_path / "results")["verdict"] == "reproduced direction"
+    assert "reproduced direction: +50.0 pts" in R.status_text(rec)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def test_reproduce_the_default_recipe_on_tiny(tmp_path):
+    """Two matched seeds of the default recipe against the untrained model (its eval_start.json)."""
+    res = R.reproduce("cpu_arithmetic_grpo", seeds=2, extra=TINY_RUN, out=tmp_path / "runs",
+                      record_dir=tmp_path / "results", log=lambda *_: None)
+    assert res["seeds"] == [0, 1] and res["n_problems"] == 4
+    assert res["verdict"] in R.VERDICTS
+    for s in (0, 1):
+        d = tmp_path / "runs" / "method" / f"seed{s}"
+        assert (d / "eval_start.json").is_file() and (d / "eval.json").is_file()
+        assert not (d / "final").exists()  # weights deleted, evaluations kept
+        start = json.loads((d / "eval_start.json").read_text())
+        assert math.isclose(res["acc_baseline"][s], start["accuracy"])
+    saved = json.loads((tmp_path / "results" / "cpu_arithmetic_grpo.json").read_text())["runs"][-1]
+    assert saved["budget"] == TINY_RUN and saved["wall_s"] > 0
+    # finished runs are reused: a second call trains nothing and gives the same numbers
+    again = R.reproduce("cpu_arithmetic_grpo", seeds=2, extra=TINY_RUN, out=tmp_path / "runs", record=False,
+                        log=lambda *_: None)
+    assert again["diff"] == res["diff"] and again["acc_method"] == res["acc_method"]
+
+
+# one CPU variant per kind of component, plus the single-rollout and off-policy bodies
+SUBSET = ["vade", "vigor", "tis", "areal_async", "sao", "dppo"]
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_cpu_variant_trains_two_steps_on_tiny(name, tmp_path):
+    _cpu_variant_runs(name, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in SUBSET])
+def test_every_cpu_variant_trains_two_steps_on_tiny(name, tmp_path):
+    """Every recipe's CPU variant, 2 steps on model=tiny (about 5 s each; marked slow for the total)."""
+    _cpu_variant_runs(name, tmp_path)
+
+
+def _cpu_variant_runs(name: str, tmp_path: Path) -> None:
+    from rlpost.config.compose import compose_config, validate_config
+    from rlpost.runner import train
+
+    rec = R.load_recipe(name)
+    if isinstance(rec.card, R.LinkCard) and name not in ("agent_multiply_sao", "agent_multiply_grpo"):
+        pytest.skip(f"{name} is a GPU deployment (vLLM / DeepSpeed); its CPU variant is recipe {rec.card.recipe_of}")
+    cfg = compose_config([f"+recipe={name}", "logger=jsonl", "checkpoint.every=0", "eval.at_start=false", *TINY_RUN])
+    validate_config(cfg)
+    train(cfg, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r["step"] for r in rows if "reward/mean" in r]
+    assert steps == [1, 2]
+    assert all(np.isfinite(r["reward/mean"]) for r in rows if "reward/mean" in r)
+    assert (tmp_path / "eval.json").is_file()
+
+
+def test_reproduce_cli_dry_run_and_errors():
+    from rlpost.cli import app
+
+    r = CliRunner().invoke(app, ["reproduce", "vade", "--seeds", "2", "--dry-run", "steps=5"])
+    assert r.exit_code == 0, r.output
+    assert "seed 1 baseline: +recipe=vade seed=1" in r.output and r.output.rstrip().endswith("selector=uniform")
+    r = CliRunner().invoke(app, ["reproduce", "vaed", "--dry-run"])
+    assert r.exit_code == 2 and "Unknown recipe 'vaed'" in r.output
+    r = CliRunner().invoke(app, ["reproduce", "dapo_qwen2.5_32b", "--dry-run"])
+    assert r.exit_code == 2 and "deploys recipe dapo" in r.output
+    r = CliRunner().invoke(app, ["recipes"])
+    assert r.exit_code == 0 and "vade  [selector=vade]" in r.output
