@@ -30,6 +30,7 @@ one; ``algo.clip.*`` writes into those (:func:`rlpost.algos.validate.loss_kwargs
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -64,6 +65,10 @@ class PolicyLossInput:
             (``clip_cov``), the same for every micro-batch of a mini-batch and every
             process (the trainer derives it from the run seed and the step); None
             uses torch's global RNG.
+        group_index: ``[B]`` long, equal ids = rollouts of the same prompt, or
+            None. Losses that couple a group (``tpo``: a softmax over the
+            group's sequence log-probs) need it; with ``batch`` it must be set
+            on both (the trainer passes the rows' ids).
     """
 
     logprobs: torch.Tensor
@@ -75,6 +80,7 @@ class PolicyLossInput:
     batch: Optional["PolicyLossInput"] = None
     rows: Optional[torch.Tensor] = None
     seed: Optional[int] = None
+    group_index: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
@@ -1127,6 +1133,262 @@ def dppo_loss(
         high = (bad & (A > 0)).float()
         low = (bad & (A <= 0)).float()
     return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+
+
+
+# --- Issue 17, second batch: TPO, CPGD, CFPO, KPO ---------------------------------------------------
+
+_TPO_PAPER = "Target Policy Optimization (TPO, arXiv:2604.06159); authors' code https://github.com/JeanKaddour/tpo"
+
+
+@dataclass(frozen=True)
+class TPOParams:
+    """TPO's target temperature (arXiv:2604.06159: eta = 1 throughout, robust over [0.25, 2])."""
+
+    eta: float = param(1.0, "temperature of the target q ∝ p_old exp(u / eta) (paper: 1)")
+
+
+def _group_log_softmax(x: torch.Tensor, inv: torch.Tensor, G: int) -> torch.Tensor:
+    """``[N]`` log-softmax of ``x`` ``[N]`` within the groups ``inv`` (dense ids in ``[0, G)``), float64."""
+    x = x.double()
+    mx = torch.full((G,), float("-inf"), dtype=torch.float64, device=x.device).scatter_reduce(
+        0, inv, x, reduce="amax", include_self=True)
+    z = torch.zeros(G, dtype=torch.float64, device=x.device).index_add_(0, inv, torch.exp(x - mx[inv]))
+    return x - mx[inv] - torch.log(z)[inv]
+
+
+@POLICY_LOSSES.register("tpo", paper=_TPO_PAPER, params=TPOParams, batch_statistics=True, needs_group=True,
+                        sequence_sum=True)
+def tpo_loss(inp: PolicyLossInput, *, eta: float) -> Tuple[torch.Tensor, Metrics]:
+    """TPO: fit the group's distribution over its sampled completions to a target, by cross-entropy.
+
+    For each group of ``K`` completions of one prompt, with sequence log-probs
+    ``l_i = sum_t log pi(y_it)`` (over the response mask), the policy over the
+    group is ``p_i = softmax_group(l)_i`` and the target is
+    ``q_i ∝ p_old_i exp(u_i / eta)`` (``p_old`` from ``inp.old_logprobs``, frozen;
+    ``u_i`` the sequence's advantage, which the preset makes TPO's within-group
+    z-score with the population std, zero for a zero-variance group). The loss
+    ``-sum_i q_i log p_i`` has gradient ``p_i - q_i`` on ``l_i`` (Proposition 1):
+    it vanishes once the policy matches the target, and a zero-variance group
+    (``u = 0``, ``q = p_old``) contributes nothing on the rollout snapshot.
+
+    Written per token so that it aggregates with ``seq-mean-token-sum`` into the
+    paper's loss averaged over groups: ``loss_t = K (p_i - q_i) (log pi_t - sg(log pi_t))
+    + v_i / L_i`` with ``v_i = -K q_i log p_i`` (a constant carrying the value),
+    ``L_i`` the sequence's response tokens and ``K`` its group's size. ``p_i`` is
+    computed from the detached log-probs of the whole mini-batch
+    (:func:`batch_view`), so the gradient does not depend on the micro-batch
+    split. A group split across mini-batches (``algo.mini_batches > 1`` shuffles
+    rows) is fitted on the members present, with ``q`` renormalised over them
+    (our choice; the paper updates on whole groups).
+
+    Metrics: ``tpo_target_gap`` (mean ``|p - q|``), ``tpo_q_max`` (mean of the
+    group's largest target mass), both per sequence (``seq_`` prefix).
+
+    Raises:
+        ValueError: ``inp.group_index`` is None, or ``eta <= 0``.
+    """
+    if eta <= 0:
+        raise ValueError(f"tpo: eta must be > 0, got {eta}")
+    if inp.group_index is None:
+        raise ValueError("tpo needs PolicyLossInput.group_index (the group of each row); the trainer passes it")
+    full, rows = batch_view(inp)
+    gi = full.group_index if full.group_index is not None else inp.group_index
+    from rlpost.algos.utils import group_ids
+
+    inv, G = group_ids(gi.to(full.response_mask.device))
+    fm = full.response_mask.double()
+    ell = (full.logprobs.detach().double() * fm).sum(-1)
+    ell_old = (full.old_logprobs.detach().double() * fm).sum(-1)
+    L = fm.sum(-1)
+    u = (full.advantages.double() * fm).sum(-1) / L.clamp(min=1.0)
+    log_p = _group_log_softmax(ell, inv, G)
+    log_q = _group_log_softmax(_group_log_softmax(ell_old, inv, G) + u / eta, inv, G)
+    p, q = torch.exp(log_p), torch.exp(log_q)
+    K = torch.zeros(G, dtype=torch.float64, device=fm.device).index_add_(0, inv, torch.ones_like(ell))[inv]
+    coef = (K * (p - q))[rows].to(inp.logprobs.dtype)
+    value = (-K * q * log_p)[rows]
+    m = inp.response_mask
+    Lr = m.sum(-1).clamp(min=1.0)
+    loss = coef[:, None] * (inp.logprobs - inp.logprobs.detach()) + (value / Lr.double()).to(m.dtype)[:, None] * m
+    ratio, log_ratio = _ratio(inp)
+    z = torch.zeros_like(ratio)
+    metrics = _clip_metrics(ratio, log_ratio, z, z, m)
+    with torch.no_grad():
+        qmax = torch.zeros(G, dtype=torch.float64, device=fm.device).scatter_reduce(
+            0, inv, q, reduce="amax", include_self=True)[inv]
+        metrics["seq_tpo_target_gap"] = _nonempty_mean((p - q).abs()[rows].float(), m)
+        metrics["seq_tpo_q_max"] = _nonempty_mean(qmax[rows].float(), m)
+    return loss, metrics
+
+
+_CPGD_PAPER = ("CPGD: Toward Stable Rule-based Reinforcement Learning for Language Models (arXiv:2505.12504); "
+               "authors' code https://github.com/ModalMinds/MM-EUREKA")
+
+
+@dataclass(frozen=True)
+class CPGDParams:
+    """CPGD's log-ratio clip and policy-drift weight (arXiv:2505.12504; the authors' release defaults)."""
+
+    eps_low: float = param(0.2, "A < 0 tokens: log-ratio floor log(1 - eps_low) (authors' release: clip_eps 0.2)")
+    eps_high: float = param(0.2, "A > 0 tokens: log-ratio cap log(1 + eps_high) (authors' release: clip_eps 0.2)")
+    drift_coef: float = param(0.01, "weight of the policy-drift penalty KL(pi_old || pi) (authors' release: 0.01)")
+
+
+@POLICY_LOSSES.register("cpgd", paper=_CPGD_PAPER, params=CPGDParams)
+def cpgd_loss(
+    inp: PolicyLossInput, *, eps_low: float, eps_high: float, drift_coef: float
+) -> Tuple[torch.Tensor, Metrics]:
+    """CPGD: a clipped *log*-ratio policy gradient plus a KL policy-drift penalty, no importance ratio.
+
+    ``loss_t = -A_t clip_A(log r_t) + drift_coef (r_t - 1 - log r_t)`` with
+    ``log r = log pi - log pi_old`` and the one-sided clip of the release:
+    ``min(log r, log(1 + eps_high))`` for ``A > 0``, ``max(log r, log(1 - eps_low))``
+    otherwise. Inside the range the gradient is ``-A grad log pi`` (REINFORCE,
+    not the ratio-weighted PPO gradient, so large ratios are not amplified);
+    outside it is 0. The drift term is the unbiased estimate of
+    ``KL(pi_old || pi)`` from tokens sampled by ``pi_old``; its gradient
+    ``(r - 1) grad log pi`` pulls the policy back toward ``pi_old`` once it moved.
+    The release also offers a clip range on the drift term and a
+    "clip-filter-like" weight; their formulas were not in the code we could
+    read, so neither is implemented (the drift here is unclipped).
+
+    Returns:
+        ``(loss_mat [B, R], metrics)``; ``clip_frac*`` count tokens whose
+        clipped log-ratio cuts the gradient; ``policy_drift`` the mean drift term.
+    Raises:
+        ValueError: ``eps_low`` not in [0, 1), ``eps_high <= 0`` or ``drift_coef < 0``.
+    """
+    if not 0.0 <= eps_low < 1.0 or eps_high <= 0 or drift_coef < 0:
+        raise ValueError(f"cpgd: need 0 <= eps_low < 1, eps_high > 0, drift_coef >= 0; got {eps_low}, {eps_high}, {drift_coef}")
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    hi, lo = math.log1p(eps_high), math.log1p(-eps_low)
+    clipped = torch.where(A > 0, log_ratio.clamp(max=hi), log_ratio.clamp(min=lo))
+    drift = ratio - 1.0 - log_ratio
+    loss = -A * clipped + drift_coef * drift
+    with torch.no_grad():
+        high = ((log_ratio > hi) & (A > 0)).float()
+        low = ((log_ratio < lo) & (A <= 0)).float()
+        metrics = _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+        metrics["policy_drift"] = masked_mean(drift.detach(), inp.response_mask)
+    return loss, metrics
+
+
+_CFPO_PAPER = ("Clipping-Free Policy Optimization for Large Language Models (CFPO, arXiv:2601.22801); the penalty form "
+               "of Simple Policy Optimization (arXiv:2401.16025)")
+
+
+@dataclass(frozen=True)
+class CFPOParams:
+    """CFPO's trust-region radius: PPO's epsilon reused, "no additional hyperparameters" (arXiv:2601.22801)."""
+
+    eps: float = param(0.2, "radius of the quadratic penalty: the objective peaks at r = 1 + eps sign(A) (PPO's 0.2)")
+
+
+@POLICY_LOSSES.register("cfpo", paper=_CFPO_PAPER, params=CFPOParams)
+def cfpo_loss(inp: PolicyLossInput, *, eps: float) -> Tuple[torch.Tensor, Metrics]:
+    """CFPO: PPO's clip replaced by a convex quadratic penalty on the ratio (differentiable everywhere).
+
+    ``loss_t = -( r_t A_t - |A_t| / (2 eps) (r_t - 1)^2 )``. For fixed ``A`` the
+    objective is a concave parabola in ``r`` whose maximum is exactly PPO's
+    clip boundary ``r = 1 + eps sign(A)``: inside the range it pulls ``r`` toward
+    the boundary like PPO, outside it pushes ``r`` back (PPO's clip only stops
+    pushing, leaving a zero-gradient region). The gradient is
+    ``-(A - |A| (r - 1) / eps) r grad log pi``; on-policy (``r = 1``) it is
+    ``-A grad log pi``. The CFPO abstract describes a convex quadratic penalty
+    derived from a total-variation constraint with no new hyperparameter; the
+    formula we could read is this one, from Simple Policy Optimization
+    (arXiv:2401.16025), which derives it from the same TV bound: our reading.
+    ``clip_frac*`` count tokens beyond the boundary (where the gradient reverses).
+
+    Raises:
+        ValueError: ``eps <= 0``.
+    """
+    if eps <= 0:
+        raise ValueError(f"cfpo: eps must be > 0, got {eps}")
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    loss = -(ratio * A - A.abs() / (2.0 * eps) * (ratio - 1.0) ** 2)
+    with torch.no_grad():
+        high = ((ratio > 1.0 + eps) & (A > 0)).float()
+        low = ((ratio < 1.0 - eps) & (A < 0)).float()
+    return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+
+
+@dataclass(frozen=True)
+class KPOParams:
+    """KPO's causal Kalman filter on the token log-ratio; the noise variances are our choices (not in the abstract)."""
+
+    process_var: float = param(0.01, "Q: variance of the latent log-ratio's step per token (our choice)")
+    obs_var: float = param(0.1, "R: variance of one token's observed log-ratio around the latent one (our choice)")
+    init_var: float = param(1.0, "P_0: variance of the prior x_0 = 0 (ratio 1) before the first token (our choice)")
+    eps_low: float = param(0.2, "PPO clip on the filtered ratio: floor 1 - eps_low (PPO's 0.2)")
+    eps_high: float = param(0.2, "PPO clip on the filtered ratio: cap 1 + eps_high (PPO's 0.2)")
+
+
+def kalman_filter_log_ratio(
+    log_ratio: torch.Tensor, mask: torch.Tensor, process_var: float, obs_var: float, init_var: float
+) -> torch.Tensor:
+    """Causal scalar Kalman filter of each row's token log-ratios, ``[B, R] -> [B, R]`` (differentiable).
+
+    Random-walk state ``x_t = x_{t-1} + w`` (variance ``process_var``), observation
+    ``z_t = log r_t = x_t + v`` (variance ``obs_var``), prior ``x_0 = 0`` with
+    variance ``init_var``. Per masked token: ``P <- P + Q``, ``K = P / (P + R)``,
+    ``x <- x + K (z_t - x)``, ``P <- (1 - K) P``; unmasked positions carry ``x``
+    and ``P`` unchanged (and are returned as 0). The gains do not depend on the
+    data, so ``x_t`` is a fixed weighted sum of ``z_1..z_t`` and gradients reach
+    every earlier token of the row.
+    """
+    B, R = log_ratio.shape
+    x = torch.zeros(B, dtype=log_ratio.dtype, device=log_ratio.device)
+    P = torch.full((B,), float(init_var), dtype=torch.float64, device=log_ratio.device)
+    out = []
+    for t in range(R):
+        mt = mask[:, t] > 0
+        Pp = P + process_var
+        gain = torch.where(mt, Pp / (Pp + obs_var), torch.zeros_like(Pp))
+        x = x + gain.to(x.dtype) * (log_ratio[:, t] - x)
+        P = torch.where(mt, (1.0 - gain) * Pp, P)
+        out.append(x * mt.to(x.dtype))
+    return torch.stack(out, dim=1) if out else log_ratio * 0
+
+
+@POLICY_LOSSES.register(
+    "kpo",
+    paper="Online Causal Kalman Filtering for Stable and Effective Policy Optimization (KPO, arXiv:2602.10609)",
+    params=KPOParams,
+)
+def kpo_loss(
+    inp: PolicyLossInput, *, process_var: float, obs_var: float, init_var: float, eps_low: float, eps_high: float
+) -> Tuple[torch.Tensor, Metrics]:
+    """KPO: PPO's clipped surrogate on Kalman-filtered importance ratios.
+
+    The token ratio ``r_t = pi / pi_old`` is a noisy observation of a latent
+    off-policy deviation that evolves along the sequence; a causal Kalman
+    filter (:func:`kalman_filter_log_ratio`, past tokens only) estimates it as
+    ``x_t`` in log space, and ``rho_t = exp(x_t)`` replaces ``r_t`` in
+    ``-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``. Spikes of single
+    tokens are smoothed (unlike the token ratio) while local structure is kept
+    (unlike GSPO's one sequence ratio). On-policy ``rho = 1``; the gradient of a
+    token's loss reaches the earlier tokens that its filtered ratio averages.
+    The abstract gives no noise variances, prior or clip: ``Q = 0.01``,
+    ``R = 0.1`` (steady-state gain about 0.27), ``P_0 = 1`` and PPO's 0.2 are our
+    choices. Metric ``kpo_ratio_mean``: mean filtered ratio.
+
+    Raises:
+        ValueError: a variance not > 0.
+    """
+    if min(process_var, obs_var, init_var) <= 0:
+        raise ValueError(f"kpo: variances must be > 0, got Q={process_var}, R={obs_var}, P0={init_var}")
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    x = kalman_filter_log_ratio(log_ratio, m, process_var, obs_var, init_var)
+    rho = torch.exp(x.clamp(-20.0, 20.0))
+    loss, low, high, _ = _ppo_core(rho, inp.advantages, eps_low, eps_high, None, m)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics["kpo_ratio_mean"] = masked_mean(rho.detach(), m)
+    return loss, metrics
 
 
 def compute_policy_loss(name: str, inp: PolicyLossInput, **params: object) -> Tuple[torch.Tensor, Metrics]:

@@ -316,6 +316,7 @@ class TorchTrainer:
         return PolicyLossInput(
             logprobs=torch.cat(lps), old_logprobs=torch.cat(olds), entropy=torch.cat(ents),
             advantages=mini.extras["advantages"].to(self.device), response_mask=mini.response_mask.to(self.device),
+            group_index=mini.group_index.to(self.device),
         )
 
     def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
@@ -394,6 +395,7 @@ class TorchTrainer:
                         batch=whole,
                         rows=mb.extras["_row"].to(self.device) if whole is not None else None,
                         seed=seed,
+                        group_index=mb.group_index.to(self.device),
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
                     w, wm = self._correction_weights(old, mb)
