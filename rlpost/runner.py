@@ -87,7 +87,7 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
     inputs = [w for w, on in (("reference answers (SFT)", req.reference_responses), ("token entropy", req.entropy),
                                ("greedy baseline rollout", req.baseline_rollout),
                                ("per-prompt Beta baseline", req.beta_baseline),
-                               ("answer clusters", req.answers)) if on]
+                               ("answer clusters", req.answers), ("subsentence ids", req.segments)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]

@@ -489,3 +489,34 @@ def test_answer_cluster_ids_normalise_numbers_and_isolate_unparseable():
     ids = answer_cluster_ids(["<answer>12</answer>", "so <answer>12.0</answer>", "no answer here",
                               "<answer> 7 </answer>", "<answer>1,000</answer>", "<answer>1000</answer>"], "tags")
     assert ids.tolist() == [0, 0, -3, 1, 2, 2]
+
+
+# --- SSPO (arXiv:2511.04256) ---------------------------------------------------------------------
+
+def test_sspo_subsentence_ratio_and_entropy_scaled_clip_by_hand():
+    lr = torch.tensor([[0.2, 0.4, -0.1, 0.1]])
+    x = PolicyLossInput(logprobs=lr.clone().requires_grad_(True), old_logprobs=torch.zeros(1, 4),
+                        advantages=torch.ones(1, 4), response_mask=torch.ones(1, 4),
+                        entropy=torch.tensor([[1.0, 1.0, 3.0, 3.0]]), segment_ids=torch.tensor([[0, 0, 1, 1]]))
+    loss, g, met = grad_of("sspo", x)
+    # subsentence ratios e^0.3 and e^0.0; entropy scales 1/2 and 3/2 of the batch mean 2 -> eps 0.1 and 0.3
+    # first: 1.35 > 1.1 with A > 0 -> clipped, no gradient; second: ratio 1 -> gradient -A * 1 on each token
+    assert torch.allclose(g, torch.tensor([[0.0, 0.0, -1.0, -1.0]]), atol=1e-6)
+    assert torch.allclose(loss, torch.tensor([[-1.1, -1.1, -1.0, -1.0]]), atol=1e-6)
+    assert float(met["eps_high_mean"]) == pytest.approx(0.2)
+    # GRPO's token ratios would clip tokens 0 and 1 too, but keep -r on tokens 2 and 3 (0.905, 1.105)
+    _, g_tok, _ = grad_of("ppo_clip", PolicyLossInput(logprobs=lr.clone().requires_grad_(True),
+                          old_logprobs=torch.zeros(1, 4), advantages=torch.ones(1, 4), response_mask=torch.ones(1, 4)))
+    assert torch.allclose(g_tok[0, 2:], -torch.exp(lr[0, 2:]), atol=1e-6)
+
+
+def test_subsentence_ids_cut_after_punctuation():
+    from rlpost.algos.stages import subsentence_ids
+
+    class Tok:
+        def decode(self, ids):
+            return {1: "Yes", 2: ",", 3: " so", 4: " 3.", 5: "\n", 6: "x"}[ids[0]]
+
+    ids = torch.tensor([[1, 2, 3, 4, 6, 5, 6, 0]])
+    m = torch.tensor([[1.0, 1, 1, 1, 1, 1, 1, 0]])
+    assert subsentence_ids(ids, m, Tok()).tolist() == [[0, 0, 1, 1, 2, 2, 3, 3]]

@@ -69,6 +69,9 @@ class PolicyLossInput:
             None. Losses that couple a group (``tpo``: a softmax over the
             group's sequence log-probs) need it; with ``batch`` it must be set
             on both (the trainer passes the rows' ids).
+        segment_ids: ``[B, R]`` long, the subsentence index of each response
+            token within its row, or None; losses tagged ``needs_segments``
+            (``sspo``) read it (the runner fills ``extras['segment_ids']``).
     """
 
     logprobs: torch.Tensor
@@ -81,6 +84,7 @@ class PolicyLossInput:
     rows: Optional[torch.Tensor] = None
     seed: Optional[int] = None
     group_index: Optional[torch.Tensor] = None
+    segment_ids: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
@@ -1388,6 +1392,82 @@ def kpo_loss(
     loss, low, high, _ = _ppo_core(rho, inp.advantages, eps_low, eps_high, None, m)
     metrics = _clip_metrics(ratio, log_ratio, low, high, m)
     metrics["kpo_ratio_mean"] = masked_mean(rho.detach(), m)
+    return loss, metrics
+
+
+
+_SSPO_PAPER = "SSPO: Subsentence-level Policy Optimization (arXiv:2511.04256)"
+
+
+@dataclass(frozen=True)
+class SSPOParams:
+    """SSPO's subsentence ratio clip with entropy-scaled bounds; the abstract gives no constants: our choices."""
+
+    eps_low: float = param(0.2, "base lower clip of the subsentence ratio (our choice: PPO's 0.2)")
+    eps_high: float = param(0.2, "base upper clip of the subsentence ratio (our choice: PPO's 0.2)")
+    min_scale: float = param(0.5, "smallest entropy scale of the bounds, for the lowest-entropy subsentences (our choice)")
+    max_scale: float = param(2.0, "largest entropy scale of the bounds, for the highest-entropy subsentences (our choice)")
+
+
+def segment_means(x: torch.Tensor, segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, R]``: each token's value replaced by the masked mean of ``x`` over its (row, segment).
+
+    ``segment_ids`` ``[B, R]`` long, non-negative and < R (a row's subsentence
+    index); positions outside ``mask`` get 0. Differentiable in ``x``.
+    """
+    B, R = x.shape
+    key = (torch.arange(B, device=x.device)[:, None] * R + segment_ids.clamp(0, R - 1)).flatten()
+    w = mask.flatten().to(x.dtype)
+    tot = torch.zeros(B * R, dtype=x.dtype, device=x.device).index_add(0, key, x.flatten() * w)
+    cnt = torch.zeros(B * R, dtype=x.dtype, device=x.device).index_add(0, key, w)
+    return (tot / cnt.clamp(min=1.0))[key].view(B, R) * mask
+
+
+@POLICY_LOSSES.register("sspo", paper=_SSPO_PAPER, params=SSPOParams, needs_entropy=True, needs_segments=True,
+                        batch_statistics=True)
+def sspo_loss(
+    inp: PolicyLossInput, *, eps_low: float, eps_high: float, min_scale: float, max_scale: float
+) -> Tuple[torch.Tensor, Metrics]:
+    """SSPO: PPO-clip on a *subsentence* importance ratio, with bounds widened for high-entropy subsentences.
+
+    Between GRPO's token ratio (sensitive to outlier tokens) and GSPO's one
+    ratio per response (a few extreme tokens decide for the whole response),
+    each subsentence ``s`` gets the geometric-mean ratio
+    ``r_s = exp(mean_{t in s} log r_t)``, written GSPO-token style so token ``t``
+    uses ``sg(r_s) pi_t / sg(pi_t)``. The clip range of a subsentence scales with
+    its mean token entropy ``H_s`` relative to the mini-batch's mean token
+    entropy ``H_bar`` (:func:`batch_view`): ``eps_s = eps * clip(H_s / H_bar,
+    min_scale, max_scale)``, so uncertain subsentences may move further and
+    confident ones are held tighter. Subsentences are cut after tokens
+    containing ``, . ; : ! ?`` or a newline (``inp.segment_ids``, computed by the
+    runner from the token texts, :func:`rlpost.algos.stages.subsentence_ids`).
+    The abstract gives neither the entropy-to-bound map nor the constants: the
+    ratio map, 0.2 and [0.5, 2] are our choices. Metrics: ``eps_high_mean``,
+    ``seg_ratio_mean``.
+
+    Raises:
+        ValueError: ``inp.segment_ids`` or ``inp.entropy`` is None, or ``min_scale > max_scale``.
+    """
+    if inp.segment_ids is None or inp.entropy is None:
+        raise ValueError("sspo needs PolicyLossInput.segment_ids (subsentence of each token) and entropy; "
+                         "the runner computes them")
+    if min_scale > max_scale or min_scale <= 0:
+        raise ValueError(f"sspo: need 0 < min_scale <= max_scale, got {min_scale}, {max_scale}")
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    seg = inp.segment_ids.to(m.device).long()
+    log_s = segment_means(log_ratio.detach(), seg, m)
+    s_t = torch.exp((log_s + inp.logprobs - inp.logprobs.detach()).clamp(max=20.0))
+    full, _rows = batch_view(inp)
+    with torch.no_grad():
+        h_bar = masked_mean(full.entropy.float(), full.response_mask).clamp(min=1e-6)
+        scale = (segment_means(inp.entropy.float(), seg, m) / h_bar).clamp(min_scale, max_scale)
+        lo, hi = eps_low * scale, eps_high * scale
+    loss, low, high, _ = _ppo_core(s_t, inp.advantages, lo, hi, None, m)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    with torch.no_grad():
+        metrics["eps_high_mean"] = masked_mean(hi, m)
+        metrics["seg_ratio_mean"] = masked_mean(torch.exp(log_s), m)
     return loss, metrics
 
 

@@ -13,7 +13,9 @@ advantages) and reads the flags of :func:`algo_requirements`:
 * reference answers in place of the sampled responses for losses tagged
   ``needs_reference_responses`` (SFT);
 * the cluster ids of the responses' extracted final answers for estimators
-  tagged ``needs_answers`` (SEED-GRPO's semantic entropy).
+  tagged ``needs_answers`` (SEED-GRPO's semantic entropy);
+* the subsentence index of every response token for losses tagged
+  ``needs_segments`` (SSPO).
 
 Per-token sampling temperature is not an algorithm concern: HAPO's adaptive
 temperature is owned by ``sampler=adaptive_temperature``
@@ -44,6 +46,7 @@ class AlgoRequirements:
         beta_baseline: a per-prompt Beta-posterior baseline (MSSR).
         reference_responses: train on reference answers instead of samples (SFT).
         answers: cluster the responses' extracted final answers (SEED-GRPO).
+        segments: subsentence index of every response token (SSPO).
     """
 
     entropy: bool = False
@@ -51,6 +54,7 @@ class AlgoRequirements:
     beta_baseline: bool = False
     reference_responses: bool = False
     answers: bool = False
+    segments: bool = False
 
 
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
@@ -62,6 +66,7 @@ def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
         beta_baseline=adv == "mssr",
         reference_responses=bool(POLICY_LOSSES.tag(loss, "needs_reference_responses", False)),
         answers=bool(ADV_ESTIMATORS.tag(adv, "needs_answers", False)),
+        segments=bool(POLICY_LOSSES.tag(loss, "needs_segments", False)),
     )
 
 
@@ -150,6 +155,36 @@ def answer_cluster_ids(texts: List[str], answer_format: str) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
+#: characters that end a subsentence (SSPO): the token containing one is the subsentence's last
+SUBSENTENCE_END = (",", ".", ";", ":", "!", "?", "\n")
+
+
+def subsentence_ids(response_ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+    """``[B, R]`` long subsentence index of each response token (SSPO, arXiv:2511.04256).
+
+    A subsentence ends after a token whose text contains one of
+    :data:`SUBSENTENCE_END` (our choice of delimiters; the paper splits on
+    punctuation); indices count from 0 in each row, and only positions in
+    ``mask`` advance them.
+    """
+    B, R = response_ids.shape
+    ends: Dict[int, bool] = {}
+    out = torch.zeros(B, R, dtype=torch.long)
+    for b in range(B):
+        k = 0
+        for t in range(R):
+            out[b, t] = k
+            if mask[b, t] <= 0:
+                continue
+            tid = int(response_ids[b, t])
+            if tid not in ends:
+                txt = tokenizer.decode([tid])
+                ends[tid] = any(c in txt for c in SUBSENTENCE_END)
+            if ends[tid]:
+                k += 1
+    return out.clamp(max=max(R - 1, 0))
+
+
 def reference_response(answer: Any, answer_format: str) -> str:
     """The reference completion an SFT step trains on, in the task's answer format.
 
@@ -223,6 +258,12 @@ def prepare_algo_inputs(
         ids = answer_cluster_ids(list(batch.response_texts), answer_format)
         batch.extras["answer_ids"] = ids
         m["adv/answer_clusters_mean"] = float(len(set(ids.tolist())) / max(1, len(set(batch.group_index.tolist()))))
+    if req.segments:
+        if tokenizer is None:
+            raise ValueError("SSPO needs the tokenizer to find subsentence boundaries")
+        seg = subsentence_ids(batch.response_ids, batch.response_mask, tokenizer)
+        batch.extras["segment_ids"] = seg
+        m["sspo/subsentences_mean"] = float(((seg * batch.response_mask.long()).amax(-1) + 1).float().mean())
     if req.entropy:
         _, ent = trainer.compute_logprobs(batch, with_entropy=True)
         batch.extras["entropy"] = ent
