@@ -520,3 +520,21 @@ def test_subsentence_ids_cut_after_punctuation():
     ids = torch.tensor([[1, 2, 3, 4, 6, 5, 6, 0]])
     m = torch.tensor([[1.0, 1, 1, 1, 1, 1, 1, 0]])
     assert subsentence_ids(ids, m, Tok()).tolist() == [[0, 0, 1, 1, 2, 2, 3, 3]]
+
+
+# --- PNPO (prefix-normalised ratio) --------------------------------------------------------------
+
+def test_pnpo_prefix_geometric_mean_weight_by_hand():
+    from rlpost.algos.losses import prefix_mean_log_ratio
+
+    lr = torch.tensor([[0.3, -0.1, 0.4, 0.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    assert torch.allclose(prefix_mean_log_ratio(lr, m), torch.tensor([[0.3, 0.1, 0.0, 0.2 / 3]]), atol=1e-6)
+    # two tokens, A = +1: rho_1 = e^0.3 > 1.2 clipped (no gradient); rho_2 = e^{(0.3 - 0.1) / 2} = 1.105 inside:
+    # d(-rho_2) / d log pi_s = -rho_2 / 2 for both prefix tokens
+    x = make([[math.exp(0.3), math.exp(-0.1)]], [[1.0, 1.0]])
+    loss, g, met = grad_of("pnpo", x)
+    r2 = math.exp(0.1)
+    assert torch.allclose(g, torch.tensor([[-r2 / 2, -r2 / 2]]), atol=1e-5)
+    assert torch.allclose(loss, torch.tensor([[-1.2, -r2]]), atol=1e-5)
+    assert float(met["clip_frac"]) == pytest.approx(0.5)

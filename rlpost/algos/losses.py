@@ -1385,14 +1385,61 @@ def kpo_loss(
     """
     if min(process_var, obs_var, init_var) <= 0:
         raise ValueError(f"kpo: variances must be > 0, got Q={process_var}, R={obs_var}, P0={init_var}")
-    m = inp.response_mask
     ratio, log_ratio = _ratio(inp)
-    x = kalman_filter_log_ratio(log_ratio, m, process_var, obs_var, init_var)
+    x = kalman_filter_log_ratio(log_ratio, inp.response_mask, process_var, obs_var, init_var)
+    return _ppo_on_smoothed_log_ratio(inp, ratio, log_ratio, x, eps_low, eps_high, "kpo_ratio_mean")
+
+
+def _ppo_on_smoothed_log_ratio(inp, ratio, log_ratio, x, eps_low, eps_high, metric):
+    """PPO's clipped surrogate with the token ratio replaced by ``exp(x)``, ``x`` ``[B, R]`` a causal
+    smoothing of the token log-ratios (shared by KPO's Kalman filter and PNPO's prefix mean);
+    ``metric`` names the mean smoothed ratio."""
+    m = inp.response_mask
     rho = torch.exp(x.clamp(-20.0, 20.0))
     loss, low, high, _ = _ppo_core(rho, inp.advantages, eps_low, eps_high, None, m)
     metrics = _clip_metrics(ratio, log_ratio, low, high, m)
-    metrics["kpo_ratio_mean"] = masked_mean(rho.detach(), m)
+    metrics[metric] = masked_mean(rho.detach(), m)
     return loss, metrics
+
+
+@dataclass(frozen=True)
+class PNPOParams:
+    """PNPO's clip on the prefix-normalised ratio; the abstract gives no range: PPO's 0.2 (our choice)."""
+
+    eps_low: float = param(0.2, "floor 1 - eps_low of the prefix geometric-mean ratio (our choice: PPO's 0.2)")
+    eps_high: float = param(0.2, "cap 1 + eps_high of the prefix geometric-mean ratio (our choice: PPO's 0.2)")
+
+
+def prefix_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, R]``: the mean of the masked token log-ratios over each token's causal prefix (itself included).
+
+    ``exp`` of it is PNPO's ``(prod_{s<=t} r_s)^(1/t)``; unmasked positions are 0.
+    """
+    m = mask.to(log_ratio.dtype)
+    return torch.cumsum(log_ratio * m, dim=-1) / torch.cumsum(m, dim=-1).clamp(min=1.0) * m
+
+
+@POLICY_LOSSES.register(
+    "pnpo",
+    paper="PNPO: Prefix-Normalized Policy Optimization (the geometric mean of the prefix ratios as the token weight)",
+    params=PNPOParams,
+)
+def pnpo_loss(inp: PolicyLossInput, *, eps_low: float, eps_high: float) -> Tuple[torch.Tensor, Metrics]:
+    """PNPO: PPO-clip on the geometric mean of the importance ratios over each token's prefix.
+
+    The exact off-policy weight of token ``t`` is the prefix product
+    ``prod_{s<=t} r_s``, whose range explodes with ``t``; PNPO uses its geometric
+    mean ``rho_t = (prod_{s<=t} r_s)^(1/t)`` (:func:`prefix_mean_log_ratio`): the
+    dependence on the causal prefix stays, the log-weight range is compressed.
+    ``rho_t`` carries the gradient of every prefix token (``1/t`` each).
+    The first token's weight is its own ratio; the last token's is GSPO's
+    sequence ratio. The clip range (PPO's 0.2) is our choice. Metric
+    ``pnpo_ratio_mean``. Its effect shows when a batch is reused
+    (``algo.ppo_epochs > 1``; the paper compares 1 and 4 epochs).
+    """
+    ratio, log_ratio = _ratio(inp)
+    x = prefix_mean_log_ratio(log_ratio, inp.response_mask)
+    return _ppo_on_smoothed_log_ratio(inp, ratio, log_ratio, x, eps_low, eps_high, "pnpo_ratio_mean")
 
 
 
