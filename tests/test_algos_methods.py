@@ -538,3 +538,28 @@ def test_pnpo_prefix_geometric_mean_weight_by_hand():
     assert torch.allclose(g, torch.tensor([[-r2 / 2, -r2 / 2]]), atol=1e-5)
     assert torch.allclose(loss, torch.tensor([[-1.2, -r2]]), atol=1e-5)
     assert float(met["clip_frac"]) == pytest.approx(0.5)
+
+
+# --- NAT (Horvitz-Thompson partial-token gradient) ------------------------------------------------
+
+def test_nat_rpc_inclusion_probabilities_and_unbiased_gradient():
+    from rlpost.algos.losses import nat_inclusion
+
+    m = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    _, pi = nat_inclusion(m, "rpc", 0.5, torch.Generator().manual_seed(0))
+    assert torch.allclose(pi[0], torch.tensor([1.0, 0.75, 0.5, 0.25]))  # cut uniform in 1..4
+    assert torch.allclose(pi[1, :2], torch.tensor([1.0, 0.5]))
+    keep, _ = nat_inclusion(m, "rpc", 0.5, torch.Generator().manual_seed(3))
+    assert bool(keep[:, 0].all())  # a prefix always keeps the first token
+    # the mean gradient over many draws approaches the full-token PPO gradient (Horvitz-Thompson)
+    full = grad_of("ppo_clip", make([[1.1, 0.9, 1.3, 1.0]], [[1.0, -1.0, 1.0, 2.0]]))[1]
+    for sel in ("urs", "rpc"):
+        acc = torch.zeros(1, 4)
+        for s in range(400):
+            x = make([[1.1, 0.9, 1.3, 1.0]], [[1.0, -1.0, 1.0, 2.0]])
+            x.seed = s
+            acc += grad_of("nat", x, selector=sel)[1]
+        assert torch.allclose(acc / 400, full, atol=0.15), (sel, acc / 400, full)
+    x = make([[1.1, 0.9, 1.3, 1.0]], [[1.0, -1.0, 1.0, 2.0]])
+    x.seed = 0
+    assert torch.allclose(grad_of("nat", x, keep_prob=1.0)[1], full)  # keep everything: PPO exactly

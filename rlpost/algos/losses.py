@@ -1518,6 +1518,85 @@ def sspo_loss(
     return loss, metrics
 
 
+
+class NATSelector(Choice):
+    """Which tokens NAT keeps: independent coin flips (URS) or a random prefix of each response (RPC)."""
+
+    urs = "urs"
+    rpc = "rpc"
+
+
+@dataclass(frozen=True)
+class NATParams:
+    """NAT's token selector on PPO's clipped surrogate; the keep rate is our choice (the abstract gives none)."""
+
+    selector: NATSelector = param(NATSelector.urs, "urs: keep each token with probability keep_prob; rpc: keep a "
+                                                   "uniformly random prefix of each response")
+    keep_prob: float = param(0.5, "URS inclusion probability (our choice)")
+    eps_low: float = param(0.2, "PPO clip floor of the kept tokens (PPO's 0.2)")
+    eps_high: float = param(0.2, "PPO clip cap of the kept tokens (PPO's 0.2)")
+
+
+def nat_inclusion(mask: torch.Tensor, selector: str, keep_prob: float, gen: Optional[torch.Generator]):
+    """``(keep [N, R] bool, pi [N, R] inclusion probability)`` of NAT's token selectors.
+
+    URS keeps each response token independently with probability ``keep_prob``.
+    RPC draws a cut ``c`` uniform in ``1..L`` per response (``L`` its response
+    tokens) and keeps the first ``c`` of them, so the ``k``-th response token
+    (0-based) is kept with probability ``(L - k) / L``.
+    """
+    m = mask > 0
+    u = torch.rand(mask.shape, generator=gen).to(mask.device)
+    if selector == "urs":
+        pi = torch.full_like(mask, float(keep_prob))
+        return (u < keep_prob) & m, pi
+    k = (torch.cumsum(m.long(), dim=-1) - 1).clamp(min=0)  # index among the response tokens
+    L = m.long().sum(-1, keepdim=True).clamp(min=1)
+    cut = torch.floor(u[:, :1] * L).long() + 1  # uniform in 1..L
+    pi = (L - k).to(mask.dtype) / L.to(mask.dtype)
+    return (k < cut) & m, pi
+
+
+@POLICY_LOSSES.register(
+    "nat",
+    paper="Not All Tokens Are Needed (NAT): unbiased partial-token policy gradient (Horvitz-Thompson reweighting)",
+    params=NATParams,
+    batch_statistics=True,
+)
+def nat_loss(
+    inp: PolicyLossInput, *, selector: str, keep_prob: float, eps_low: float, eps_high: float
+) -> Tuple[torch.Tensor, Metrics]:
+    """NAT: PPO's clipped surrogate on a random subset of response tokens, each reweighted by 1 / inclusion probability.
+
+    ``loss_t = keep_t / pi_t * ppo_clip_t``: in expectation over the draw this is
+    the full-token loss (Horvitz-Thompson), so the gradient stays unbiased while
+    only the kept tokens carry it (:func:`nat_inclusion` gives the URS and RPC
+    selectors). The draw is made on the whole mini-batch with ``inp.seed``
+    (:func:`batch_view`), so it does not depend on the micro-batch split. This
+    is the estimator only: the trainer still runs the forward pass on every
+    token, so the compute the paper saves with RPC's shorter sequences is not
+    saved here. ``keep_prob = 0.5`` is our choice. Metric ``nat_keep_frac``.
+
+    Raises:
+        ValueError: ``keep_prob`` not in (0, 1] or an unknown ``selector``.
+    """
+    if selector not in ("urs", "rpc"):
+        raise ValueError(f"nat: selector={selector!r}: valid choices are urs, rpc")
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"nat: keep_prob must be in (0, 1], got {keep_prob}")
+    full, rows = batch_view(inp)
+    gen = None if inp.seed is None else torch.Generator(device="cpu").manual_seed(int(inp.seed))
+    keep_all, pi_all = nat_inclusion(full.response_mask.cpu(), selector, keep_prob, gen)
+    keep, pi = keep_all[rows.cpu()].to(inp.response_mask.device), pi_all[rows.cpu()].to(inp.response_mask.device)
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    loss, low, high, _ = _ppo_core(ratio, inp.advantages, eps_low, eps_high, None, m)
+    w = keep.to(loss.dtype) / pi.clamp(min=1e-6).to(loss.dtype)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics["nat_keep_frac"] = masked_mean(keep.float(), m)
+    return loss * w, metrics
+
+
 def compute_policy_loss(name: str, inp: PolicyLossInput, **params: object) -> Tuple[torch.Tensor, Metrics]:
     """Run registered policy loss ``name`` with its declared defaults overridden by ``params``.
 
