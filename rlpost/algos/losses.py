@@ -1559,7 +1559,7 @@ def nat_inclusion(mask: torch.Tensor, selector: str, keep_prob: float, gen: Opti
 
 @POLICY_LOSSES.register(
     "nat",
-    paper="Not All Tokens Are Needed (NAT): unbiased partial-token policy gradient (Horvitz-Thompson reweighting)",
+    paper="Not all tokens are needed (NAT): token efficient reinforcement learning (arXiv:2603.06619)",
     params=NATParams,
     batch_statistics=True,
 )
