@@ -86,7 +86,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
     req = algo_requirements(a)
     inputs = [w for w, on in (("reference answers (SFT)", req.reference_responses), ("token entropy", req.entropy),
                                ("greedy baseline rollout", req.baseline_rollout),
-                               ("per-prompt Beta baseline", req.beta_baseline)) if on]
+                               ("per-prompt Beta baseline", req.beta_baseline),
+                               ("answer clusters", req.answers), ("subsentence ids", req.segments)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -633,7 +634,8 @@ class Run:
             AdvantageInput(rewards=batch.rewards, response_mask=batch.response_mask, group_index=batch.group_index,
                            values=batch.extras.get("values"), token_rewards=token_rewards,
                            baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
-                           old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs),
+                           old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs,
+                           answer_ids=batch.extras.get("answer_ids")),
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages

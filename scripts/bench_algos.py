@@ -33,6 +33,7 @@ NAMED = [
     "remax", "gpg", "opo", "sapo", "clip_cov", "kl_cov", "mc_grpo", "sft",
     "sao", "mssr", "hapo", "aepo", "gapo", "dispo",
     "bnpo", "maxrl", "f_grpo", "dgpo", "max_at_k", "rec", "opmd", "asymre", "dppo",
+    "tpo", "cpgd", "cfpo", "kpo", "sspo", "egsw", "seed_grpo", "nat",
 ]
 
 

@@ -18,6 +18,7 @@ def inp(rewards, lengths, groups, R=None, **kw):
     mask = torch.zeros(len(lengths), R)
     for i, L in enumerate(lengths):
         mask[i, :L] = 1.0
+    kw.setdefault("answer_ids", torch.arange(len(lengths)) % 3)  # answer clusters for seed_grpo
     return AdvantageInput(
         rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
         group_index=torch.tensor(groups), **kw,

@@ -300,3 +300,266 @@ def test_headline_defaults_are_the_sources_values(kind, name, values):
     d = defaults_of(reg.params_of(name))
     for k, v in values.items():
         assert getattr(d[k], "value", d[k]) == v, (name, k)
+
+
+# --- TPO (arXiv:2604.06159) ----------------------------------------------------------------------
+
+def tpo_input(lp, old, adv, groups, mask=None):
+    lp = torch.tensor(lp).requires_grad_(True)
+    old = torch.tensor(old)
+    m = torch.ones_like(old) if mask is None else torch.tensor(mask)
+    return PolicyLossInput(logprobs=lp, old_logprobs=old, advantages=torch.tensor(adv), response_mask=m,
+                           group_index=torch.tensor(groups))
+
+
+def test_tpo_gradient_is_p_minus_target_by_hand():
+    # one group of two: l = [-2, -3] (on-policy), rewards [1, 0] -> population z-scores u = [1, -1]
+    x0 = inp([1.0, 0.0], [0, 0])
+    u = seq_adv(compute_advantages("grpo", x0, unbiased_std=False), x0)
+    assert torch.allclose(u, torch.tensor([1.0, -1.0]), atol=1e-5)  # GRPO's Bessel std would give +-0.707
+    lp = [[-1.0, -1.0], [-2.0, -1.0]]
+    x = tpo_input(lp, lp, [[1.0, 1.0], [-1.0, -1.0]], [0, 0])
+    loss, g, met = grad_of("tpo", x)
+    p_a = 1 / (1 + math.exp(-1))  # softmax(-2, -3)
+    q_a = 1 / (1 + math.exp(-1) * math.exp(-2))  # p_old * e^{u}: odds e^{1} * e^{2}
+    c = 2 * (p_a - q_a)  # K (p - q) on every token of sequence A, the opposite on B
+    assert c == pytest.approx(-0.4430, abs=1e-4)
+    assert torch.allclose(g, torch.tensor([[c, c], [-c, -c]]), atol=1e-5)
+    # value: K * (-q log p) per sequence, spread over its tokens
+    ce = -2 * (q_a * math.log(p_a) + (1 - q_a) * math.log(1 - p_a))
+    assert float(loss.sum()) == pytest.approx(ce, abs=1e-5)
+    assert float(met["seq_tpo_target_gap"]) == pytest.approx(abs(p_a - q_a), abs=1e-5)
+
+
+def test_tpo_matches_autograd_cross_entropy_and_zero_variance_groups_are_neutral():
+    from rlpost.algos.aggregation import aggregate
+
+    torch.manual_seed(0)
+    lp0 = torch.randn(6, 4) * 0.5 - 1.5
+    old = lp0 + 0.2 * torch.randn(6, 4)
+    m = torch.ones(6, 4)
+    m[1, 2:] = 0
+    m[4, 1:] = 0
+    u = torch.tensor([1.2, -0.3, -0.9, 0.0, 0.0, 0.0])  # group 0 informative, group 1 zero-variance
+    gi = torch.tensor([0, 0, 0, 1, 1, 1])
+    lp = lp0.clone().requires_grad_(True)
+    x = PolicyLossInput(logprobs=lp, old_logprobs=old, advantages=u[:, None] * m, response_mask=m, group_index=gi)
+    loss_mat, _ = compute_policy_loss("tpo", x)
+    aggregate("seq-mean-token-sum", loss_mat, m).backward()
+    # reference: mean over groups of -sum_i q_i log softmax(l)_i with q = softmax(l_old + u), q fixed
+    lp2 = lp0.clone().requires_grad_(True)
+    ell, ell_old = (lp2 * m).sum(-1), (old * m).sum(-1)
+    ref = 0.0
+    for g in (0, 1):
+        idx = gi == g
+        q = torch.softmax(torch.log_softmax(ell_old[idx], 0) + u[idx], 0).detach()
+        ref = ref - (q * torch.log_softmax(ell[idx], 0)).sum() / 2
+    ref.backward()
+    assert torch.allclose(lp.grad, lp2.grad, atol=1e-5)
+    # on the rollout snapshot (old = current) a zero-variance group gets exactly no gradient
+    lp3 = lp0.clone().requires_grad_(True)
+    x3 = PolicyLossInput(logprobs=lp3, old_logprobs=lp0.clone(), advantages=u[:, None] * m, response_mask=m, group_index=gi)
+    compute_policy_loss("tpo", x3)[0].sum().backward()
+    assert torch.allclose(lp3.grad[3:], torch.zeros(3, 4), atol=1e-7) and lp3.grad[:3].abs().sum() > 0
+
+
+def test_tpo_micro_batches_split_a_group_and_give_the_whole_gradient():
+    from rlpost.algos.aggregation import aggregate
+
+    torch.manual_seed(2)
+    lp0 = torch.randn(4, 3) - 1.0
+    old = lp0 + 0.1 * torch.randn(4, 3)
+    m = torch.ones(4, 3)
+    A = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]).expand(4, 3).clone()
+    gi = torch.tensor([0, 0, 0, 1])
+    whole = PolicyLossInput(logprobs=lp0.clone(), old_logprobs=old, advantages=A, response_mask=m, group_index=gi)
+
+    def run(rows):
+        lp = lp0.clone().requires_grad_(True)
+        x = PolicyLossInput(logprobs=lp[rows], old_logprobs=old[rows], advantages=A[rows], response_mask=m[rows],
+                            group_index=gi[rows], batch=whole, rows=torch.tensor(rows))
+        aggregate("seq-mean-token-sum", compute_policy_loss("tpo", x)[0], m[rows], denom=4.0).backward()
+        return lp.grad
+
+    lp = lp0.clone().requires_grad_(True)
+    aggregate("seq-mean-token-sum", compute_policy_loss("tpo", PolicyLossInput(
+        logprobs=lp, old_logprobs=old, advantages=A, response_mask=m, group_index=gi))[0], m).backward()
+    assert torch.allclose(run([0, 1]) + run([2, 3]), lp.grad, atol=1e-6)  # group 0 is split 2 + 1
+
+
+def test_tpo_needs_group_index_and_refuses_seq_mean_token_mean():
+    from omegaconf import OmegaConf
+
+    from rlpost.algos.validate import validate_algo
+    from rlpost.errors import ConfigError
+
+    x = make([[1.0, 1.0]], [[1.0, 1.0]])
+    with pytest.raises(ValueError, match="group_index"):
+        compute_policy_loss("tpo", x)
+    with pytest.raises(ConfigError, match="seq-mean-token-mean"):
+        validate_algo(OmegaConf.create({"adv_estimator": "grpo", "loss": "tpo", "loss_agg": "seq-mean-token-mean",
+                                        "n_samples_per_prompt": 4, "kl": {"coef": 0.0}}))
+
+
+# --- CPGD (arXiv:2505.12504) ---------------------------------------------------------------------
+
+def test_cpgd_clipped_log_ratio_gradient_and_drift_by_hand():
+    # (r, A): (1.5, +1) log r above log 1.2: PG cut | (1.1, +1) inside | (0.5, -1) below log 0.8: cut | (0.9, -1) inside
+    x = make([[1.5, 1.1, 0.5, 0.9]], [[1.0, 1.0, -1.0, -1.0]])
+    loss, g, met = grad_of("cpgd", x)
+    # gradient: -A on kept tokens (no ratio factor) + 0.01 (r - 1) from the drift KL(pi_old || pi)
+    assert torch.allclose(g, torch.tensor([[0.005, -1.0 + 0.001, -0.005, 1.0 - 0.001]]), atol=1e-6)
+    drift = [r - 1 - math.log(r) for r in (1.5, 1.1, 0.5, 0.9)]
+    clipped = [math.log(1.2), math.log(1.1), math.log(0.8), math.log(0.9)]
+    want = [-a * c + 0.01 * d for a, c, d in zip((1, 1, -1, -1), clipped, drift)]
+    assert torch.allclose(loss, torch.tensor([want]), atol=1e-6)
+    assert float(met["clip_frac"]) == pytest.approx(0.5)
+    assert float(met["policy_drift"]) == pytest.approx(sum(drift) / 4, abs=1e-6)
+
+
+# --- CFPO (arXiv:2601.22801) ---------------------------------------------------------------------
+
+def test_cfpo_quadratic_penalty_peaks_at_the_clip_boundary():
+    # loss = -(r A - |A| (r - 1)^2 / (2 eps)); d loss / d log pi = -(A - |A| (r - 1) / eps) r
+    x = make([[1.5, 1.1, 1.2, 1.0, 0.7]], [[1.0, 1.0, 1.0, -2.0, -1.0]])
+    loss, g, met = grad_of("cfpo", x)
+    assert torch.allclose(loss[0, :2], torch.tensor([-(1.5 - 0.25 / 0.4), -(1.1 - 0.01 / 0.4)]), atol=1e-6)
+    # r = 1.5 beyond 1 + eps: the gradient pushes back (PPO's would be 0); r = 1.2: stationary; r = 0.7, A < 0: back up
+    want = [-(1 - 0.5 / 0.2) * 1.5, -(1 - 0.1 / 0.2) * 1.1, 0.0, 2.0, -(-1 + 0.3 / 0.2) * 0.7]
+    assert torch.allclose(g, torch.tensor([want]), atol=1e-5)
+    assert float(met["clip_frac"]) == pytest.approx(2 / 5)  # tokens 0 and 4 are past the boundary
+
+
+# --- KPO (arXiv:2602.10609) ----------------------------------------------------------------------
+
+def test_kpo_kalman_gains_by_hand_and_gradient_reaches_earlier_tokens():
+    from rlpost.algos.losses import kalman_filter_log_ratio
+
+    Q, R0, P0 = 0.01, 0.1, 1.0
+    k1 = (P0 + Q) / (P0 + Q + R0)  # 0.90991
+    p1 = (1 - k1) * (P0 + Q)
+    k2 = (p1 + Q) / (p1 + Q + R0)  # 0.50246
+    z = torch.tensor([[0.3, 0.0, 0.2]])
+    m = torch.tensor([[1.0, 0.0, 1.0]])  # a hole: x and P carry over it
+    x = kalman_filter_log_ratio(z, m, Q, R0, P0)
+    assert k1 == pytest.approx(0.90991, abs=1e-5) and k2 == pytest.approx(0.50246, abs=1e-5)
+    assert torch.allclose(x, torch.tensor([[k1 * 0.3, 0.0, k1 * 0.3 + k2 * (0.2 - k1 * 0.3)]]), atol=1e-6)
+    # on-policy, A = 1, two tokens: rho = 1, d loss_2 / d log pi_1 = -k1 (1 - k2), so token 1 gets -(k1 + k1 (1 - k2))
+    xin = make([[1.0, 1.0]], [[1.0, 1.0]])
+    loss, g, met = grad_of("kpo", xin)
+    assert torch.allclose(g, torch.tensor([[-(k1 + k1 * (1 - k2)), -k2]]), atol=1e-5)
+    assert float(met["kpo_ratio_mean"]) == pytest.approx(1.0)
+
+
+# --- EGSW (arXiv:2503.22456) and SEED-GRPO (arXiv:2505.12346) --------------------------------------
+
+def test_egsw_group_softmax_of_advantage_plus_entropy_by_hand():
+    x = inp([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1])
+    x.entropy = torch.tensor([[0.5, 0.5], [1.0, 1.0], [2.0, 2.0], [0.0, 0.0]])
+    a = seq_adv(compute_advantages("egsw", x, alpha=0.1, temperature=1.0), x)
+    A = 0.5 / (math.sqrt(0.5) + 1e-6)  # GRPO with the unbiased std of (1, 0)
+    s0, s1 = A + 0.05, -A + 0.1
+    w0 = 2 * math.exp(s0) / (math.exp(s0) + math.exp(s1))
+    assert torch.allclose(a, torch.tensor([w0 * A, -(2 - w0) * A, 0.0, 0.0]), atol=1e-5)
+    # alpha = 0 and a huge temperature: equal weights, GRPO exactly
+    g = seq_adv(compute_advantages("grpo", x), x)
+    assert torch.allclose(seq_adv(compute_advantages("egsw", x, alpha=0.0, temperature=1e9), x), g, atol=1e-6)
+
+
+def test_seed_grpo_semantic_entropy_scaling_by_hand():
+    x = inp([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0], [0] * 4 + [1] * 4)
+    x.answer_ids = torch.tensor([0, 0, 1, 2, 5, 6, 6, 6])
+    a = seq_adv(compute_advantages("seed_grpo", x), x)
+    se0 = -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25))  # clusters 2/4, 1/4, 1/4: 1.0397
+    se1 = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))  # 0.5623
+    f0, f1 = 1 - 0.5 * se0 / math.log(4), 1 - 0.5 * se1 / math.log(4)
+    g = seq_adv(compute_advantages("grpo", x), x)
+    assert f0 == pytest.approx(0.625, abs=1e-3)
+    assert torch.allclose(a, g * torch.tensor([f0] * 4 + [f1] * 4), atol=1e-5)
+    x.answer_ids = torch.tensor([3, 3, 3, 3, 4, 4, 4, 4])  # one answer per group: confident, GRPO unchanged
+    assert torch.allclose(seq_adv(compute_advantages("seed_grpo", x), x), g, atol=1e-6)
+    x.answer_ids = None
+    with pytest.raises(ValueError, match="answer_ids"):
+        compute_advantages("seed_grpo", x)
+
+
+def test_answer_cluster_ids_normalise_numbers_and_isolate_unparseable():
+    from rlpost.algos.stages import answer_cluster_ids
+
+    ids = answer_cluster_ids(["<answer>12</answer>", "so <answer>12.0</answer>", "no answer here",
+                              "<answer> 7 </answer>", "<answer>1,000</answer>", "<answer>1000</answer>"], "tags")
+    assert ids.tolist() == [0, 0, -3, 1, 2, 2]
+
+
+# --- SSPO (arXiv:2511.04256) ---------------------------------------------------------------------
+
+def test_sspo_subsentence_ratio_and_entropy_scaled_clip_by_hand():
+    lr = torch.tensor([[0.2, 0.4, -0.1, 0.1]])
+    x = PolicyLossInput(logprobs=lr.clone().requires_grad_(True), old_logprobs=torch.zeros(1, 4),
+                        advantages=torch.ones(1, 4), response_mask=torch.ones(1, 4),
+                        entropy=torch.tensor([[1.0, 1.0, 3.0, 3.0]]), segment_ids=torch.tensor([[0, 0, 1, 1]]))
+    loss, g, met = grad_of("sspo", x)
+    # subsentence ratios e^0.3 and e^0.0; entropy scales 1/2 and 3/2 of the batch mean 2 -> eps 0.1 and 0.3
+    # first: 1.35 > 1.1 with A > 0 -> clipped, no gradient; second: ratio 1 -> gradient -A * 1 on each token
+    assert torch.allclose(g, torch.tensor([[0.0, 0.0, -1.0, -1.0]]), atol=1e-6)
+    assert torch.allclose(loss, torch.tensor([[-1.1, -1.1, -1.0, -1.0]]), atol=1e-6)
+    assert float(met["eps_high_mean"]) == pytest.approx(0.2)
+    # GRPO's token ratios would clip tokens 0 and 1 too, but keep -r on tokens 2 and 3 (0.905, 1.105)
+    _, g_tok, _ = grad_of("ppo_clip", PolicyLossInput(logprobs=lr.clone().requires_grad_(True),
+                          old_logprobs=torch.zeros(1, 4), advantages=torch.ones(1, 4), response_mask=torch.ones(1, 4)))
+    assert torch.allclose(g_tok[0, 2:], -torch.exp(lr[0, 2:]), atol=1e-6)
+
+
+def test_subsentence_ids_cut_after_punctuation():
+    from rlpost.algos.stages import subsentence_ids
+
+    class Tok:
+        def decode(self, ids):
+            return {1: "Yes", 2: ",", 3: " so", 4: " 3.", 5: "\n", 6: "x"}[ids[0]]
+
+    ids = torch.tensor([[1, 2, 3, 4, 6, 5, 6, 0]])
+    m = torch.tensor([[1.0, 1, 1, 1, 1, 1, 1, 0]])
+    assert subsentence_ids(ids, m, Tok()).tolist() == [[0, 0, 1, 1, 2, 2, 3, 3]]
+
+
+# --- PNPO (prefix-normalised ratio) --------------------------------------------------------------
+
+def test_pnpo_prefix_geometric_mean_weight_by_hand():
+    from rlpost.algos.losses import prefix_mean_log_ratio
+
+    lr = torch.tensor([[0.3, -0.1, 0.4, 0.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    assert torch.allclose(prefix_mean_log_ratio(lr, m), torch.tensor([[0.3, 0.1, 0.0, 0.2 / 3]]), atol=1e-6)
+    # two tokens, A = +1: rho_1 = e^0.3 > 1.2 clipped (no gradient); rho_2 = e^{(0.3 - 0.1) / 2} = 1.105 inside:
+    # d(-rho_2) / d log pi_s = -rho_2 / 2 for both prefix tokens
+    x = make([[math.exp(0.3), math.exp(-0.1)]], [[1.0, 1.0]])
+    loss, g, met = grad_of("pnpo", x)
+    r2 = math.exp(0.1)
+    assert torch.allclose(g, torch.tensor([[-r2 / 2, -r2 / 2]]), atol=1e-5)
+    assert torch.allclose(loss, torch.tensor([[-1.2, -r2]]), atol=1e-5)
+    assert float(met["clip_frac"]) == pytest.approx(0.5)
+
+
+# --- NAT (Horvitz-Thompson partial-token gradient) ------------------------------------------------
+
+def test_nat_rpc_inclusion_probabilities_and_unbiased_gradient():
+    from rlpost.algos.losses import nat_inclusion
+
+    m = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    _, pi = nat_inclusion(m, "rpc", 0.5, torch.Generator().manual_seed(0))
+    assert torch.allclose(pi[0], torch.tensor([1.0, 0.75, 0.5, 0.25]))  # cut uniform in 1..4
+    assert torch.allclose(pi[1, :2], torch.tensor([1.0, 0.5]))
+    keep, _ = nat_inclusion(m, "rpc", 0.5, torch.Generator().manual_seed(3))
+    assert bool(keep[:, 0].all())  # a prefix always keeps the first token
+    # the mean gradient over many draws approaches the full-token PPO gradient (Horvitz-Thompson)
+    full = grad_of("ppo_clip", make([[1.1, 0.9, 1.3, 1.0]], [[1.0, -1.0, 1.0, 2.0]]))[1]
+    for sel in ("urs", "rpc"):
+        acc = torch.zeros(1, 4)
+        for s in range(400):
+            x = make([[1.1, 0.9, 1.3, 1.0]], [[1.0, -1.0, 1.0, 2.0]])
+            x.seed = s
+            acc += grad_of("nat", x, selector=sel)[1]
+        assert torch.allclose(acc / 400, full, atol=0.15), (sel, acc / 400, full)
+    x = make([[1.1, 0.9, 1.3, 1.0]], [[1.0, -1.0, 1.0, 2.0]])
+    x.seed = 0
+    assert torch.allclose(grad_of("nat", x, keep_prob=1.0)[1], full)  # keep everything: PPO exactly

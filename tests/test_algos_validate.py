@@ -135,14 +135,15 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
         adv,
         AdvantageInput(rewards=rewards, response_mask=mask, group_index=torch.arange(B) // n,
                        values=torch.rand(B, R) if needs_critic else None, entropy=torch.rand(B, R),
-                       baseline_rewards=torch.full((B,), 0.5)),
+                       baseline_rewards=torch.full((B,), 0.5), answer_ids=torch.arange(B) % 2),
         **dict(cfg.adv_params),
     )
     lm = mask if out.loss_mask is None else out.loss_mask
     for agg in LOSS_AGGS.names():
         lp = (torch.randn(B, R) - 1.0).requires_grad_(True)
         inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach() + 0.05 * torch.randn(B, R),
-                              advantages=out.advantages, response_mask=lm, entropy=torch.rand(B, R))
+                              advantages=out.advantages, response_mask=lm, entropy=torch.rand(B, R),
+                              group_index=torch.arange(B) // n, segment_ids=(torch.arange(R) // 2).expand(B, R))
         loss_mat, met = compute_policy_loss(loss, inp, **loss_overrides(cfg))
         total = aggregate(agg, loss_mat, lm, norm_const=R)
         total.backward()

@@ -41,6 +41,7 @@ def _run(compose, loss: str, agg: str, mb: int):
     g = torch.Generator().manual_seed(1)
     b.extras["old_logprobs"] = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * b.response_mask
     b.rollout_logprobs = (lp + 0.2 * torch.randn(lp.shape, generator=g)) * b.response_mask
+    b.extras["segment_ids"] = (torch.arange(lp.shape[1]) // 3).expand(lp.shape).clone()  # sspo's subsentences
     grads = {}
 
     def capture(params):

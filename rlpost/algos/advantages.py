@@ -63,6 +63,10 @@ class AdvantageInput:
             recorded (per token; stitched across versions for partial
             rollouts), or None. With ``old_logprobs`` they give VCPO's sequence
             importance weights (``baseline="min_variance"``).
+        answer_ids: ``[B]`` long, the cluster of each response's extracted final
+            answer (equal ids = same answer; an unparseable response gets an id
+            of its own), or None. Estimators tagged ``needs_answers``
+            (``seed_grpo``) read it.
     """
 
     rewards: torch.Tensor
@@ -74,6 +78,7 @@ class AdvantageInput:
     baseline_rewards: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
+    answer_ids: Optional[torch.Tensor] = None
 
 
 class Baseline(Choice):
@@ -96,6 +101,8 @@ class GRPOParams:
     norm_by_std: bool = param(True, "divide by the group std (GRPO: true; Dr. GRPO arXiv:2503.20783: false)")
     eps: float = param(1e-6, "added to the group std (numerical guard; GRPO reference code: 1e-6)")
     baseline: Baseline = param(Baseline.mean, _BASELINE_DOC)
+    unbiased_std: bool = param(True, "Bessel-corrected group std (GRPO reference code); false: population std "
+                               "(TPO's z-score, arXiv:2604.06159)")
 
 
 @dataclass(frozen=True)
@@ -247,7 +254,7 @@ def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
     needs_group=True,
 )
 def grpo_advantage(
-    inp: AdvantageInput, *, norm_by_std: bool, eps: float, baseline: str
+    inp: AdvantageInput, *, norm_by_std: bool, eps: float, baseline: str, unbiased_std: bool
 ) -> AdvantageOutput:
     """Group-relative outcome advantage: ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
@@ -271,6 +278,9 @@ def grpo_advantage(
         norm_by_std: divide by the group std.
         eps: added to the std.
         baseline: ``"mean"`` or ``"min_variance"``.
+        unbiased_std: Bessel-corrected std (default); false uses the population
+            std ``sqrt(sum (r - mean)^2 / G)``, TPO's within-group z-score
+            ("Target Policy Optimization", arXiv:2604.06159, Appendix A).
     Returns:
         AdvantageOutput with ``advantages [B, R]`` and ``returns=None``.
     Raises:
@@ -278,7 +288,9 @@ def grpo_advantage(
     """
     _check_baseline(baseline)
     r = inp.rewards.double()
-    mean, std, _ = group_stats(r, inp.group_index)
+    mean, std, cnt = group_stats(r, inp.group_index)
+    if not unbiased_std:
+        std = std * torch.sqrt(((cnt - 1) / cnt.clamp(min=1)).clamp(min=0))
     flat = group_all_equal(r, inp.group_index)
     if baseline == "min_variance":
         mean = torch.where(flat, mean, min_variance_group_baseline(inp))
@@ -1099,6 +1111,149 @@ def max_at_k_advantage(inp: AdvantageInput, *, k: int, baseline: str) -> Advanta
                                  dtype=torch.float64)
         adv[idx] = a
     return AdvantageOutput(advantages=_broadcast(adv.float(), inp.response_mask))
+
+
+
+# --- Issue 17, second batch: EGSW and SEED-GRPO (reweighting GRPO's advantage per sequence / prompt) ---
+
+
+def _grpo_centred(inp: AdvantageInput, norm_by_std: bool, eps: float):
+    """``(A [B] float64, flat [B] bool)``: GRPO's ``(r - mean) / (std + eps)`` (or ``r - mean``), 0 in flat groups."""
+    r = inp.rewards.double()
+    mean, std, _ = group_stats(r, inp.group_index)
+    flat = group_all_equal(r, inp.group_index)
+    a = r - mean
+    if norm_by_std:
+        a = a / (std + eps)
+    return torch.where(flat, torch.zeros_like(a), a), flat
+
+
+@dataclass(frozen=True)
+class EGSWParams:
+    """EGSW's softmax weighting (arXiv:2503.22456); the paper tunes alpha and P without values we could read."""
+
+    alpha: float = param(0.1, "entropy weight alpha in exp((A + alpha H) / P) (our choice; paper tuned, value not read)")
+    temperature: float = param(1.0, "softmax temperature P (our choice; paper tuned, value not read)")
+    norm_by_std: bool = param(True, "GRPO's std normalisation of the base advantage (the paper builds on GRPO)")
+    eps: float = param(1e-6, "added to the group std")
+
+
+@ADV_ESTIMATORS.register(
+    "egsw",
+    paper="Entropy-guided sequence weighting for efficient exploration in RL-based LLM fine-tuning (EGSW, arXiv:2503.22456)",
+    params=EGSWParams,
+    needs_group=True,
+    needs_entropy=True,
+)
+def egsw_advantage(
+    inp: AdvantageInput, *, alpha: float, temperature: float, norm_by_std: bool, eps: float
+) -> AdvantageOutput:
+    """EGSW (trajectory-wise): GRPO's advantage reweighted by a softmax over the group of advantage + entropy.
+
+    ``w_raw_i = exp((A_i + alpha H_i) / P)`` with ``A_i`` GRPO's advantage and
+    ``H_i`` the mean token entropy of response ``i`` (nats, from ``inp.entropy``,
+    the rollout tokens under the current policy); ``w_i = w_raw_i / sum_j w_raw_j``
+    over the prompt's group, and the advantage becomes ``K w_i A_i`` (``K`` the
+    group size, so equal weights give GRPO back: our choice of scale; the paper
+    multiplies the policy gradient by ``w``). High-reward, high-uncertainty
+    responses get more of the update. Zero-variance groups keep advantage 0.
+    The paper's step-wise variant (weights per token position) is not
+    implemented; alpha and P were tuned in the paper, ours are stated in
+    :class:`EGSWParams`. Shapes: rewards ``[B]``, entropy ``[B, R]`` -> ``[B, R]``.
+
+    Raises:
+        ValueError: ``inp.entropy`` is None or ``temperature <= 0``.
+    """
+    if inp.entropy is None:
+        raise ValueError("egsw needs the rollout tokens' entropy (AdvantageInput.entropy); the runner computes it")
+    if temperature <= 0:
+        raise ValueError(f"egsw: temperature must be > 0, got {temperature}")
+    a, _ = _grpo_centred(inp, norm_by_std, eps)
+    m = inp.response_mask.double()
+    H = (inp.entropy.double() * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    inv, G = group_ids(inp.group_index)
+    s = (a + alpha * H) / temperature
+    mx = torch.full((G,), float("-inf"), dtype=torch.float64).scatter_reduce(0, inv, s, reduce="amax", include_self=True)
+    e = torch.exp(s - mx[inv])
+    z = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, e)
+    K = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(s))
+    w = K[inv] * e / z[inv]
+    return AdvantageOutput(advantages=_broadcast((w * a).float(), inp.response_mask))
+
+
+class SEEDScale(Choice):
+    """SEED-GRPO's map f from normalised semantic entropy x in [0, 1] to the advantage scale."""
+
+    linear = "linear"
+    exponential = "exponential"
+
+
+@dataclass(frozen=True)
+class SEEDGRPOParams:
+    """SEED-GRPO's uncertainty scaling A * f(alpha SE / SE_max) (arXiv:2505.12346)."""
+
+    alpha: float = param(0.5, "sensitivity alpha to the normalised semantic entropy (our choice: halves the update at "
+                              "maximal uncertainty; the tuned value was not in the text we could read)")
+    scale_fn: SEEDScale = param(SEEDScale.linear, "f(x) = 1 - x (linear) or exp(-x) (exponential)")
+    norm_by_std: bool = param(True, "GRPO's std normalisation of the base advantage")
+    eps: float = param(1e-6, "added to the group std")
+
+
+def semantic_entropy(answer_ids: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``[B]`` float64 semantic entropy of its group's answer clusters (nats).
+
+    ``SE = -sum_k p_k log p_k`` with ``p_k`` the share of the group's responses
+    whose final answer is in cluster ``k`` (equal ``answer_ids`` = same meaning).
+    A group of ``G`` distinct answers has the maximum ``log G``.
+    """
+    inv, G = group_ids(group_index)
+    se = torch.zeros(G, dtype=torch.float64)
+    for g in range(G):
+        ids = answer_ids[inv == g]
+        _, counts = torch.unique(ids, return_counts=True)
+        p = counts.double() / counts.sum()
+        se[g] = -(p * torch.log(p)).sum()
+    return se[inv]
+
+
+@ADV_ESTIMATORS.register(
+    "seed_grpo",
+    paper="SEED-GRPO: Semantic Entropy Enhanced GRPO for Uncertainty-Aware Policy Optimization (arXiv:2505.12346)",
+    params=SEEDGRPOParams,
+    needs_group=True,
+    needs_answers=True,
+)
+def seed_grpo_advantage(
+    inp: AdvantageInput, *, alpha: float, scale_fn: str, norm_by_std: bool, eps: float
+) -> AdvantageOutput:
+    """SEED-GRPO: GRPO's advantage scaled down on prompts whose sampled answers disagree.
+
+    ``A_hat_i = A_i f(alpha SE(q) / SE_max(q))`` with ``SE`` the semantic entropy of
+    the group's final answers (:func:`semantic_entropy`) and ``SE_max = log G``
+    (all answers distinct). Confident prompts (one cluster, ``SE = 0``) keep
+    GRPO's advantage; uncertain ones get a more conservative update. Clusters
+    are the responses' extracted final answers (``inp.answer_ids``, filled by the
+    runner from the task's answer format; answers equal after normalisation are
+    one meaning, an unparseable response is its own cluster). Our choices where
+    the paper is open for this setting: cluster probabilities from counts (the
+    paper sums sequence probabilities, whose scale does not match ``log G`` on
+    short samples), ``alpha = 0.5``, linear ``f``.
+
+    Raises:
+        ValueError: ``inp.answer_ids`` is None, or an unknown ``scale_fn``.
+    """
+    if inp.answer_ids is None:
+        raise ValueError("seed_grpo needs the responses' answer clusters (AdvantageInput.answer_ids); the runner "
+                         "extracts them from the responses")
+    if scale_fn not in ("linear", "exponential"):
+        raise ValueError(f"seed_grpo: scale_fn={scale_fn!r}: valid choices are linear, exponential")
+    a, _ = _grpo_centred(inp, norm_by_std, eps)
+    se = semantic_entropy(inp.answer_ids, inp.group_index)
+    _, _, cnt = group_stats(inp.rewards.double(), inp.group_index)
+    se_max = torch.log(cnt.clamp(min=2.0))
+    x = alpha * se / se_max
+    f = (1.0 - x) if scale_fn == "linear" else torch.exp(-x)
+    return AdvantageOutput(advantages=_broadcast((a * f).float(), inp.response_mask))
 
 
 def compute_advantages(name: str, inp: AdvantageInput, **params: object) -> AdvantageOutput:

@@ -30,6 +30,7 @@ one; ``algo.clip.*`` writes into those (:func:`rlpost.algos.validate.loss_kwargs
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -64,6 +65,13 @@ class PolicyLossInput:
             (``clip_cov``), the same for every micro-batch of a mini-batch and every
             process (the trainer derives it from the run seed and the step); None
             uses torch's global RNG.
+        group_index: ``[B]`` long, equal ids = rollouts of the same prompt, or
+            None. Losses that couple a group (``tpo``: a softmax over the
+            group's sequence log-probs) need it; with ``batch`` it must be set
+            on both (the trainer passes the rows' ids).
+        segment_ids: ``[B, R]`` long, the subsentence index of each response
+            token within its row, or None; losses tagged ``needs_segments``
+            (``sspo``) read it (the runner fills ``extras['segment_ids']``).
     """
 
     logprobs: torch.Tensor
@@ -75,6 +83,8 @@ class PolicyLossInput:
     batch: Optional["PolicyLossInput"] = None
     rows: Optional[torch.Tensor] = None
     seed: Optional[int] = None
+    group_index: Optional[torch.Tensor] = None
+    segment_ids: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
@@ -1127,6 +1137,464 @@ def dppo_loss(
         high = (bad & (A > 0)).float()
         low = (bad & (A <= 0)).float()
     return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+
+
+
+# --- Issue 17, second batch: TPO, CPGD, CFPO, KPO ---------------------------------------------------
+
+_TPO_PAPER = "Target Policy Optimization (TPO, arXiv:2604.06159); authors' code https://github.com/JeanKaddour/tpo"
+
+
+@dataclass(frozen=True)
+class TPOParams:
+    """TPO's target temperature (arXiv:2604.06159: eta = 1 throughout, robust over [0.25, 2])."""
+
+    eta: float = param(1.0, "temperature of the target q ∝ p_old exp(u / eta) (paper: 1)")
+
+
+def _group_log_softmax(x: torch.Tensor, inv: torch.Tensor, G: int) -> torch.Tensor:
+    """``[N]`` log-softmax of ``x`` ``[N]`` within the groups ``inv`` (dense ids in ``[0, G)``), float64."""
+    x = x.double()
+    mx = torch.full((G,), float("-inf"), dtype=torch.float64, device=x.device).scatter_reduce(
+        0, inv, x, reduce="amax", include_self=True)
+    z = torch.zeros(G, dtype=torch.float64, device=x.device).index_add_(0, inv, torch.exp(x - mx[inv]))
+    return x - mx[inv] - torch.log(z)[inv]
+
+
+@POLICY_LOSSES.register("tpo", paper=_TPO_PAPER, params=TPOParams, batch_statistics=True, needs_group=True,
+                        sequence_sum=True)
+def tpo_loss(inp: PolicyLossInput, *, eta: float) -> Tuple[torch.Tensor, Metrics]:
+    """TPO: fit the group's distribution over its sampled completions to a target, by cross-entropy.
+
+    For each group of ``K`` completions of one prompt, with sequence log-probs
+    ``l_i = sum_t log pi(y_it)`` (over the response mask), the policy over the
+    group is ``p_i = softmax_group(l)_i`` and the target is
+    ``q_i ∝ p_old_i exp(u_i / eta)`` (``p_old`` from ``inp.old_logprobs``, frozen;
+    ``u_i`` the sequence's advantage, which the preset makes TPO's within-group
+    z-score with the population std, zero for a zero-variance group). The loss
+    ``-sum_i q_i log p_i`` has gradient ``p_i - q_i`` on ``l_i`` (Proposition 1):
+    it vanishes once the policy matches the target, and a zero-variance group
+    (``u = 0``, ``q = p_old``) contributes nothing on the rollout snapshot.
+
+    Written per token so that it aggregates with ``seq-mean-token-sum`` into the
+    paper's loss averaged over groups: ``loss_t = K (p_i - q_i) (log pi_t - sg(log pi_t))
+    + v_i / L_i`` with ``v_i = -K q_i log p_i`` (a constant carrying the value),
+    ``L_i`` the sequence's response tokens and ``K`` its group's size. ``p_i`` is
+    computed from the detached log-probs of the whole mini-batch
+    (:func:`batch_view`), so the gradient does not depend on the micro-batch
+    split. A group split across mini-batches (``algo.mini_batches > 1`` shuffles
+    rows) is fitted on the members present, with ``q`` renormalised over them
+    (our choice; the paper updates on whole groups).
+
+    Metrics: ``tpo_target_gap`` (mean ``|p - q|``), ``tpo_q_max`` (mean of the
+    group's largest target mass), both per sequence (``seq_`` prefix).
+
+    Raises:
+        ValueError: ``inp.group_index`` is None, or ``eta <= 0``.
+    """
+    if eta <= 0:
+        raise ValueError(f"tpo: eta must be > 0, got {eta}")
+    if inp.group_index is None:
+        raise ValueError("tpo needs PolicyLossInput.group_index (the group of each row); the trainer passes it")
+    full, rows = batch_view(inp)
+    gi = full.group_index if full.group_index is not None else inp.group_index
+    from rlpost.algos.utils import group_ids
+
+    inv, G = group_ids(gi.to(full.response_mask.device))
+    fm = full.response_mask.double()
+    ell = (full.logprobs.detach().double() * fm).sum(-1)
+    ell_old = (full.old_logprobs.detach().double() * fm).sum(-1)
+    L = fm.sum(-1)
+    u = (full.advantages.double() * fm).sum(-1) / L.clamp(min=1.0)
+    log_p = _group_log_softmax(ell, inv, G)
+    log_q = _group_log_softmax(_group_log_softmax(ell_old, inv, G) + u / eta, inv, G)
+    p, q = torch.exp(log_p), torch.exp(log_q)
+    K = torch.zeros(G, dtype=torch.float64, device=fm.device).index_add_(0, inv, torch.ones_like(ell))[inv]
+    coef = (K * (p - q))[rows].to(inp.logprobs.dtype)
+    value = (-K * q * log_p)[rows]
+    m = inp.response_mask
+    Lr = m.sum(-1).clamp(min=1.0)
+    loss = coef[:, None] * (inp.logprobs - inp.logprobs.detach()) + (value / Lr.double()).to(m.dtype)[:, None] * m
+    ratio, log_ratio = _ratio(inp)
+    z = torch.zeros_like(ratio)
+    metrics = _clip_metrics(ratio, log_ratio, z, z, m)
+    with torch.no_grad():
+        qmax = torch.zeros(G, dtype=torch.float64, device=fm.device).scatter_reduce(
+            0, inv, q, reduce="amax", include_self=True)[inv]
+        metrics["seq_tpo_target_gap"] = _nonempty_mean((p - q).abs()[rows].float(), m)
+        metrics["seq_tpo_q_max"] = _nonempty_mean(qmax[rows].float(), m)
+    return loss, metrics
+
+
+_CPGD_PAPER = ("CPGD: Toward Stable Rule-based Reinforcement Learning for Language Models (arXiv:2505.12504); "
+               "authors' code https://github.com/ModalMinds/MM-EUREKA")
+
+
+@dataclass(frozen=True)
+class CPGDParams:
+    """CPGD's log-ratio clip and policy-drift weight (arXiv:2505.12504; the authors' release defaults)."""
+
+    eps_low: float = param(0.2, "A < 0 tokens: log-ratio floor log(1 - eps_low) (authors' release: clip_eps 0.2)")
+    eps_high: float = param(0.2, "A > 0 tokens: log-ratio cap log(1 + eps_high) (authors' release: clip_eps 0.2)")
+    drift_coef: float = param(0.01, "weight of the policy-drift penalty KL(pi_old || pi) (authors' release: 0.01)")
+
+
+@POLICY_LOSSES.register("cpgd", paper=_CPGD_PAPER, params=CPGDParams)
+def cpgd_loss(
+    inp: PolicyLossInput, *, eps_low: float, eps_high: float, drift_coef: float
+) -> Tuple[torch.Tensor, Metrics]:
+    """CPGD: a clipped *log*-ratio policy gradient plus a KL policy-drift penalty, no importance ratio.
+
+    ``loss_t = -A_t clip_A(log r_t) + drift_coef (r_t - 1 - log r_t)`` with
+    ``log r = log pi - log pi_old`` and the one-sided clip of the release:
+    ``min(log r, log(1 + eps_high))`` for ``A > 0``, ``max(log r, log(1 - eps_low))``
+    otherwise. Inside the range the gradient is ``-A grad log pi`` (REINFORCE,
+    not the ratio-weighted PPO gradient, so large ratios are not amplified);
+    outside it is 0. The drift term is the unbiased estimate of
+    ``KL(pi_old || pi)`` from tokens sampled by ``pi_old``; its gradient
+    ``(r - 1) grad log pi`` pulls the policy back toward ``pi_old`` once it moved.
+    The release also offers a clip range on the drift term and a
+    "clip-filter-like" weight; their formulas were not in the code we could
+    read, so neither is implemented (the drift here is unclipped).
+
+    Returns:
+        ``(loss_mat [B, R], metrics)``; ``clip_frac*`` count tokens whose
+        clipped log-ratio cuts the gradient; ``policy_drift`` the mean drift term.
+    Raises:
+        ValueError: ``eps_low`` not in [0, 1), ``eps_high <= 0`` or ``drift_coef < 0``.
+    """
+    if not 0.0 <= eps_low < 1.0 or eps_high <= 0 or drift_coef < 0:
+        raise ValueError(f"cpgd: need 0 <= eps_low < 1, eps_high > 0, drift_coef >= 0; got {eps_low}, {eps_high}, {drift_coef}")
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    hi, lo = math.log1p(eps_high), math.log1p(-eps_low)
+    clipped = torch.where(A > 0, log_ratio.clamp(max=hi), log_ratio.clamp(min=lo))
+    drift = ratio - 1.0 - log_ratio
+    loss = -A * clipped + drift_coef * drift
+    with torch.no_grad():
+        high = ((log_ratio > hi) & (A > 0)).float()
+        low = ((log_ratio < lo) & (A <= 0)).float()
+        metrics = _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+        metrics["policy_drift"] = masked_mean(drift.detach(), inp.response_mask)
+    return loss, metrics
+
+
+_CFPO_PAPER = ("Clipping-Free Policy Optimization for Large Language Models (CFPO, arXiv:2601.22801); the penalty form "
+               "of Simple Policy Optimization (arXiv:2401.16025)")
+
+
+@dataclass(frozen=True)
+class CFPOParams:
+    """CFPO's trust-region radius: PPO's epsilon reused, "no additional hyperparameters" (arXiv:2601.22801)."""
+
+    eps: float = param(0.2, "radius of the quadratic penalty: the objective peaks at r = 1 + eps sign(A) (PPO's 0.2)")
+
+
+@POLICY_LOSSES.register("cfpo", paper=_CFPO_PAPER, params=CFPOParams)
+def cfpo_loss(inp: PolicyLossInput, *, eps: float) -> Tuple[torch.Tensor, Metrics]:
+    """CFPO: PPO's clip replaced by a convex quadratic penalty on the ratio (differentiable everywhere).
+
+    ``loss_t = -( r_t A_t - |A_t| / (2 eps) (r_t - 1)^2 )``. For fixed ``A`` the
+    objective is a concave parabola in ``r`` whose maximum is exactly PPO's
+    clip boundary ``r = 1 + eps sign(A)``: inside the range it pulls ``r`` toward
+    the boundary like PPO, outside it pushes ``r`` back (PPO's clip only stops
+    pushing, leaving a zero-gradient region). The gradient is
+    ``-(A - |A| (r - 1) / eps) r grad log pi``; on-policy (``r = 1``) it is
+    ``-A grad log pi``. The CFPO abstract describes a convex quadratic penalty
+    derived from a total-variation constraint with no new hyperparameter; the
+    formula we could read is this one, from Simple Policy Optimization
+    (arXiv:2401.16025), which derives it from the same TV bound: our reading.
+    ``clip_frac*`` count tokens beyond the boundary (where the gradient reverses).
+
+    Raises:
+        ValueError: ``eps <= 0``.
+    """
+    if eps <= 0:
+        raise ValueError(f"cfpo: eps must be > 0, got {eps}")
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    loss = -(ratio * A - A.abs() / (2.0 * eps) * (ratio - 1.0) ** 2)
+    with torch.no_grad():
+        high = ((ratio > 1.0 + eps) & (A > 0)).float()
+        low = ((ratio < 1.0 - eps) & (A < 0)).float()
+    return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+
+
+@dataclass(frozen=True)
+class KPOParams:
+    """KPO's causal Kalman filter on the token log-ratio; the noise variances are our choices (not in the abstract)."""
+
+    process_var: float = param(0.01, "Q: variance of the latent log-ratio's step per token (our choice)")
+    obs_var: float = param(0.1, "R: variance of one token's observed log-ratio around the latent one (our choice)")
+    init_var: float = param(1.0, "P_0: variance of the prior x_0 = 0 (ratio 1) before the first token (our choice)")
+    eps_low: float = param(0.2, "PPO clip on the filtered ratio: floor 1 - eps_low (PPO's 0.2)")
+    eps_high: float = param(0.2, "PPO clip on the filtered ratio: cap 1 + eps_high (PPO's 0.2)")
+
+
+def kalman_filter_log_ratio(
+    log_ratio: torch.Tensor, mask: torch.Tensor, process_var: float, obs_var: float, init_var: float
+) -> torch.Tensor:
+    """Causal scalar Kalman filter of each row's token log-ratios, ``[B, R] -> [B, R]`` (differentiable).
+
+    Random-walk state ``x_t = x_{t-1} + w`` (variance ``process_var``), observation
+    ``z_t = log r_t = x_t + v`` (variance ``obs_var``), prior ``x_0 = 0`` with
+    variance ``init_var``. Per masked token: ``P <- P + Q``, ``K = P / (P + R)``,
+    ``x <- x + K (z_t - x)``, ``P <- (1 - K) P``; unmasked positions carry ``x``
+    and ``P`` unchanged (and are returned as 0). The gains do not depend on the
+    data, so ``x_t`` is a fixed weighted sum of ``z_1..z_t`` and gradients reach
+    every earlier token of the row.
+    """
+    B, R = log_ratio.shape
+    x = torch.zeros(B, dtype=log_ratio.dtype, device=log_ratio.device)
+    P = torch.full((B,), float(init_var), dtype=torch.float64, device=log_ratio.device)
+    out = []
+    for t in range(R):
+        mt = mask[:, t] > 0
+        Pp = P + process_var
+        gain = torch.where(mt, Pp / (Pp + obs_var), torch.zeros_like(Pp))
+        x = x + gain.to(x.dtype) * (log_ratio[:, t] - x)
+        P = torch.where(mt, (1.0 - gain) * Pp, P)
+        out.append(x * mt.to(x.dtype))
+    return torch.stack(out, dim=1) if out else log_ratio * 0
+
+
+@POLICY_LOSSES.register(
+    "kpo",
+    paper="Online Causal Kalman Filtering for Stable and Effective Policy Optimization (KPO, arXiv:2602.10609)",
+    params=KPOParams,
+)
+def kpo_loss(
+    inp: PolicyLossInput, *, process_var: float, obs_var: float, init_var: float, eps_low: float, eps_high: float
+) -> Tuple[torch.Tensor, Metrics]:
+    """KPO: PPO's clipped surrogate on Kalman-filtered importance ratios.
+
+    The token ratio ``r_t = pi / pi_old`` is a noisy observation of a latent
+    off-policy deviation that evolves along the sequence; a causal Kalman
+    filter (:func:`kalman_filter_log_ratio`, past tokens only) estimates it as
+    ``x_t`` in log space, and ``rho_t = exp(x_t)`` replaces ``r_t`` in
+    ``-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``. Spikes of single
+    tokens are smoothed (unlike the token ratio) while local structure is kept
+    (unlike GSPO's one sequence ratio). On-policy ``rho = 1``; the gradient of a
+    token's loss reaches the earlier tokens that its filtered ratio averages.
+    The abstract gives no noise variances, prior or clip: ``Q = 0.01``,
+    ``R = 0.1`` (steady-state gain about 0.27), ``P_0 = 1`` and PPO's 0.2 are our
+    choices. Metric ``kpo_ratio_mean``: mean filtered ratio.
+
+    Raises:
+        ValueError: a variance not > 0.
+    """
+    if min(process_var, obs_var, init_var) <= 0:
+        raise ValueError(f"kpo: variances must be > 0, got Q={process_var}, R={obs_var}, P0={init_var}")
+    ratio, log_ratio = _ratio(inp)
+    x = kalman_filter_log_ratio(log_ratio, inp.response_mask, process_var, obs_var, init_var)
+    return _ppo_on_smoothed_log_ratio(inp, ratio, log_ratio, x, eps_low, eps_high, "kpo_ratio_mean")
+
+
+def _ppo_on_smoothed_log_ratio(inp, ratio, log_ratio, x, eps_low, eps_high, metric):
+    """PPO's clipped surrogate with the token ratio replaced by ``exp(x)``, ``x`` ``[B, R]`` a causal
+    smoothing of the token log-ratios (shared by KPO's Kalman filter and PNPO's prefix mean);
+    ``metric`` names the mean smoothed ratio."""
+    m = inp.response_mask
+    rho = torch.exp(x.clamp(-20.0, 20.0))
+    loss, low, high, _ = _ppo_core(rho, inp.advantages, eps_low, eps_high, None, m)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics[metric] = masked_mean(rho.detach(), m)
+    return loss, metrics
+
+
+@dataclass(frozen=True)
+class PNPOParams:
+    """PNPO's clip on the prefix-normalised ratio; the abstract gives no range: PPO's 0.2 (our choice)."""
+
+    eps_low: float = param(0.2, "floor 1 - eps_low of the prefix geometric-mean ratio (our choice: PPO's 0.2)")
+    eps_high: float = param(0.2, "cap 1 + eps_high of the prefix geometric-mean ratio (our choice: PPO's 0.2)")
+
+
+def prefix_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, R]``: the mean of the masked token log-ratios over each token's causal prefix (itself included).
+
+    ``exp`` of it is PNPO's ``(prod_{s<=t} r_s)^(1/t)``; unmasked positions are 0.
+    """
+    m = mask.to(log_ratio.dtype)
+    return torch.cumsum(log_ratio * m, dim=-1) / torch.cumsum(m, dim=-1).clamp(min=1.0) * m
+
+
+@POLICY_LOSSES.register(
+    "pnpo",
+    paper="PNPO: Prefix-Normalized Policy Optimization (the geometric mean of the prefix ratios as the token weight)",
+    params=PNPOParams,
+)
+def pnpo_loss(inp: PolicyLossInput, *, eps_low: float, eps_high: float) -> Tuple[torch.Tensor, Metrics]:
+    """PNPO: PPO-clip on the geometric mean of the importance ratios over each token's prefix.
+
+    The exact off-policy weight of token ``t`` is the prefix product
+    ``prod_{s<=t} r_s``, whose range explodes with ``t``; PNPO uses its geometric
+    mean ``rho_t = (prod_{s<=t} r_s)^(1/t)`` (:func:`prefix_mean_log_ratio`): the
+    dependence on the causal prefix stays, the log-weight range is compressed.
+    ``rho_t`` carries the gradient of every prefix token (``1/t`` each).
+    The first token's weight is its own ratio; the last token's is GSPO's
+    sequence ratio. The clip range (PPO's 0.2) is our choice. Metric
+    ``pnpo_ratio_mean``. Its effect shows when a batch is reused
+    (``algo.ppo_epochs > 1``; the paper compares 1 and 4 epochs).
+    """
+    ratio, log_ratio = _ratio(inp)
+    x = prefix_mean_log_ratio(log_ratio, inp.response_mask)
+    return _ppo_on_smoothed_log_ratio(inp, ratio, log_ratio, x, eps_low, eps_high, "pnpo_ratio_mean")
+
+
+
+_SSPO_PAPER = "SSPO: Subsentence-level Policy Optimization (arXiv:2511.04256)"
+
+
+@dataclass(frozen=True)
+class SSPOParams:
+    """SSPO's subsentence ratio clip with entropy-scaled bounds; the abstract gives no constants: our choices."""
+
+    eps_low: float = param(0.2, "base lower clip of the subsentence ratio (our choice: PPO's 0.2)")
+    eps_high: float = param(0.2, "base upper clip of the subsentence ratio (our choice: PPO's 0.2)")
+    min_scale: float = param(0.5, "smallest entropy scale of the bounds, for the lowest-entropy subsentences (our choice)")
+    max_scale: float = param(2.0, "largest entropy scale of the bounds, for the highest-entropy subsentences (our choice)")
+
+
+def segment_means(x: torch.Tensor, segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, R]``: each token's value replaced by the masked mean of ``x`` over its (row, segment).
+
+    ``segment_ids`` ``[B, R]`` long, non-negative and < R (a row's subsentence
+    index); positions outside ``mask`` get 0. Differentiable in ``x``.
+    """
+    B, R = x.shape
+    key = (torch.arange(B, device=x.device)[:, None] * R + segment_ids.clamp(0, R - 1)).flatten()
+    w = mask.flatten().to(x.dtype)
+    tot = torch.zeros(B * R, dtype=x.dtype, device=x.device).index_add(0, key, x.flatten() * w)
+    cnt = torch.zeros(B * R, dtype=x.dtype, device=x.device).index_add(0, key, w)
+    return (tot / cnt.clamp(min=1.0))[key].view(B, R) * mask
+
+
+@POLICY_LOSSES.register("sspo", paper=_SSPO_PAPER, params=SSPOParams, needs_entropy=True, needs_segments=True,
+                        batch_statistics=True)
+def sspo_loss(
+    inp: PolicyLossInput, *, eps_low: float, eps_high: float, min_scale: float, max_scale: float
+) -> Tuple[torch.Tensor, Metrics]:
+    """SSPO: PPO-clip on a *subsentence* importance ratio, with bounds widened for high-entropy subsentences.
+
+    Between GRPO's token ratio (sensitive to outlier tokens) and GSPO's one
+    ratio per response (a few extreme tokens decide for the whole response),
+    each subsentence ``s`` gets the geometric-mean ratio
+    ``r_s = exp(mean_{t in s} log r_t)``, written GSPO-token style so token ``t``
+    uses ``sg(r_s) pi_t / sg(pi_t)``. The clip range of a subsentence scales with
+    its mean token entropy ``H_s`` relative to the mini-batch's mean token
+    entropy ``H_bar`` (:func:`batch_view`): ``eps_s = eps * clip(H_s / H_bar,
+    min_scale, max_scale)``, so uncertain subsentences may move further and
+    confident ones are held tighter. Subsentences are cut after tokens
+    containing ``, . ; : ! ?`` or a newline (``inp.segment_ids``, computed by the
+    runner from the token texts, :func:`rlpost.algos.stages.subsentence_ids`).
+    The abstract gives neither the entropy-to-bound map nor the constants: the
+    ratio map, 0.2 and [0.5, 2] are our choices. Metrics: ``eps_high_mean``,
+    ``seg_ratio_mean``.
+
+    Raises:
+        ValueError: ``inp.segment_ids`` or ``inp.entropy`` is None, or ``min_scale > max_scale``.
+    """
+    if inp.segment_ids is None or inp.entropy is None:
+        raise ValueError("sspo needs PolicyLossInput.segment_ids (subsentence of each token) and entropy; "
+                         "the runner computes them")
+    if min_scale > max_scale or min_scale <= 0:
+        raise ValueError(f"sspo: need 0 < min_scale <= max_scale, got {min_scale}, {max_scale}")
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    seg = inp.segment_ids.to(m.device).long()
+    log_s = segment_means(log_ratio.detach(), seg, m)
+    s_t = torch.exp((log_s + inp.logprobs - inp.logprobs.detach()).clamp(max=20.0))
+    full, _rows = batch_view(inp)
+    with torch.no_grad():
+        h_bar = masked_mean(full.entropy.float(), full.response_mask).clamp(min=1e-6)
+        scale = (segment_means(inp.entropy.float(), seg, m) / h_bar).clamp(min_scale, max_scale)
+        lo, hi = eps_low * scale, eps_high * scale
+    loss, low, high, _ = _ppo_core(s_t, inp.advantages, lo, hi, None, m)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    with torch.no_grad():
+        metrics["eps_high_mean"] = masked_mean(hi, m)
+        metrics["seg_ratio_mean"] = masked_mean(torch.exp(log_s), m)
+    return loss, metrics
+
+
+
+class NATSelector(Choice):
+    """Which tokens NAT keeps: independent coin flips (URS) or a random prefix of each response (RPC)."""
+
+    urs = "urs"
+    rpc = "rpc"
+
+
+@dataclass(frozen=True)
+class NATParams:
+    """NAT's token selector on PPO's clipped surrogate; the keep rate is our choice (the abstract gives none)."""
+
+    selector: NATSelector = param(NATSelector.urs, "urs: keep each token with probability keep_prob; rpc: keep a "
+                                                   "uniformly random prefix of each response")
+    keep_prob: float = param(0.5, "URS inclusion probability (our choice)")
+    eps_low: float = param(0.2, "PPO clip floor of the kept tokens (PPO's 0.2)")
+    eps_high: float = param(0.2, "PPO clip cap of the kept tokens (PPO's 0.2)")
+
+
+def nat_inclusion(mask: torch.Tensor, selector: str, keep_prob: float, gen: Optional[torch.Generator]):
+    """``(keep [N, R] bool, pi [N, R] inclusion probability)`` of NAT's token selectors.
+
+    URS keeps each response token independently with probability ``keep_prob``.
+    RPC draws a cut ``c`` uniform in ``1..L`` per response (``L`` its response
+    tokens) and keeps the first ``c`` of them, so the ``k``-th response token
+    (0-based) is kept with probability ``(L - k) / L``.
+    """
+    m = mask > 0
+    u = torch.rand(mask.shape, generator=gen).to(mask.device)
+    if selector == "urs":
+        pi = torch.full_like(mask, float(keep_prob))
+        return (u < keep_prob) & m, pi
+    k = (torch.cumsum(m.long(), dim=-1) - 1).clamp(min=0)  # index among the response tokens
+    L = m.long().sum(-1, keepdim=True).clamp(min=1)
+    cut = torch.floor(u[:, :1] * L).long() + 1  # uniform in 1..L
+    pi = (L - k).to(mask.dtype) / L.to(mask.dtype)
+    return (k < cut) & m, pi
+
+
+@POLICY_LOSSES.register(
+    "nat",
+    paper="Not all tokens are needed (NAT): token efficient reinforcement learning (arXiv:2603.06619)",
+    params=NATParams,
+    batch_statistics=True,
+)
+def nat_loss(
+    inp: PolicyLossInput, *, selector: str, keep_prob: float, eps_low: float, eps_high: float
+) -> Tuple[torch.Tensor, Metrics]:
+    """NAT: PPO's clipped surrogate on a random subset of response tokens, each reweighted by 1 / inclusion probability.
+
+    ``loss_t = keep_t / pi_t * ppo_clip_t``: in expectation over the draw this is
+    the full-token loss (Horvitz-Thompson), so the gradient stays unbiased while
+    only the kept tokens carry it (:func:`nat_inclusion` gives the URS and RPC
+    selectors). The draw is made on the whole mini-batch with ``inp.seed``
+    (:func:`batch_view`), so it does not depend on the micro-batch split. This
+    is the estimator only: the trainer still runs the forward pass on every
+    token, so the compute the paper saves with RPC's shorter sequences is not
+    saved here. ``keep_prob = 0.5`` is our choice. Metric ``nat_keep_frac``.
+
+    Raises:
+        ValueError: ``keep_prob`` not in (0, 1] or an unknown ``selector``.
+    """
+    if selector not in ("urs", "rpc"):
+        raise ValueError(f"nat: selector={selector!r}: valid choices are urs, rpc")
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"nat: keep_prob must be in (0, 1], got {keep_prob}")
+    full, rows = batch_view(inp)
+    gen = None if inp.seed is None else torch.Generator(device="cpu").manual_seed(int(inp.seed))
+    keep_all, pi_all = nat_inclusion(full.response_mask.cpu(), selector, keep_prob, gen)
+    keep, pi = keep_all[rows.cpu()].to(inp.response_mask.device), pi_all[rows.cpu()].to(inp.response_mask.device)
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    loss, low, high, _ = _ppo_core(ratio, inp.advantages, eps_low, eps_high, None, m)
+    w = keep.to(loss.dtype) / pi.clamp(min=1e-6).to(loss.dtype)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics["nat_keep_frac"] = masked_mean(keep.float(), m)
+    return loss * w, metrics
 
 
 def compute_policy_loss(name: str, inp: PolicyLossInput, **params: object) -> Tuple[torch.Tensor, Metrics]:

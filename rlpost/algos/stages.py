@@ -11,7 +11,11 @@ advantages) and reads the flags of :func:`algo_requirements`:
   tagged ``needs_baseline_rollout`` (ReMax, arXiv:2310.10505);
 * a per-prompt Beta-posterior baseline for single-rollout MSSR;
 * reference answers in place of the sampled responses for losses tagged
-  ``needs_reference_responses`` (SFT).
+  ``needs_reference_responses`` (SFT);
+* the cluster ids of the responses' extracted final answers for estimators
+  tagged ``needs_answers`` (SEED-GRPO's semantic entropy);
+* the subsentence index of every response token for losses tagged
+  ``needs_segments`` (SSPO).
 
 Per-token sampling temperature is not an algorithm concern: HAPO's adaptive
 temperature is owned by ``sampler=adaptive_temperature``
@@ -41,12 +45,16 @@ class AlgoRequirements:
         baseline_rollout: a greedy rollout per prompt (ReMax).
         beta_baseline: a per-prompt Beta-posterior baseline (MSSR).
         reference_responses: train on reference answers instead of samples (SFT).
+        answers: cluster the responses' extracted final answers (SEED-GRPO).
+        segments: subsentence index of every response token (SSPO).
     """
 
     entropy: bool = False
     baseline_rollout: bool = False
     beta_baseline: bool = False
     reference_responses: bool = False
+    answers: bool = False
+    segments: bool = False
 
 
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
@@ -57,6 +65,8 @@ def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
         baseline_rollout=bool(ADV_ESTIMATORS.tag(adv, "needs_baseline_rollout", False)),
         beta_baseline=adv == "mssr",
         reference_responses=bool(POLICY_LOSSES.tag(loss, "needs_reference_responses", False)),
+        answers=bool(ADV_ESTIMATORS.tag(adv, "needs_answers", False)),
+        segments=bool(POLICY_LOSSES.tag(loss, "needs_segments", False)),
     )
 
 
@@ -108,6 +118,71 @@ class AlgoState:
         """Restore :meth:`state_dict` output (an old checkpoint's ``entropy_stats`` is ignored)."""
         if self.tracker is not None and sd.get("tracker"):
             self.tracker.load_state_dict(sd["tracker"])
+
+
+def normalise_answer(answer: Optional[str]) -> Optional[str]:
+    """Canonical form of an extracted answer for clustering: numbers by value, text by its words, lower case.
+
+    ``"12"``, ``"12.0"`` and ``" 12 "`` are one answer; None and ``""`` stay None.
+    """
+    if answer is None:
+        return None
+    a = " ".join(str(answer).strip().split()).lower().rstrip(".")
+    if not a:
+        return None
+    try:
+        v = float(a.replace(",", ""))
+        return repr(int(v)) if v.is_integer() else repr(v)
+    except ValueError:
+        return a
+
+
+def answer_cluster_ids(texts: List[str], answer_format: str) -> torch.Tensor:
+    """``[B]`` long cluster ids of the responses' final answers (SEED-GRPO's semantic clusters).
+
+    Answers are extracted by the task's ``answer_format``
+    (:func:`rlpost.tasks.answer_tags.extract_answer`) and compared after
+    :func:`normalise_answer`; a response with no extractable answer is a
+    cluster of its own (negative id). Ids are only compared within a group.
+    """
+    from rlpost.tasks.answer_tags import extract_answer
+
+    ids: Dict[str, int] = {}
+    out = []
+    for i, t in enumerate(texts):
+        a = normalise_answer(extract_answer(t, answer_format))
+        out.append(-(i + 1) if a is None else ids.setdefault(a, len(ids)))
+    return torch.tensor(out, dtype=torch.long)
+
+
+#: characters that end a subsentence (SSPO): the token containing one is the subsentence's last
+SUBSENTENCE_END = (",", ".", ";", ":", "!", "?", "\n")
+
+
+def subsentence_ids(response_ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+    """``[B, R]`` long subsentence index of each response token (SSPO, arXiv:2511.04256).
+
+    A subsentence ends after a token whose text contains one of
+    :data:`SUBSENTENCE_END` (our choice of delimiters; the paper splits on
+    punctuation); indices count from 0 in each row, and only positions in
+    ``mask`` advance them.
+    """
+    B, R = response_ids.shape
+    ends: Dict[int, bool] = {}
+    out = torch.zeros(B, R, dtype=torch.long)
+    for b in range(B):
+        k = 0
+        for t in range(R):
+            out[b, t] = k
+            if mask[b, t] <= 0:
+                continue
+            tid = int(response_ids[b, t])
+            if tid not in ends:
+                txt = tokenizer.decode([tid])
+                ends[tid] = any(c in txt for c in SUBSENTENCE_END)
+            if ends[tid]:
+                k += 1
+    return out.clamp(max=max(R - 1, 0))
 
 
 def reference_response(answer: Any, answer_format: str) -> str:
@@ -179,6 +254,16 @@ def prepare_algo_inputs(
         batch.response_texts = texts
         batch.extras = {k: v for k, v in batch.extras.items() if v.dim() == 1}
         m["sft/reference_length_mean"] = float(mask.sum(-1).mean())
+    if req.answers:
+        ids = answer_cluster_ids(list(batch.response_texts), answer_format)
+        batch.extras["answer_ids"] = ids
+        m["adv/answer_clusters_mean"] = float(len(set(ids.tolist())) / max(1, len(set(batch.group_index.tolist()))))
+    if req.segments:
+        if tokenizer is None:
+            raise ValueError("SSPO needs the tokenizer to find subsentence boundaries")
+        seg = subsentence_ids(batch.response_ids, batch.response_mask, tokenizer)
+        batch.extras["segment_ids"] = seg
+        m["sspo/subsentences_mean"] = float(((seg * batch.response_mask.long()).amax(-1) + 1).float().mean())
     if req.entropy:
         _, ent = trainer.compute_logprobs(batch, with_entropy=True)
         batch.extras["entropy"] = ent

@@ -168,6 +168,8 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
       ``eps_high >= 0``, ``dual_clip`` null or > 1;
     * ``ppo_epochs``, ``mini_batches``, ``n_samples_per_prompt`` >= 1,
       ``loss_agg_norm`` null or > 0, ``kl.coef >= 0``;
+    * a loss tagged ``needs_group`` (``tpo``) has ``algo.n_samples_per_prompt >= 2``;
+      one tagged ``sequence_sum`` is not aggregated with ``seq-mean-token-mean``;
     * the ``gpg`` loss has no trust region: it needs ``ppo_epochs == 1`` and
       ``mini_batches == 1``;
     * if ``root_cfg`` is given: ``precision.correction`` and its params
@@ -226,6 +228,18 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
         raise ConfigError(
             f"algo.adv_estimator={adv} takes the group median of G+1 rollouts as its pivot: "
             f"algo.n_samples_per_prompt must be odd and >= 3, got {n}."
+        )
+    ltags = POLICY_LOSSES.entry(loss).tags
+    if ltags.get("needs_group") and n < 2:
+        raise ConfigError(
+            f"algo.loss={loss} fits a distribution over each prompt's group of rollouts and needs "
+            f"algo.n_samples_per_prompt >= 2 (got {n})."
+        )
+    if ltags.get("sequence_sum") and agg == "seq-mean-token-mean":
+        raise ConfigError(
+            f"algo.loss={loss} puts a sequence-level gradient on the sum of its token log-probs; "
+            f"algo.loss_agg=seq-mean-token-mean would divide it by each response's length. "
+            f"Use algo.loss_agg=seq-mean-token-sum (the preset's), token-mean or seq-mean-token-sum-norm."
         )
     kl_coef = float(_get(kl, "coef", 0.0) or 0.0)
     if kl_coef < 0:

@@ -420,6 +420,8 @@ class TorchTrainer:
         return PolicyLossInput(
             logprobs=torch.cat(lps), old_logprobs=torch.cat(olds), entropy=torch.cat(ents),
             advantages=mini.extras["advantages"].to(self.device), response_mask=mini.response_mask.to(self.device),
+            group_index=mini.group_index.to(self.device),
+            segment_ids=mini.extras["segment_ids"].to(self.device) if "segment_ids" in mini.extras else None,
         )
 
     def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
@@ -505,6 +507,8 @@ class TorchTrainer:
                         batch=whole,
                         rows=mb.extras["_row"].to(self.device) if whole is not None else None,
                         seed=seed,
+                        group_index=mb.group_index.to(self.device),
+                        segment_ids=mb.extras["segment_ids"].to(self.device) if "segment_ids" in mb.extras else None,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
                     w, wm = self._correction_weights(old, mb)
