@@ -247,7 +247,14 @@ def _check_executor(cfg: DictConfig) -> None:
 #: The one validation entry point's checks, by config group, in order. Closed
 #: choices (``algo.loss_agg``, ``algo.kl.estimator``, ``trainer.engine``...) are
 #: enums in :mod:`rlpost.config.schema`, so composition already rejected them.
+def _check_model(cfg: DictConfig) -> None:
+    from rlpost.models.lora import check_lora_config
+
+    check_lora_config(cfg.model)
+
+
 GROUP_CHECKS = (
+    ("model", _check_model),
     ("algo", _check_algo),
     ("precision", _check_precision),
     ("selector", _check_selector),

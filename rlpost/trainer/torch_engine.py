@@ -100,8 +100,13 @@ class TorchTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(self.tcfg.lr_schedule, self.tcfg.warmup_steps, total)
         )
+        from rlpost.models.lora import is_lora
+
+        # LoRA: the optimizer holds only the adapters (the only parameters requiring grad), and the KL
+        # reference is the same module with its adapters disabled (no second copy of the weights).
+        self.lora = is_lora(self.policy)
         self.ref: Optional[torch.nn.Module] = None
-        if self.algo.kl.coef > 0:
+        if self.algo.kl.coef > 0 and not self.lora:
             import copy
 
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -177,16 +182,32 @@ class TorchTrainer:
                 attn.to(self.device),
             )
 
+    @property
+    def has_ref(self) -> bool:
+        """Whether a KL reference policy exists: a frozen copy, or (LoRA) the base model under the adapters."""
+        return self.ref is not None or (self.lora and self.algo.kl.coef > 0)
+
     # -------------------------------------------------------- no-grad passes
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch, which: str = "policy", with_entropy: bool = False):
-        """Log-probs ``[B, R]`` (and entropy) of the batch's responses under ``policy`` or ``ref``."""
-        model = self.policy if which == "policy" else self.ref
-        if model is None:
+        """Log-probs ``[B, R]`` (and entropy) of the batch's responses under ``policy`` or ``ref``.
+
+        With LoRA the reference is the policy module with its adapters disabled
+        (:func:`rlpost.models.lora.adapters_disabled`): exactly the base model's log-probs.
+
+        Raises:
+            ValueError: ``which="ref"`` without a reference policy (``algo.kl.coef == 0``).
+        """
+        from rlpost.models.lora import adapters_disabled
+
+        if which != "policy" and not self.has_ref:
             raise ValueError(f"no {which} model (set algo.kl.coef > 0 for a reference model)")
+        model = self.policy if (which == "policy" or self.ref is None) else self.ref
+        base = adapters_disabled(model) if (which != "policy" and self.ref is None) else nullcontext()
         was = model.training
         model.eval()
         lps, ents = [], []
+        base.__enter__()
         try:
             for sl in self._micro_slices(len(batch)):
                 lp, ent = self._logprobs(model, batch.select(list(range(len(batch)))[sl]), with_entropy)
@@ -194,6 +215,7 @@ class TorchTrainer:
                 if ent is not None:
                     ents.append(ent.cpu())
         finally:
+            base.__exit__(None, None, None)
             model.train(was)
         return _cat_padded(lps), (_cat_padded(ents) if ents else None)
 
@@ -412,7 +434,7 @@ class TorchTrainer:
                     n_agg = agg_count(a.loss_agg, m)
                     acc.add({"loss/policy": loss.detach() * (max(denom, 1.0) / max(n_agg, 1.0))}, n_agg)
                     metrics: Dict[str, Any] = {}
-                    if self.ref is not None and "ref_logprobs" in mb.extras and not a.kl.in_reward:
+                    if self.has_ref and "ref_logprobs" in mb.extras and not a.kl.in_reward:
                         kl = kl_penalty(a.kl.estimator, lp, mb.extras["ref_logprobs"].to(self.device))
                         loss = loss + a.kl.coef * aggregate(a.loss_agg, kl, m, denom=denom, norm_const=norm_const)
                         metrics["actor/kl_ref"] = masked_mean(kl.detach(), m)
