@@ -187,3 +187,69 @@ def test_lora_under_deepspeed_equals_torch(compose, tmp_path):
     for k in want:
         assert torch.allclose(ds["w"][k], want[k], atol=1e-6), k
     assert ds["m"]["loss/policy"] == pytest.approx(m["loss/policy"], rel=1e-5)
+
+
+def test_vllm_engine_runs_the_adapter_through_lora_requests(compose, monkeypatch, tmp_path):
+    """vLLM's LoRA path, driven through a recording fake of its API (the real one needs a GPU):
+    base weights at start, enable_lora with a rank vLLM accepts, one new LoRARequest per push."""
+    import types
+    from dataclasses import dataclass
+
+    from safetensors.torch import load_file
+    from test_vllm import _fake_vllm
+
+    from rlpost.models.lora import PEFT_FILE_PREFIX, adapter_state_dict
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+    from rlpost.rollout.base import SamplingParams
+
+    calls = []
+    _fake_vllm(monkeypatch, calls)
+    vllm = sys.modules["vllm"]
+    base_generate = vllm.LLM.generate
+
+    def generate(self, inputs, sps, use_tqdm=False, lora_request=None):
+        calls.append(("lora", lora_request))
+        return base_generate(self, inputs, sps, use_tqdm)
+
+    vllm.LLM.generate = generate
+    vllm.LLM.llm_engine = property(lambda self: types.SimpleNamespace(remove_lora=lambda i: calls.append(("rm", i))))
+
+    @dataclass
+    class LoRARequest:  # vllm/lora/request.py
+        lora_name: str
+        lora_int_id: int
+        lora_path: str
+
+    req_mod = types.ModuleType("vllm.lora.request")
+    req_mod.LoRARequest = LoRARequest
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", req_mod)
+
+    cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}", *LORA))
+    model, tok = load_policy(cfg.model, seed=0)
+    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    init = calls[0][1]
+    assert (init["enable_lora"], init["max_lora_rank"], init["max_loras"]) == (True, 8, 1)  # rank 4 -> vLLM's 8
+    saved = load_file(str(tmp_path / "vllm_init" / "tiny" / "model.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.weight" in saved and not any("lora" in k for k in saved)
+    eng.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert [c for c in calls if c[0] == "lora"] == [("lora", None)]  # before any push: the base model (B = 0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.5)
+    eng.sync_weights(model)
+    eng.sync_weights(model)
+    eng.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    req = [c[1] for c in calls if c[0] == "lora"][-1]
+    assert (req.lora_name, req.lora_int_id) == ("rlpost-2", 2) and ("rm", 1) in calls
+    assert not any(c[0] == "load" for c in calls)  # the base weights are never pushed
+    on_disk = load_file(str(Path(req.lora_path) / "adapter_model.safetensors"))
+    want = adapter_state_dict(model)
+    assert on_disk.keys() == {PEFT_FILE_PREFIX + k for k in want}
+    assert all(torch.equal(on_disk[PEFT_FILE_PREFIX + k], v) for k, v in want.items())
+    root = Path(req.lora_path).parent
+    assert sorted(p.name for p in root.iterdir()) == ["v000002"]  # the replaced adapter is gone from disk
+    eng.close()
+    assert not root.exists()
