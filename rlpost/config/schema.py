@@ -463,7 +463,8 @@ class EvalConfig:
         n_samples: samples per prompt for pass@k / maj@k (1 = greedy only).
         temperature: sampling temperature when n_samples > 1.
         ks: k values for pass@k.
-        checkpoint: model checkpoint directory to evaluate (rlpost eval).
+        checkpoint: model checkpoint directory to evaluate (rlpost eval); a LoRA checkpoint
+            (adapter only) is applied to this command's ``model=...`` (and ``seed`` for model=tiny).
         at_start, at_end: evaluate before the first / after the last step (both on by
             default: the closing summary reports base and final accuracy).
         batch_size: prompts generated together.
