@@ -253,3 +253,15 @@ def test_vllm_engine_runs_the_adapter_through_lora_requests(compose, monkeypatch
     assert sorted(p.name for p in root.iterdir()) == ["v000002"]  # the replaced adapter is gone from disk
     eng.close()
     assert not root.exists()
+
+
+def test_lora_with_gradient_checkpointing_gives_the_same_update(compose):
+    """Frozen embeddings give recomputed blocks an input without grad; the loader turns input grads on."""
+    plain = _trainer(compose)
+    ckpt = _trainer(compose, "model.gradient_checkpointing=true")
+    _, m0 = _update(plain)
+    _, m1 = _update(ckpt)
+    assert m1["actor/grad_norm"] > 0
+    assert m1["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-5)
+    w0, w1 = plain.policy.state_dict(), ckpt.policy.state_dict()
+    assert all(torch.allclose(w0[k], w1[k], atol=1e-6) for k in w0 if ".lora_" in k)
