@@ -96,6 +96,52 @@ def save_hf(policy, tokenizer, path: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+def save_policy(policy, tokenizer, path: Path, base_model: Optional[str] = None) -> None:
+    """Save the policy into ``path``: Hugging Face format, or for a LoRA policy only its adapter.
+
+    A LoRA policy (:func:`rlpost.models.lora.is_lora`) is written as a PEFT adapter
+    directory (``adapter_config.json`` + ``adapter_model.safetensors``, plus the
+    tokenizer): the frozen base weights are the model config's, so a checkpoint
+    holds only what training changed. Anything else: :func:`save_hf`.
+    """
+    from rlpost.models.lora import is_lora, save_adapter
+
+    if is_lora(policy):
+        save_adapter(policy, path, base_model)
+        tokenizer.save_pretrained(path)
+    else:
+        save_hf(policy, tokenizer, path)
+
+
+def export_final(policy, tokenizer, path: Path, model_cfg: Any = None) -> None:
+    """Write the run's ``final/``: the trained policy in Hugging Face format.
+
+    LoRA (``model.lora.rank > 0``): the adapter goes to ``final/adapter/`` and, with
+    ``model.lora.export_merged`` (default), the merged model ``W + (alpha/r) B A``
+    (:func:`rlpost.models.lora.merged_model`) to ``final/`` itself, loadable by
+    ``transformers.AutoModelForCausalLM.from_pretrained`` and ``rlpost eval``;
+    without it ``final/`` holds the adapter (and the tokenizer) only.
+    """
+    from rlpost.models.lora import is_lora, merged_model, save_adapter
+
+    path = Path(path)
+    if not is_lora(policy):
+        save_hf(policy, tokenizer, path)
+        return
+    base = None
+    if model_cfg is not None and str(model_cfg.source) != "tiny":
+        from rlpost.models.loader import resolve_model_dir
+
+        base = resolve_model_dir(model_cfg)
+    merged = model_cfg is None or bool(model_cfg.lora.get("export_merged", True))
+    if merged:
+        save_hf(merged_model(policy), tokenizer, path)
+        save_adapter(policy, path / "adapter", base)
+    else:
+        save_adapter(policy, path, base)
+        tokenizer.save_pretrained(path)
+
+
 def collect_states(components: Dict[str, Any]) -> Dict[str, Any]:
     """``{name: component.state_dict()}`` for every non-None component.
 
@@ -125,7 +171,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, states: Dict[st
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_hf(policy, tokenizer, tmp / "policy")
+    save_policy(policy, tokenizer, tmp / "policy")
     states = dict(states)
     torch.save(states.pop(TRAINER_KEY, {}), tmp / "trainer.pt")
     torch.save({**states, "step": step, "rng": rng_state()}, tmp / "state.pt")
@@ -141,20 +187,34 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, states: Dict[st
 def load_checkpoint(ckpt: Path, policy, components: Dict[str, Any]) -> int:
     """Load checkpoint ``ckpt`` into ``policy`` and ``components``; returns its step.
 
-    The policy weights come from ``policy/*.safetensors`` (tied embeddings re-tied),
+    The policy weights come from ``policy/*.safetensors`` (tied embeddings re-tied;
+    a LoRA policy's adapter from ``policy/adapter_model.safetensors``),
     ``trainer`` from ``trainer.pt``, every other component from its entry in
     ``state.pt`` (a component absent from an older checkpoint keeps its fresh
     state), then the global RNG states.
     """
     from safetensors.torch import load_file
 
+    from rlpost.models.lora import ADAPTER_WEIGHTS, is_adapter_dir, is_lora, load_adapter_state_dict
+
     ckpt = Path(ckpt)
-    sd: Dict[str, torch.Tensor] = {}
-    for f in sorted((ckpt / "policy").glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    policy.load_state_dict(sd, strict=False)
-    if getattr(policy.config, "tie_word_embeddings", False):
-        policy.tie_weights()
+    if is_lora(policy) != is_adapter_dir(ckpt / "policy"):
+        held, run = (("full weights", "trains LoRA (model.lora.rank > 0)") if is_lora(policy)
+                     else ("a LoRA adapter", "has model.lora.rank=0"))
+        raise RlpostError(f"{ckpt} holds {held} but this run {run}. Fix: resume with the model.lora settings of "
+                          f"the run that wrote it, or start a fresh run.")
+    if is_lora(policy):
+        try:
+            load_adapter_state_dict(policy, load_file(str(ckpt / "policy" / ADAPTER_WEIGHTS)))
+        except RuntimeError as e:
+            raise RlpostError(f"{ckpt}: {e}. Fix: resume with the same model.lora settings.") from None
+    else:
+        sd: Dict[str, torch.Tensor] = {}
+        for f in sorted((ckpt / "policy").glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+        policy.load_state_dict(sd, strict=False)
+        if getattr(policy.config, "tie_word_embeddings", False):
+            policy.tie_weights()
     state = torch.load(ckpt / "state.pt", weights_only=False)
     for name, comp in components.items():
         if comp is None:

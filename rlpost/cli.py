@@ -250,15 +250,28 @@ def eval_cmd(ctx: typer.Context) -> None:
         seed_everything(cfg.seed)
         run_dir = _run_dir()
         mcfg = cfg.model
+        adapter = None
         if cfg.eval.checkpoint:
+            from rlpost.models.lora import is_adapter_dir, read_adapter
+
             ck = Path(cfg.eval.checkpoint)
-            path = ck / "policy" if (ck / "policy" / "config.json").exists() else ck
-            if not (path / "config.json").exists():
+            path = ck / "policy" if (ck / "policy").is_dir() else ck
+            if is_adapter_dir(path) and not (path / "config.json").exists():
+                # a LoRA checkpoint holds the adapter only: the base is this command's model=..., as in training
+                settings, adapter = read_adapter(path)
+                mcfg = OmegaConf.merge(mcfg, {"lora": settings})
+            elif not (path / "config.json").exists():
                 raise RlpostError(f"eval.checkpoint={cfg.eval.checkpoint!r} holds no model (config.json). "
                                   "Fix: point it at a run's final/ or checkpoints/step_N/ directory.")
-            mcfg = OmegaConf.merge(mcfg, {"source": "hf", "path": str(path)})
+            else:
+                mcfg = OmegaConf.merge(mcfg, {"source": "hf", "path": str(path), "lora": {"rank": 0}})
         device = pick_device(cfg.device)
         policy, tok = load_policy(mcfg, seed=cfg.seed)
+        if adapter is not None:
+            from rlpost.models.lora import load_adapter_state_dict, merged_model
+
+            load_adapter_state_dict(policy, adapter)
+            policy = merged_model(policy)
         policy.to(device).eval()
         if cfg.eval.harness.tasks:  # lm-evaluation-harness tasks instead of the rlpost task's held-out split
             from rlpost.eval.harness import metric_lines, run_harness, write_results

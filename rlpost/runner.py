@@ -37,7 +37,7 @@ from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.regularizers import kl_penalty
 from rlpost.algos.validate import adv_overrides
 from rlpost.batch import RolloutBatch
-from rlpost.checkpoint import DONE_MARKER, describe_checkpoint, find_resume_checkpoint, save_checkpoint, save_hf
+from rlpost.checkpoint import DONE_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
 from rlpost.rollout.base import SamplingParams
 
 
@@ -758,7 +758,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     stages (:meth:`Run.learn`) and then the finish stages of the run graph
     (evaluate, log, checkpoint). Writes ``config.yaml``, ``metrics.jsonl``,
     checkpoints, ``eval_start.json`` (``eval.at_start``), ``eval.json``,
-    ``final/`` (the trained policy in Hugging Face format) and ``DONE``, and
+    ``final/`` (the trained policy in Hugging Face format; LoRA: merged, the adapter
+    in ``final/adapter/``, :func:`rlpost.checkpoint.export_final`) and ``DONE``, and
     logs a closing summary (:func:`rlpost.tracking.format_summary`) to the
     ``rlpost`` logger (console and ``cli.log`` under the CLI).
 
@@ -859,7 +860,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
                            f"(no checkpoint exists); the next run starts fresh")
                 raise Interrupted(msg)
             if main:
-                save_hf(run.trainer.policy, run.tokenizer, run_dir / "final")
+                export_final(run.trainer.policy, run.tokenizer, run_dir / "final", cfg.model)
                 (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
         finally:
             executor.close()

@@ -258,9 +258,6 @@ def _check_executor(cfg: DictConfig) -> None:
     check_partial(cfg)
 
 
-#: The one validation entry point's checks, by config group, in order. Closed
-#: choices (``algo.loss_agg``, ``algo.kl.estimator``, ``trainer.engine``...) are
-#: enums in :mod:`rlpost.config.schema`, so composition already rejected them.
 def _check_card(cfg: DictConfig) -> None:
     """A recipe's ``card`` (:mod:`rlpost.recipes`): every field known, every cited number sourced."""
     if cfg.get("card") is not None:
@@ -269,7 +266,18 @@ def _check_card(cfg: DictConfig) -> None:
         parse_card(cfg.card, "card")
 
 
+def _check_model(cfg: DictConfig) -> None:
+    """``model``: the LoRA settings (:func:`rlpost.models.lora.check_lora_config`)."""
+    from rlpost.models.lora import check_lora_config
+
+    check_lora_config(cfg.model)
+
+
+#: The one validation entry point's checks, by config group, in order. Closed
+#: choices (``algo.loss_agg``, ``algo.kl.estimator``, ``trainer.engine``...) are
+#: enums in :mod:`rlpost.config.schema`, so composition already rejected them.
 GROUP_CHECKS = (
+    ("model", _check_model),
     ("algo", _check_algo),
     ("precision", _check_precision),
     ("selector", _check_selector),

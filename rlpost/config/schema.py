@@ -194,6 +194,30 @@ class TinyConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models",
+    arXiv:2106.09685), through Hugging Face PEFT.
+
+    Attributes:
+        rank: adapter rank r; 0 or null turns LoRA off (full fine-tuning).
+        alpha: scaling numerator: the update is ``(alpha / rank) * B A x``.
+        dropout: dropout on the adapter input during training (0: none; rollouts and
+            log-prob passes run in eval mode either way).
+        target_modules: module names (suffixes) that get adapters, e.g. the attention
+            and MLP projections of Llama/Qwen models.
+        export_merged: ``final/`` holds the merged model in Hugging Face format (the
+            adapter beside it in ``final/adapter/``); false: ``final/`` holds only the
+            adapter.
+    """
+
+    rank: Optional[int] = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    export_merged: bool = True
+
+
+@dataclass
 class ModelConfig:
     """The policy model.
 
@@ -209,6 +233,7 @@ class ModelConfig:
             ``~/.cache/rlpost``).
         gradient_checkpointing: recompute activations in the backward pass.
         tiny: shape of the tiny model (source=tiny).
+        lora: LoRA adapters (``model.lora.rank > 0``); see :class:`LoraConfig`.
     """
 
     name: str = "smollm2-135m"
@@ -219,6 +244,7 @@ class ModelConfig:
     cache_dir: Optional[str] = None
     gradient_checkpointing: bool = False
     tiny: TinyConfig = field(default_factory=TinyConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -474,7 +500,8 @@ class EvalConfig:
         n_samples: samples per prompt for pass@k / maj@k (1 = greedy only).
         temperature: sampling temperature when n_samples > 1.
         ks: k values for pass@k.
-        checkpoint: model checkpoint directory to evaluate (rlpost eval).
+        checkpoint: model checkpoint directory to evaluate (rlpost eval); a LoRA checkpoint
+            (adapter only) is applied to this command's ``model=...`` (and ``seed`` for model=tiny).
         at_start, at_end: evaluate before the first / after the last step (both on by
             default: the closing summary reports base and final accuracy).
         batch_size: prompts generated together.

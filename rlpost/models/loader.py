@@ -144,6 +144,9 @@ def load_model(model_cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0
 
     ``model.source=tiny`` builds a random model of the Llama family with the
     default model's vocabulary, shaped by ``model.tiny``, seeded by ``seed``.
+    With ``model.lora.rank > 0`` PEFT LoRA adapters are injected in place
+    (:func:`rlpost.models.lora.apply_lora`): the base weights are frozen and only
+    the adapters require grad; their random initialisation is seeded by ``seed``.
 
     Raises:
         ModelLoadError: the model cannot be found or loaded.
@@ -179,6 +182,14 @@ def load_model(model_cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0
     model.config.use_cache = True
     if getattr(model_cfg, "gradient_checkpointing", False):
         model.gradient_checkpointing_enable()
+    from rlpost.models.lora import apply_lora, lora_rank
+
+    if lora_rank(model_cfg) > 0:
+        with torch.random.fork_rng():  # adapter A matrices are random: seeded, so every rank/run draws the same
+            torch.manual_seed(seed)
+            model = apply_lora(model, model_cfg.lora)  # in place: only adapter parameters require grad
+        if getattr(model_cfg, "gradient_checkpointing", False):
+            model.enable_input_require_grads()  # frozen embeddings: recomputed blocks still need an input with grad
     return model
 
 

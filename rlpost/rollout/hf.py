@@ -110,7 +110,8 @@ class HFRolloutEngine(RolloutEngine):
     """Generation with a transformers causal LM on CPU or one GPU.
 
     Args:
-        model: the policy (shared with the trainer when ``share_weights``).
+        model: the policy (shared with the trainer when ``share_weights``; a LoRA policy
+            then runs with its adapters unmerged, otherwise the copy holds merged weights).
         tokenizer: its tokenizer (EOS ends a sequence).
         batch_size: sequences decoded together; larger requests are split.
         share_weights: use the trainer's module directly (same dtype, no copy);
@@ -155,7 +156,10 @@ class HFRolloutEngine(RolloutEngine):
             self.model = self._make_copy(model)
 
     def _make_copy(self, model: torch.nn.Module) -> torch.nn.Module:
-        m = copy.deepcopy(model)
+        from rlpost.models.lora import is_lora, merged_model
+
+        # LoRA: a plain model holding the merged weights W + (alpha/r) B A (no adapter matmuls per token)
+        m = merged_model(model) if is_lora(model) else copy.deepcopy(model)
         if getattr(m, "is_gradient_checkpointing", False):
             m.gradient_checkpointing_disable()
         if self.convert is not None:
@@ -164,12 +168,18 @@ class HFRolloutEngine(RolloutEngine):
         return m.eval()
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        """Refresh the private copy from ``policy`` (no-op when weights are shared)."""
+        """Refresh the private copy from ``policy`` (no-op when weights are shared).
+
+        A LoRA policy is merged on the push (:func:`rlpost.models.lora.merged_state_dict`):
+        the copy is a plain model with ``W + (alpha/r) B A`` in each adapted layer.
+        """
+        from rlpost.models.lora import is_lora, merged_state_dict
+
         if self.share_weights:
             return
         if self.convert is None or getattr(self.convert, "dtype_cast", False):
             # a plain copy or a dtype cast: copy_ rounds exactly as .to(dtype) does, no rebuild
-            self.model.load_state_dict(policy.state_dict())
+            self.model.load_state_dict(merged_state_dict(policy) if is_lora(policy) else policy.state_dict())
         else:
             # Conversions (quantization) are not invertible: rebuild from the source weights.
             self.model = self._make_copy(policy)

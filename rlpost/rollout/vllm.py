@@ -38,6 +38,16 @@ passed by reference, never serialised):
   ``gpu_model_runner.py``), which restores checkpoint-format parameters, loads,
   and re-runs the quantisation processing (new scales).
 
+LoRA (``model.lora.rank > 0``): vLLM's own LoRA support instead of merged
+weights. The engine starts from the frozen base weights with ``enable_lora=True``
+(``max_lora_rank`` the smallest rank vLLM accepts that holds ``model.lora.rank``:
+``MaxLoRARanks`` in ``vllm/config/lora.py``, ``max_loras=1``); each push writes
+the adapter (a few MB; PEFT's file layout, :func:`rlpost.models.lora.save_adapter`)
+to a fresh directory and the next ``LLM.generate(..., lora_request=LoRARequest(name,
+int_id, path))`` (``vllm/lora/request.py``) runs with it. Every push gets a new
+``lora_int_id`` (vLLM caches adapters by id) and the previous one is dropped with
+``LLMEngine.remove_lora``. The base weights never change, so nothing else moves.
+
 Between rollouts the engine sleeps (``enable_sleep_mode``; ``LLM.sleep(level=1)``
 offloads weights and frees the KV cache, ``wake_up(tags=["weights"])`` before
 loading new weights, then ``wake_up(tags=["kv_cache"])``; ``Worker.sleep`` /
@@ -289,7 +299,9 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, An
     ``quantization="fp8"``, dynamic scales); ``max_model_len`` from
     ``rollout.max_model_len`` (null: the model's own limit, which for an 8B model's
     40k-token context makes vLLM reserve KV cache for one such sequence);
-    ``gpu_memory_utilization`` and ``enforce_eager`` from ``rollout``; sleep mode on
+    ``gpu_memory_utilization`` and ``enforce_eager`` from ``rollout``; with
+    ``model.lora.rank > 0``, ``enable_lora`` and ``max_lora_rank`` (the smallest of
+    :data:`VLLM_LORA_RANKS` holding the rank; ``max_loras=1``); sleep mode on
     (colocated); ``max_num_seqs`` = ``rollout.batch_size``. With ``world_size > 1``
     (torchrun ranks), ``distributed_executor_backend="external_launcher"``: one
     engine per rank on that rank's current device (vLLM's
@@ -297,7 +309,7 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, An
     seeds each request itself).
 
     Raises:
-        RlpostError: an unsupported rollout dtype.
+        RlpostError: an unsupported rollout dtype; a LoRA rank above 512.
     """
     rd = cfg.precision.rollout_dtype
     if rd not in VLLMRolloutEngine.DTYPES:
@@ -315,9 +327,22 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, An
         kw["max_model_len"] = int(mml)
     if rd == "fp8":
         kw["quantization"] = "fp8"
+    from rlpost.models.lora import lora_rank
+
+    r_lora = lora_rank(cfg.model)
+    if r_lora > 0:
+        fits = [r for r in VLLM_LORA_RANKS if r >= r_lora]
+        if not fits:
+            raise RlpostError(f"model.lora.rank={r_lora} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}. "
+                              f"Fix: model.lora.rank<={VLLM_LORA_RANKS[-1]}, or rollout=hf (merged weights).")
+        kw.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
     if world_size > 1:
         kw["distributed_executor_backend"] = "external_launcher"
     return kw
+
+
+# ranks vLLM's LoRAConfig accepts for max_lora_rank (``MaxLoRARanks``, vllm/config/lora.py)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _fp8_reload_supported() -> bool:
@@ -374,20 +399,29 @@ class VLLMRolloutEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.tie = bool(getattr(policy.config, "tie_word_embeddings", False))
+        from rlpost.models.lora import is_lora
+
+        self.lora = is_lora(policy)
         path = self._init_dir(cfg, policy, tokenizer)
         self.llm = vllm.LLM(**engine_kwargs(cfg, str(path), world_size))
         self._SamplingParams = vllm.SamplingParams
         self.sleeping: set = set()  # which of {"weights", "kv_cache"} are offloaded
         self._in_session = 0  # > 0: inside session(): stay awake between generate calls (prefix cache kept)
         self.last_cached_tokens: Optional[int] = None  # prompt tokens vLLM served from its prefix cache in the last call
+        self.lora_request = None  # LoRA: the adapter of the latest push (None: the base model, B = 0 at start)
+        self._lora_root: Optional[Path] = None
+        self._lora_pushes = 0
 
     @staticmethod
     def _init_dir(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Path:
         root = Path(cfg.model.cache_dir or os.environ.get("RLPOST_CACHE", Path.home() / ".cache" / "rlpost"))
         path = root / "vllm_init" / str(cfg.model.name)
         if not (path / "config.json").exists():
+            from rlpost.models.lora import is_lora, merged_model
+
             path.mkdir(parents=True, exist_ok=True)
-            policy.save_pretrained(path)
+            # LoRA: the frozen base weights (plain HF names); the adapter travels per request
+            (merged_model(policy, with_adapters=False) if is_lora(policy) else policy).save_pretrained(path)
             tokenizer.save_pretrained(path)
         return path
 
@@ -406,7 +440,8 @@ class VLLMRolloutEngine(RolloutEngine):
         inputs, kws = build_requests(prompts, params)
         self._wake("weights")
         self._wake("kv_cache")
-        outs = self.llm.generate(inputs, [self._SamplingParams(**k) for k in kws], use_tqdm=False)
+        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        outs = self.llm.generate(inputs, [self._SamplingParams(**k) for k in kws], use_tqdm=False, **extra)
         cached = [getattr(o, "num_cached_tokens", None) for o in outs]
         self.last_cached_tokens = None if any(c is None for c in cached) else int(sum(cached))
         if not self._in_session:
@@ -442,7 +477,16 @@ class VLLMRolloutEngine(RolloutEngine):
         "is_checkpoint_format": True})`` so vLLM restores checkpoint-format
         parameters, loads, and recomputes the fp8 weights and scales (module
         docstring). The worker is in this process, so ``items`` travel by reference.
+        A LoRA policy pushes only its adapter (:meth:`_push_adapter`).
+
+        Raises:
+            RlpostError: a LoRA engine given ``(name, tensor)`` pairs instead of the module.
         """
+        if self.lora:
+            if not isinstance(policy, torch.nn.Module):
+                raise RlpostError("rollout=vllm with LoRA pushes the adapter of the policy module, not weight pairs.")
+            self._push_adapter(policy)
+            return
         self._wake("weights")
         state = policy.state_dict() if isinstance(policy, torch.nn.Module) else policy
         items = vllm_weight_items(state, self.tie)
@@ -453,6 +497,32 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.apply_model(lambda model: model.load_weights(items))
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' KV values
 
+    def _push_adapter(self, policy: torch.nn.Module) -> None:
+        """Write the current adapter to a new directory and point the next generations at it.
+
+        A new ``LoRARequest(f"rlpost-{k}", k, dir)`` per push (vLLM caches adapters by
+        ``lora_int_id``); the previous adapter is removed from vLLM
+        (``llm_engine.remove_lora``) and from disk.
+        """
+        import shutil
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        from rlpost.models.lora import save_adapter
+
+        if self._lora_root is None:
+            self._lora_root = Path(tempfile.mkdtemp(prefix="rlpost_lora_"))
+        self._lora_pushes += 1
+        k = self._lora_pushes
+        path = save_adapter(policy, self._lora_root / f"v{k:06d}")
+        old, self.lora_request = self.lora_request, LoRARequest(f"rlpost-{k}", k, str(path))
+        if old is not None:
+            remove = getattr(getattr(self.llm, "llm_engine", None), "remove_lora", None)
+            if remove is not None:
+                remove(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
     def sleep(self) -> None:
         """Release the KV cache and offload weights so the trainer can use the GPU memory."""
         if not self.sleeping:
@@ -460,5 +530,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self.sleeping = {"weights", "kv_cache"}
 
     def close(self) -> None:
-        """Drop the engine (frees GPU memory)."""
+        """Drop the engine (frees GPU memory) and any pushed LoRA adapters on disk."""
         self.llm = None
+        if self._lora_root is not None:
+            import shutil
+
+            shutil.rmtree(self._lora_root, ignore_errors=True)

@@ -181,8 +181,13 @@ class TorchTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(self.tcfg.lr_schedule, self.tcfg.warmup_steps, total)
         )
+        from rlpost.models.lora import is_lora
+
+        # LoRA: the optimizer holds only the adapters (the only parameters requiring grad), and the KL
+        # reference is the same module with its adapters disabled (no second copy of the weights).
+        self.lora = is_lora(self.policy)
         self.ref: Optional[torch.nn.Module] = None
-        if self.algo.kl.coef > 0:
+        if self.algo.kl.coef > 0 and not self.lora:
             import copy
 
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -275,17 +280,33 @@ class TorchTrainer:
                 attn.to(self.device),
             )
 
+    @property
+    def has_ref(self) -> bool:
+        """Whether a KL reference policy exists: a frozen copy, or (LoRA) the base model under the adapters."""
+        return self.ref is not None or (self.lora and self.algo.kl.coef > 0)
+
     # -------------------------------------------------------- no-grad passes
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch, which: str = "policy", with_entropy: bool = False):
-        """Log-probs ``[B, R]`` (and entropy) of the batch's responses under ``policy`` or ``ref``."""
-        model = self.policy if which == "policy" else self.ref
-        if model is None:
+        """Log-probs ``[B, R]`` (and entropy) of the batch's responses under ``policy`` or ``ref``.
+
+        With LoRA the reference is the policy module with its adapters disabled
+        (:func:`rlpost.models.lora.adapters_disabled`): exactly the base model's log-probs.
+
+        Raises:
+            ValueError: ``which="ref"`` without a reference policy (``algo.kl.coef == 0``).
+        """
+        from rlpost.models.lora import adapters_disabled
+
+        if which != "policy" and not self.has_ref:
             raise ValueError(f"no {which} model (set algo.kl.coef > 0 for a reference model)")
+        model = self.policy if (which == "policy" or self.ref is None) else self.ref
+        base = adapters_disabled(model) if (which != "policy" and self.ref is None) else nullcontext()
         was = model.training
         model.eval()
         B, R = len(batch), batch.response_ids.shape[1]
         lps, ents = torch.zeros(B, R), None
+        base.__enter__()
         try:
             for rows, mb in self._split(batch):
                 lp, ent = self._logprobs(model, mb, with_entropy)
@@ -295,6 +316,7 @@ class TorchTrainer:
                     ents = torch.zeros(B, R) if ents is None else ents
                     ents[idx, : ent.shape[1]] = ent.float().cpu()
         finally:
+            base.__exit__(None, None, None)
             model.train(was)
         return lps, ents
 
@@ -527,7 +549,7 @@ class TorchTrainer:
                     n_agg = agg_count(a.loss_agg, m)
                     acc.add({"loss/policy": loss.detach() * (max(denom, 1.0) / max(n_agg, 1.0))}, n_agg)
                     metrics: Dict[str, Any] = {}
-                    if self.ref is not None and "ref_logprobs" in mb.extras and not a.kl.in_reward:
+                    if self.has_ref and "ref_logprobs" in mb.extras and not a.kl.in_reward:
                         kl = kl_penalty(a.kl.estimator, lp, mb.extras["ref_logprobs"].to(self.device))
                         loss = loss + a.kl.coef * aggregate(a.loss_agg, kl, m, denom=denom, norm_const=norm_const)
                         metrics["actor/kl_ref"] = masked_mean(kl.detach(), m)
