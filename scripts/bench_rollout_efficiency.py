@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's rlpost, not an installed one
 
 from bench_sampling import _root, run_dir_of, run_entry  # noqa: E402
 
