@@ -146,14 +146,16 @@ def response_distributions(
     outs = []
     if chunk <= 0:
         V = int(getattr(getattr(model, "config", None), "vocab_size", 50000))
-        chunk = max(1, 2**25 // max(1, (P + R) * V))
+        chunk = max(1, 2**25 // max(1, (R + 1) * V))
     try:
         for s in range(0, prompt_ids.shape[0], chunk):
             sl = slice(s, s + chunk)
             attn_r = torch.ones_like(response_mask[sl]).long()  # causal: later tokens never affect earlier positions
             ids, attn, pos = build_inputs(prompt_ids[sl], prompt_mask[sl], response_ids[sl], attn_r)
-            logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev)).logits
-            lg = logits[:, P - 1 : P + R - 1].float().cpu() / float(temperature)
+            # only the positions that predict response tokens go through the LM head
+            logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
+                           logits_to_keep=R + 1).logits
+            lg = logits[:, :R].float().cpu() / float(temperature)
             lg = apply_top_k_top_p(lg.reshape(-1, lg.shape[-1]), top_k, top_p).reshape(lg.shape)
             outs.append(torch.softmax(lg, -1))
     finally:
