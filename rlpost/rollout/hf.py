@@ -140,6 +140,10 @@ class HFRolloutEngine(RolloutEngine):
     ) -> None:
         self.tokenizer = tokenizer
         self.compact = compact
+        # when a list: one entry per model forward of generate(), naming the rows (and, for decode
+        # steps, the response position) it covers; rlpost.models.moe_replay records routes with it
+        self.forward_log: Optional[list] = None
+        self._row_offset = 0
         self.batch_size = max(1, int(batch_size))
         self.share_weights = share_weights
         self.convert = convert
@@ -199,11 +203,11 @@ class HFRolloutEngine(RolloutEngine):
         if params.seed is not None:  # one stream per row: seed + row_offset + row (see SamplingParams)
             base = int(params.seed) + int(params.row_offset)
             seeds = torch.tensor([_wrap64(base + i) for i in range(len(prompts))], dtype=torch.int64)
-        parts = [
-            self._generate_batch(prompts[i : i + self.batch_size], params,
-                                 None if seeds is None else seeds[i : i + self.batch_size])
-            for i in range(0, len(prompts), self.batch_size)
-        ]
+        parts = []
+        for i in range(0, len(prompts), self.batch_size):
+            self._row_offset = i  # rows of this call covered by the batch (forward_log, MoE route recording)
+            parts.append(self._generate_batch(prompts[i : i + self.batch_size], params,
+                                              None if seeds is None else seeds[i : i + self.batch_size]))
         return concat_generations(parts, self.pad_id)
 
     def _stop_hit(self, tokens: List[int], stop: List[str]) -> bool:
@@ -226,6 +230,8 @@ class HFRolloutEngine(RolloutEngine):
             uniq: dict = {}
             inverse = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], dtype=torch.long)
             first = torch.tensor([inverse.tolist().index(u) for u in range(len(uniq))], dtype=torch.long)
+            if self.forward_log is not None:  # which rows / positions each forward covers (MoE route recording)
+                self.forward_log.append(("prefill", self._row_offset, first.clone(), inverse.clone(), ids.shape[1]))
             out = model(
                 input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first],
                 use_cache=True, logits_to_keep=1, **{_CACHE_KW: None},
@@ -292,6 +298,8 @@ class HFRolloutEngine(RolloutEngine):
                     kd = keep.to(mask.device)
                     rows, tok, mask, next_pos = rows[keep], tok[keep], mask[kd], next_pos[kd]
                 mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=mask.device)], dim=1)
+                if self.forward_log is not None:
+                    self.forward_log.append(("decode", self._row_offset, rows.clone(), t, ids.shape[1]))
                 out = model(
                     input_ids=tok[:, None].to(self.device),
                     attention_mask=mask,

@@ -18,6 +18,10 @@ engine's private copy of the policy:
   as in the OCP microscaling MXFP4 format (block 32); we keep the block scale
   in fp32 rather than MX's power-of-two e8m0, a documented simplification.
 
+* ``fp4_w4a4_sim`` and its compensated forms: fp4 weights as ``fp4_sim`` and fp4
+  *activations* too (W4A4, the case where QUADS and Rollout-ResQ find the
+  rollout-trainer gap comes from); see :func:`w4a4_activation`.
+
 Only the decoder's linear layers are converted; embeddings, norms and the LM
 head stay in fp32, as fp8 inference engines (vLLM) keep ``lm_head`` unquantized.
 
@@ -30,6 +34,7 @@ log-probs with the trainer's for the same tokens: the quantity behind
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict
 
 import torch
@@ -118,10 +123,78 @@ def _int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+#: QUADS residual activation compensation: share of a layer's input channels kept at full precision (our choice)
+QUADS_CHANNEL_FRACTION = 1.0 / 32
+#: Rollout-ResQ sparse residual: one residual entry kept per group of this many inputs of a token (our choice)
+RESQ_GROUP = 16
+
+
+def w4a4_activation(x: torch.Tensor, compensation: str = "none", block: int = FP4_BLOCK) -> torch.Tensor:
+    """The activation a simulated W4A4 matmul multiplies: ``x`` ``[..., in]`` fake-quantized to fp4 e2m1.
+
+    Blocks of ``block`` consecutive inputs of each token share a scale (as the
+    weights do). ``compensation`` adds back part of the residual ``e = x - Q(x)``:
+
+    * ``none``: ``Q(x)`` (plain W4A4).
+    * ``quads``: QUADS residual activation compensation ("QUADS: QUantization-error
+      Alignment across Dual Sides", NVFP4 MoE RL; abstract: "corrects high-error
+      activation channels while preserving native W4A4 GEMMs"): ``e`` is added on
+      the ``ceil(in / 32)`` input channels with the largest mean ``|e|`` over the
+      call's tokens, i.e. ``y = Q(x) Q(W)^T + e[:, C] Q(W)[:, C]^T``. How the paper picks
+      the channels is not in the abstract; the per-call choice is ours.
+    * ``resq``: Rollout-ResQ sparse residual (end-to-end FP4 RL with HiF4; abstract:
+      "a single residual correction term constrained to a hardware-friendly sparsity
+      pattern, added only to the FP4 rollout matmul"): in every group of 16
+      consecutive inputs of a token the one entry with the largest ``|e|`` is
+      added back (1:16 structured sparsity, our choice of pattern).
+
+    Returns a tensor of ``x``'s shape and dtype.
+
+    Raises:
+        ValueError: unknown ``compensation``.
+    """
+    shape = x.shape
+    xf = x.detach().float().reshape(-1, shape[-1])
+    q = fake_quant_fp4_e2m1(xf, block)
+    if compensation == "none":
+        out = q
+    elif compensation == "quads":
+        e = xf - q
+        n = max(1, int(math.ceil(shape[-1] * QUADS_CHANNEL_FRACTION)))
+        ch = e.abs().mean(0).topk(n).indices
+        out = q.clone()
+        out[:, ch] += e[:, ch]
+    elif compensation == "resq":
+        e = xf - q
+        pad = (-shape[-1]) % RESQ_GROUP
+        ep = torch.nn.functional.pad(e, (0, pad)).reshape(e.shape[0], -1, RESQ_GROUP)
+        keep = torch.zeros_like(ep).scatter_(-1, ep.abs().argmax(-1, keepdim=True), 1.0)
+        out = q + (ep * keep).reshape(e.shape[0], -1)[:, : shape[-1]]
+    else:
+        raise ValueError(f"unknown activation compensation {compensation!r}; valid: none, quads, resq")
+    return out.reshape(shape).to(x.dtype)
+
+
+def _w4a4_converter(compensation: str) -> Converter:
+    """fp4 weights (as ``fp4_sim``) plus fp4 activations on every decoder linear (forward pre-hook)."""
+
+    def convert(model: torch.nn.Module) -> torch.nn.Module:
+        with torch.no_grad():
+            for _, lin in _decoder_linears(model):
+                lin.weight.copy_(fake_quant_fp4_e2m1(lin.weight))
+                lin.register_forward_pre_hook(lambda mod, args: (w4a4_activation(args[0], compensation),) + tuple(args[1:]))
+        return model
+
+    return convert
+
+
 ROLLOUT_CONVERTERS: Dict[str, Converter] = {
     "int8": _int8_dynamic,
     "fp8_sim": _fake_quant_converter(fake_quant_fp8_e4m3),
     "fp4_sim": _fake_quant_converter(fake_quant_fp4_e2m1),
+    "fp4_w4a4_sim": _w4a4_converter("none"),
+    "fp4_w4a4_quads_sim": _w4a4_converter("quads"),
+    "fp4_w4a4_resq_sim": _w4a4_converter("resq"),
 }
 
 
@@ -130,7 +203,10 @@ def rollout_converter(name: str) -> Converter:
 
     Args:
         name: ``int8`` (CPU dynamic quantization), ``fp8_sim`` (e4m3 weight
-            fake-quantization), ``fp4_sim`` (e2m1 block fake-quantization).
+            fake-quantization), ``fp4_sim`` (e2m1 block fake-quantization of the weights),
+            ``fp4_w4a4_sim`` (fp4 weights and activations), ``fp4_w4a4_quads_sim`` /
+            ``fp4_w4a4_resq_sim`` (W4A4 with QUADS channel / Rollout-ResQ sparse residual
+            compensation, :func:`w4a4_activation`).
             ``fp32``/``bf16``/``fp16`` are plain casts handled by
             :func:`rlpost.rollout.build_engine`; ``fp8`` is real fp8 in vLLM
             (``rollout=vllm``).

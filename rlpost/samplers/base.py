@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +44,9 @@ class SampleResult:
         prompt_position: ``[B]`` long position of each row's prompt when
             ``group_index`` is a finer grouping than "same prompt" (3PO's
             per-parameter-sample groups); None means ``group_index`` is it.
+        dropped: ``(prompt position, rewards)`` of scored rows a pruning sampler left
+            out of the batch (D3S); the driver adds them to the selector's
+            observations so pruning never hides a group's outcome.
     """
 
     generation: GenerationResult
@@ -53,6 +56,7 @@ class SampleResult:
     metrics: Dict[str, float] = field(default_factory=dict)
     rewards: Optional[torch.Tensor] = None
     prompt_position: Optional[torch.Tensor] = None
+    dropped: List[Tuple[int, List[float]]] = field(default_factory=list)
 
     def positions(self) -> torch.Tensor:
         """``[B]`` position of each row's prompt in the step's prompt list."""
@@ -143,6 +147,7 @@ def merge_results(parts: Sequence[SampleResult], pad_id: int = 0) -> SampleResul
         metrics={},
         rewards=rewards,
         prompt_position=pp,
+        dropped=[d for p in parts for d in p.dropped],
     )
 
 

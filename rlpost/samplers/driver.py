@@ -229,14 +229,18 @@ def collect_rollouts(
         if hint_text is not None:  # the batch's texts are whole answers: hint + completion
             res.generation.texts = [hint_text[int(g)] + t for g, t in zip(pos, res.generation.texts)]
         keep_rows: List[int] = []
+        left_out: Dict[int, List[float]] = {}  # scored rows a pruning sampler kept out of the batch
+        for p_, rs in res.dropped:
+            left_out.setdefault(int(p_), []).extend(float(x) for x in rs)
         for g, rows in _groups(res).items():
             r = res.rewards[rows].tolist()
-            observed.append((cur[int(pos[rows[0]])], r))
+            observed.append((cur[int(pos[rows[0]])], r + left_out.pop(int(pos[rows[0]]), [])))
             if filters and (n_kept >= target or not selector.keep_group(r)):
                 dropped += 1 if n_kept < target else 0
                 continue
             n_kept += 1
             keep_rows.extend(rows)
+        observed.extend((cur[p_], rs) for p_, rs in left_out.items())  # groups pruned whole: still observed
         keep_rows.sort()
         if filters and not keep_rows and not kept_parts:
             # remember the first groups of this round in case every round is filtered out
