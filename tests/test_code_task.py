@@ -93,3 +93,20 @@ def test_bad_sandbox_keys_are_config_errors():
     cfg = compose_config(["task=humaneval", "+task.params.sandbox.wal_s=3"])
     with pytest.raises(ConfigError, match="wal_s"):
         HumanEvalTask(cfg.task)
+
+
+@pytest.mark.parametrize("env", [None, "python"])
+def test_one_training_step_on_humaneval_single_turn_and_with_the_python_tool(compose, tmp_path, env):
+    import json
+
+    from rlpost.runner import train
+    from tests.conftest import tiny_overrides
+
+    extra = [f"env={env}", "sampler.params.max_total_tokens=40"] if env else []
+    cfg = compose(tiny_overrides("task=humaneval", "steps=1", "eval.limit=2", "eval.at_start=false", "checkpoint.every=0",
+                                 "rollout.max_new_tokens=16", *extra))
+    train(cfg, tmp_path / "run")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    m = next(r for r in rows if "reward/verifier_calls" in r)
+    assert m["reward/verifier_calls"] > 0 and m["reward/mean"] == 0.0  # random weights write no passing code
+    assert ("episode/turns_mean" in m) == bool(env)
