@@ -281,6 +281,12 @@ class EpisodeSampler(Sampler):
                                torch.tensor([e.finished for e in eps], dtype=torch.bool), [e.final_text for e in eps])
         f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
         extras = {"episode_turns": f([e.turns for e in eps]), "episode_tool_calls": f([e.tool_calls for e in eps])}
+        # the trainer and the critic attend to every real response token, environment text included (their
+        # default, the loss mask, would hide the tool results the model saw when it sampled the next turn)
+        attn = torch.zeros(B, R, dtype=torch.long)
+        for i, e in enumerate(eps):
+            attn[i, : len(e.ids)] = 1
+        extras["response_attn"] = attn
         n_calls = sum(e.tool_calls for e in eps)
         metrics = {
             "episode/turns_mean": float(sum(e.turns for e in eps) / B),
