@@ -17,7 +17,7 @@ turns' tokens (the prompt and the environment's tokens carry none, as in RL).
 
 Usage (writes a Hugging Face model directory, then RL starts from it)::
 
-    python -m rlpost.warmstart --out DIR --steps 24 -- +recipe=agent_multiply_grpo
+    python -m rlpost.warmstart --out DIR -- +recipe=agent_multiply_grpo      # 10 steps x 4, lr 2e-4
     rlpost train +recipe=agent_multiply_grpo model.source=hf model.path=DIR
 """
 
