@@ -217,4 +217,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from rlpost.errors import DataError
+
+    try:
+        main()
+    except (ConfigError, DataError) as e:  # bad input: one line and exit status 2, as rlpost's CLI does
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
