@@ -41,7 +41,8 @@ class GymnasiumEnv(Env):
             import gymnasium
         except ImportError:
             raise ConfigError("sampler.params.env=gymnasium needs the gymnasium package: pip install gymnasium") from None
-        self.env = gymnasium.make(env_id, render_mode="ansi", **dict(env_kwargs or {}))
+        self.env_id, self.env_kwargs = env_id, dict(env_kwargs or {})
+        self.env = gymnasium.make(env_id, render_mode="ansi", **self.env_kwargs)
         n = getattr(self.env.action_space, "n", None)
         if n is None:
             raise ConfigError(f"gymnasium env {env_id} has a non-Discrete action space; only Discrete is supported")
@@ -57,7 +58,16 @@ class GymnasiumEnv(Env):
         return _ANSI.sub("", txt).strip("\n") if isinstance(txt, str) and txt.strip() else f"Observation: {obs}"
 
     def reset(self, example: Any) -> Optional[str]:
-        """Reset with seed ``example.index`` (reproducible per prompt); returns the rendered state and the action format."""
+        """Reset with seed ``example.index`` (reproducible per prompt); returns the rendered state and the action format.
+
+        ``example.meta['env_kwargs']``, when present, are ``gymnasium.make`` arguments of this
+        example's game over ``env_kwargs`` (``task=frozenlake`` gives each example its own board).
+        """
+        import gymnasium
+
+        kw = (getattr(example, "meta", None) or {}).get("env_kwargs")
+        if kw:
+            self.env = gymnasium.make(self.env_id, render_mode="ansi", **{**self.env_kwargs, **dict(kw)})
         obs, _ = self.env.reset(seed=int(getattr(example, "index", 0)))
         return f"{self._observe(obs)}\n{self.instructions}"
 
