@@ -35,7 +35,7 @@ def tokens(run_dir: Path) -> dict:
     gen = sum(r.get("sampler/generated_tokens", r.get("throughput/rollout_tokens_per_s", 0.0) * r.get("time/rollout_s", 0.0))
               for r in rows)
     extra = {k: sum(r.get(k, 0.0) for r in rows) for k in ("sampler/accepted_tokens", "sampler/draft_tokens",
-                                                             "sampler/pruned", "sampler/full_reuse")}
+                                                             "sampler/pruned", "sampler/pruned_unscored", "sampler/full_reuse")}
     return {"batch_tokens": batch, "generated": gen, "rollout_s": sum(r.get("time/rollout_s", 0.0) for r in rows),
             "update_s": sum(r.get("time/update_s", 0.0) for r in rows), **extra}
 

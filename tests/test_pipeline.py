@@ -48,7 +48,8 @@ def _samplers():
 def test_each_rollout_is_scored_exactly_once_for_every_sampler(compose, tmp_path, sampler):
     extra = [f"sampler={sampler}"]
     m, calls, c, _ = _one_step(compose, tmp_path, *extra)
-    generated = int(m["rollout/spent"]) - int(m.get("sampler/branches_pruned", 0))  # pruned branches are never scored
+    # tree's pruned branches and arrol's rows cut at prune_at are never scored
+    generated = int(m["rollout/spent"]) - int(m.get("sampler/branches_pruned", 0)) - int(m.get("sampler/pruned_unscored", 0))
     assert calls == generated > 0
     assert m["reward/verifier_calls"] == calls
     assert c.batch.rewards.shape[0] == int(m["rollout/batch_rows"])

@@ -109,7 +109,7 @@ def test_arrol_prunes_after_prefix_keeps_groups_and_learns_the_head():
     total_gen = 0
     for step in range(1, 6):
         r = s.sample(eng, prompts, SamplingParams(max_new_tokens=10, seed=step), SamplerContext(score=sc, step=step))
-        assert r.rollouts_spent == 32 and r.metrics["sampler/pruned"] == 16
+        assert r.rollouts_spent == 32 and r.metrics["sampler/pruned_unscored"] == 16
         for g in range(4):  # no group lost
             assert int((r.group_index == g).sum()) == 4
         # kept rows are whole responses: the prefix then the continuation, loss on all of it

@@ -16,7 +16,7 @@
 Neither ever removes a whole group: every prompt keeps at least ``min_keep`` rows
 (2, so a group-relative advantage exists). D3S's left-out rows were scored, and
 their rewards go to the selector through :attr:`SampleResult.dropped`; arrol's
-pruned rows were never finished or scored, and are counted in ``sampler/pruned``.
+pruned rows were never finished or scored, and are counted in ``sampler/pruned_unscored``.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class ArrolSampler(Sampler):
        kept rows (pruned rows have no label).
 
     Saves the tokens pruned rollouts would have generated after ``prune_at``.
-    Metrics: ``sampler/pruned``, ``sampler/generated_tokens``,
+    Metrics: ``sampler/pruned_unscored`` (rows cut at ``prune_at``, never scored), ``sampler/generated_tokens``,
     ``sampler/head_acc`` (head accuracy on this step's kept rows, before its update).
 
     Raises:
@@ -334,7 +334,7 @@ class ArrolSampler(Sampler):
         kf = feats[keep]
         acc = float(((self.predict(kf) >= 0.5).float() == y).float().mean()) if self.labelled else float("nan")
         self.fit(kf, y)
-        res.metrics = {"sampler/pruned": float(len(gi) - len(keep)), "sampler/generated_tokens": float(generated)}
+        res.metrics = {"sampler/pruned_unscored": float(len(gi) - len(keep)), "sampler/generated_tokens": float(generated)}
         if not math.isnan(acc):
             res.metrics["sampler/head_acc"] = acc
         return res
