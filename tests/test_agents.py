@@ -305,6 +305,12 @@ def test_held_out_evaluation_runs_episodes_and_branching_partial_rollouts_are_re
         run.close()
     assert res["n"] == 3 and len(res["records"]) == 3 and 0 <= m["eval/accuracy"] <= 1
     assert "eval/multiply/tool_call_frac" in m and m["eval/multiply/turns_mean"] >= 1
+    # the same bootstrap CI as single-turn evaluation, over the episodes' correct flags
+    from rlpost.eval.stats import bootstrap_ci
+
+    ci = bootstrap_ci([float(r["correct"]) for r in res["records"]], n_boot=1000, seed=run.cfg.seed)
+    assert (res["ci_low"], res["ci_high"]) == (ci["ci_low"], ci["ci_high"])
+    assert res["ci_low"] <= res["accuracy"] <= res["ci_high"]
     with pytest.raises(ConfigError, match="without branching"):
         Run(compose(tiny_overrides("env=calculator", "executor.partial_rollout=true", "sampler.params.branching=arpo")),
             tmp_path / "p")

@@ -19,7 +19,8 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
     decoding and ``eval.max_new_tokens`` per turn; no transcripts are written.
 
     Returns:
-        ``{"accuracy", "n", "tool_call_frac", "turns_mean", "truncated_frac", "records"}``:
+        ``{"n", "accuracy", "accuracy_ci_low", "accuracy_ci_high", "ci_low", "ci_high",
+        "tool_call_frac", "turns_mean", "truncated_frac", "records"}`` (95% bootstrap CI over problems):
         ``accuracy`` is the share of episodes whose final answer the verifier scores > 0.5
         (or, with ``env_reward_weight`` set, whose total reward is > 0.5); ``records`` one
         dict per problem (index, final text, turns, tool calls, correct).
@@ -58,8 +59,14 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
             trunc.append((~g.finished).float())
     finally:
         sampler.examples, sampler.transcripts = saved
+    from rlpost.eval.evaluate import _ci_fields
+
     n = len(records)
     t, c = torch.cat(turns), torch.cat(calls)
-    return {"accuracy": sum(r["correct"] for r in records) / max(1, n), "n": n,
-            "tool_call_frac": float((c > 0).float().mean()), "turns_mean": float(t.mean()),
-            "truncated_frac": float(torch.cat(trunc).mean()), "records": records}
+    out: Dict[str, Any] = {"n": n}
+    # the same bootstrap CI as single-turn evaluation (rlpost.eval.evaluate), so summaries and compare read it
+    out.update(_ci_fields("accuracy", [float(r["correct"]) for r in records], seed, int(getattr(eval_cfg, "n_boot", 1000) or 1000)))
+    out["ci_low"], out["ci_high"] = out["accuracy_ci_low"], out["accuracy_ci_high"]
+    out.update({"tool_call_frac": float((c > 0).float().mean()), "turns_mean": float(t.mean()),
+                "truncated_frac": float(torch.cat(trunc).mean()), "records": records})
+    return out
