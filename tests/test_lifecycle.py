@@ -124,6 +124,15 @@ def _cli(*args: str, cwd: Path = REPO, **kw):
                             stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 
+def _wait_for_step(p: subprocess.Popen, run: Path, step: int, timeout_s: float = 600) -> None:
+    """Block until ``run``'s metrics.jsonl records ``step`` (the training process ``p`` must stay alive)."""
+    deadline = time.time() + timeout_s
+    while not ((run / "metrics.jsonl").exists() and f'"step": {step}' in (run / "metrics.jsonl").read_text()):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.1)
+
+
 RUN = tiny_overrides("steps=4", "checkpoint.every=100", "eval.at_start=true", "seed=7")
 
 
@@ -169,11 +178,7 @@ def test_sigint_checkpoints_and_resume_auto_reaches_the_same_result(tmp_path):
     # --- SIGINT (to the whole process group, as a terminal's Ctrl-C) after step 1
     run = tmp_path / "interrupted"
     p = _cli("train", *RUN, "logger=jsonl", f"hydra.run.dir={run}", start_new_session=True)
-    deadline = time.time() + 600
-    while not ((run / "metrics.jsonl").exists() and '"step": 1' in (run / "metrics.jsonl").read_text()):
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.1)
+    _wait_for_step(p, run, 1)
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 130, err[-3000:]
@@ -345,11 +350,7 @@ def test_second_sigint_exits_at_once_without_a_new_checkpoint(tmp_path):
     run = tmp_path / "run"
     p = _cli("train", *tiny_overrides("steps=50", "checkpoint.every=100"), f"hydra.run.dir={run}",
              start_new_session=True)
-    deadline = time.time() + 600
-    while not ((run / "metrics.jsonl").exists() and '"step": 1' in (run / "metrics.jsonl").read_text()):
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.1)
+    _wait_for_step(p, run, 1)
     os.killpg(p.pid, signal.SIGINT)
     time.sleep(0.05)
     os.killpg(p.pid, signal.SIGINT)
@@ -371,11 +372,7 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tmp_path):
     run = tmp_path / "term"
     p = _cli("train", *tiny_overrides("steps=50", "checkpoint.every=100", "seed=3"), "logger=jsonl",
              f"hydra.run.dir={run}", start_new_session=True)
-    deadline = time.time() + 600
-    while not ((run / "metrics.jsonl").exists() and '"step": 2' in (run / "metrics.jsonl").read_text()):
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.1)
+    _wait_for_step(p, run, 2)
     os.killpg(p.pid, signal.SIGTERM)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-3000:]
