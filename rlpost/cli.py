@@ -475,6 +475,7 @@ def reproduce_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="Run directories (default outputs/reproduce/NAME); finished runs are reused."),
     record: bool = typer.Option(True, "--record/--no-record", help="Append the result to recipes/results/NAME.json."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each arm's overrides and stop."),
+    metric: str = typer.Option("correct", "--metric", help="Per-problem figure compared: correct (greedy accuracy), pass@K, maj@K, mean@N."),
 ) -> None:
     """Check a recipe's claim here: its CPU variant vs its baseline over matched seeds (paired bootstrap CI).
 
@@ -485,6 +486,8 @@ def reproduce_cmd(
       rlpost reproduce cpu_arithmetic_grpo --seeds 3 steps=10 eval.limit=100
 
       rlpost reproduce vade --seeds 5
+
+      rlpost reproduce vade --seeds 3 --metric pass@4
 
       rlpost reproduce dapo --dry-run
     """
@@ -500,7 +503,7 @@ def reproduce_cmd(
                 raise ConfigError(f"recipe {name} has no claim card to reproduce"
                                   + (f"; it deploys recipe {card.recipe_of}" if isinstance(card, R.LinkCard) else ""))
             for s in range(first_seed, first_seed + seeds):
-                for arm, ov in R.arm_overrides(name, card, s, extra).items():
+                for arm, ov in R.arm_overrides(name, card, s, extra, metric).items():
                     typer.echo(f"seed {s} {arm}: " + (" ".join(ov) if ov else "(the method run's eval_start.json)"))
             return
         import logging
@@ -509,7 +512,8 @@ def reproduce_cmd(
 
         if not log.handlers and not logging.getLogger().handlers:  # outside Hydra: progress lines to stdout
             logging.basicConfig(level=logging.INFO, format="%(message)s")
-        res = R.reproduce(name, seeds=seeds, extra=extra, out=out, record=record, first_seed=first_seed, log=log.info)
+        res = R.reproduce(name, seeds=seeds, extra=extra, out=out, record=record, first_seed=first_seed, log=log.info,
+                          metric=metric)
     except RlpostError as e:
         _fail(e)
     typer.echo(R.format_result(res))

@@ -479,15 +479,61 @@ def seeds_to_resolve(
 # --------------------------------------------------------------------------- reproduce
 
 
-def arm_overrides(name: str, card: Card, seed: int, extra: Sequence[str]) -> Dict[str, List[str]]:
+METRIC_RE = re.compile(r"^(pass|maj|mean)@([1-9][0-9]*)$")
+
+
+def metric_overrides(metric: str, extra: Sequence[str] = ()) -> List[str]:
+    """Evaluation overrides that make every arm's ``eval.json`` hold ``metric`` per problem.
+
+    ``correct`` (greedy accuracy) needs none. ``pass@k`` and ``maj@k`` need ``k``
+    samples per problem and ``k`` in ``eval.ks``; ``mean@n`` needs ``n`` samples.
+    Sampling uses ``eval.temperature`` (1.0 unless ``extra`` sets it). Settings that
+    ``extra`` already gives are left to it, so ``--metric pass@4 eval.n_samples=16``
+    estimates pass@4 from 16 samples (the unbiased estimator of "Evaluating Large
+    Language Models Trained on Code", arXiv:2107.03374).
+
+    Returns:
+        overrides to put before ``extra`` (empty for ``correct``).
+    Raises:
+        ConfigError: an unknown metric, or ``eval.n_samples`` in ``extra`` below k.
+    """
+    if metric == "correct":
+        return []
+    m = METRIC_RE.match(metric)
+    if m is None:
+        raise ConfigError(f"--metric {metric!r}: give correct (greedy accuracy), pass@K, maj@K or mean@N, e.g. pass@4")
+    kind, k = m.group(1), int(m.group(2))
+    given = {e.split("=", 1)[0].lstrip("+"): e.split("=", 1)[1] for e in extra if "=" in e}
+    out: List[str] = []
+    if "eval.n_samples" in given:
+        try:
+            n = int(given["eval.n_samples"])
+        except ValueError:
+            raise ConfigError(f"eval.n_samples={given['eval.n_samples']!r} is not an integer") from None
+        if n < k or (kind == "mean" and n != k):
+            need = f"eval.n_samples={k}" if kind == "mean" else f"eval.n_samples>={k}"
+            raise ConfigError(f"--metric {metric} with eval.n_samples={n}: set {need} (or drop it; reproduce sets it)")
+    else:
+        out.append(f"eval.n_samples={k}")
+    if kind != "mean" and "eval.ks" not in given:
+        out.append(f"eval.ks=[{k}]")
+    return out
+
+
+def arm_overrides(name: str, card: Card, seed: int, extra: Sequence[str], metric: str = "correct") -> Dict[str, List[str]]:
     """Hydra overrides of the two arms of ``name`` for one seed: ``{"method": [...], "baseline": [...] or []}``.
 
     ``extra`` (the command line's budget overrides, e.g. ``steps=10 eval.limit=50``)
-    goes to both arms, after the recipe; the baseline's own overrides come last.
+    goes to both arms, after the recipe and the evaluation settings ``metric``
+    needs (:func:`metric_overrides`); the baseline's own overrides come last.
     The untrained baseline needs no run (``[]``): the method run evaluates before
     its first step.
+
+    Raises:
+        ConfigError: from :func:`metric_overrides`.
     """
     common = [f"+recipe={name}", f"seed={seed}", "logger=jsonl", "checkpoint.every=0", "eval.at_end=true"]
+    common += metric_overrides(metric, extra)
     untrained = card.cpu.baseline == UNTRAINED
     method = common + [f"eval.at_start={'true' if untrained else 'false'}"] + list(extra)
     base = [] if untrained else common + ["eval.at_start=false"] + list(extra) + list(card.cpu.baseline)
@@ -503,20 +549,22 @@ def _git_commit() -> Optional[str]:
 
 
 def summarize(name: str, card: Card, method_runs: List[Path], base_evals: List[Path], seeds: Sequence[int],
-              n_boot: int = 2000) -> Dict[str, Any]:
+              n_boot: int = 2000, metric: str = "correct") -> Dict[str, Any]:
     """Paired comparison of the two arms' held-out evaluations and the verdict (no training).
 
     Args:
         method_runs: the method's run directories (``eval.json``), one per seed.
         base_evals: the baseline's ``eval.json`` (or the method runs' ``eval_start.json``), one per seed.
+        metric: the per-problem figure compared: ``correct`` (greedy accuracy) or
+            ``pass@k`` / ``maj@k`` / ``mean@n`` (the evaluations must hold it).
     Returns:
         The record written to ``recipes/results/NAME.json``: per-seed accuracies,
         ``diff``, ``ci_low``, ``ci_high``, ``p_value``, ``verdict``, ``power``.
     """
     from rlpost.eval.compare import compare_methods, load_run
 
-    a = [load_run(p) for p in base_evals]
-    b = [load_run(p) for p in method_runs]
+    a = [load_run(p, metric) for p in base_evals]
+    b = [load_run(p, metric) for p in method_runs]
     for runs in (a, b):
         for r, s in zip(runs, seeds):
             r.seed = s
@@ -529,7 +577,7 @@ def summarize(name: str, card: Card, method_runs: List[Path], base_evals: List[P
     verdict = judge(st["ci_low"], st["ci_high"], card.cpu.expect, card.cpu.margin)
     rec: Dict[str, Any] = {
         "recipe": name, "method": card.method, "baseline": card.cpu.baseline, "expect": card.cpu.expect,
-        "margin": card.cpu.margin, "task": task, "seeds": list(seeds), "n_problems": len(common),
+        "margin": card.cpu.margin, "task": task, "metric": metric, "seeds": list(seeds), "n_problems": len(common),
         "acc_method": [float(x) for x in B.mean(axis=1)], "acc_baseline": [float(x) for x in A.mean(axis=1)],
         "mean_method": float(B.mean()), "mean_baseline": float(A.mean()),
         "diff": st["diff"], "ci_low": st["ci_low"], "ci_high": st["ci_high"], "p_value": st["p_value"],
@@ -541,11 +589,15 @@ def summarize(name: str, card: Card, method_runs: List[Path], base_evals: List[P
     return rec
 
 
+_METRIC_NAMES = {"correct": "greedy accuracy"}
+
+
 def format_result(rec: Dict[str, Any]) -> str:
     """The report of one reproduction, a few lines."""
     base = rec["baseline"] if isinstance(rec["baseline"], str) else " ".join(rec["baseline"])
     lines = [
-        f"{rec['recipe']}: {rec['method']} vs baseline ({base}), held-out {rec['task']}, "
+        f"{rec['recipe']}: {rec['method']} vs baseline ({base}), held-out {rec['task']} "
+        f"{_METRIC_NAMES.get(rec.get('metric', 'correct'), rec.get('metric'))}, "
         f"{len(rec['seeds'])} matched seed(s) {rec['seeds']} x {rec['n_problems']} problems",
         "  per seed: " + ", ".join(f"seed {s}: {100 * m:.1f}% vs {100 * b:.1f}%"
                                    for s, m, b in zip(rec["seeds"], rec["acc_method"], rec["acc_baseline"])),
@@ -578,17 +630,20 @@ def record_result(rec: Dict[str, Any], directory: Optional[Path] = None) -> Path
 
 def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optional[Path] = None,
               record_dir: Optional[Path] = None, record: bool = True, first_seed: int = 0,
-              keep_weights: bool = False, log: Any = print) -> Dict[str, Any]:
+              keep_weights: bool = False, log: Any = print, metric: str = "correct") -> Dict[str, Any]:
     """Train recipe ``name``'s CPU variant and its baseline on ``seeds`` matched seeds and judge the claim.
 
     Each arm runs through :func:`rlpost.runner.train` with seed ``first_seed + i``
     (the same seed gives both arms the same data order and the same held-out
     problems). Finished runs (``DONE``) under ``out`` are reused, so an
     interrupted reproduction continues. Trained weights are deleted afterwards
-    unless ``keep_weights`` (the evaluations stay).
+    unless ``keep_weights`` (the evaluations stay). ``metric`` is the compared
+    per-problem figure (``correct``, ``pass@k``, ``maj@k``, ``mean@n``); both arms
+    evaluate with the samples it needs (:func:`metric_overrides`).
 
     Raises:
-        ConfigError: unknown recipe, no card, or a deployment recipe (run its method recipe).
+        ConfigError: unknown recipe, no card, a deployment recipe (run its method
+            recipe), or an unknown ``metric``.
     """
     from rlpost.checkpoint import DONE_MARKER
     from rlpost.config.compose import compose_config, validate_config
@@ -605,7 +660,7 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
         raise ConfigError(f"--seeds {seeds}: give at least 1 (2 or more for a CI that covers seed variance)")
     root = Path(out) if out else Path("outputs") / "reproduce" / name
     seed_list = [first_seed + i for i in range(seeds)]
-    plan = {s: arm_overrides(name, card, s, extra) for s in seed_list}
+    plan = {s: arm_overrides(name, card, s, extra, metric) for s in seed_list}
     for s in seed_list:  # fail before any training on a bad override
         for ov in plan[s].values():
             if ov:
@@ -633,13 +688,14 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
         method_runs.append(root / "method" / f"seed{s}")
         base_evals.append(root / "method" / f"seed{s}" / "eval_start.json" if card.cpu.baseline == UNTRAINED
                           else root / "baseline" / f"seed{s}")
-    result = summarize(name, card, method_runs, base_evals, seed_list)
+    result = summarize(name, card, method_runs, base_evals, seed_list, metric=metric)
     run_walls = [float((p / "wall_s.txt").read_text()) for p in method_runs + [Path(b) for b in base_evals]
                  if (Path(p) / "wall_s.txt").is_file()]
     result.update({
         "budget": list(extra), "wall_s": time.perf_counter() - t0, "train_wall_s": sum(run_walls), "run_walls": run_walls,
         "runs_dir": str(root), "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": f"rlpost reproduce {name} --seeds {seeds}" + (f" {' '.join(extra)}" if extra else ""),
+        "command": f"rlpost reproduce {name} --seeds {seeds}" + (f" --metric {metric}" if metric != "correct" else "")
+                   + (f" {' '.join(extra)}" if extra else ""),
     })
     if record:
         result["record"] = str(record_result(result, record_dir))

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlpost import recipes as R
-from rlpost.errors import ConfigError
+from rlpost.errors import ConfigError, DataError
 
 NAMES = R.recipe_names()
 # short runs: the tiny random model, few tokens, few held-out problems; group sizes stay the recipe's own
@@ -290,3 +290,66 @@ def test_reproduce_cli_dry_run_and_errors():
     assert r.exit_code == 2 and "deploys recipe dapo" in r.output
     r = CliRunner().invoke(app, ["recipes"])
     assert r.exit_code == 0 and "vade  [selector=vade]" in r.output
+
+
+# --------------------------------------------------------------------------- pass@k claims
+
+
+def test_metric_overrides_by_hand():
+    assert R.metric_overrides("correct") == []
+    assert R.metric_overrides("pass@4") == ["eval.n_samples=4", "eval.ks=[4]"]
+    assert R.metric_overrides("maj@2", ["eval.n_samples=8"]) == ["eval.ks=[2]"]
+    assert R.metric_overrides("mean@8") == ["eval.n_samples=8"]
+    assert R.metric_overrides("pass@4", ["eval.n_samples=16", "eval.ks=[1,4]"]) == []
+    with pytest.raises(ConfigError, match=r"eval.n_samples>=4"):
+        R.metric_overrides("pass@4", ["eval.n_samples=2"])
+    with pytest.raises(ConfigError, match="pass@K, maj@K or mean@N"):
+        R.metric_overrides("pass4")
+
+
+def test_summarize_compares_the_chosen_metric(tmp_path):
+    """pass@2 records decide the verdict; greedy ``correct`` in the same files says the opposite."""
+    card = _card("vade")
+    m, b = [], []
+    for s in (0, 1):
+        for arm, greedy, p2 in (("b", 1.0, 0.0), ("m", 0.0, 1.0)):
+            d = tmp_path / arm / str(s)
+            d.mkdir(parents=True)
+            recs = [{"index": i, "question": f"q{i}", "correct": greedy, "pass@2": p2 if i % 2 else 0.5}
+                    for i in range(6)]
+            (d / "eval.json").write_text(json.dumps({"task": "arithmetic", "seed": s, "records": recs}))
+        m.append(tmp_path / "m" / str(s))
+        b.append(tmp_path / "b" / str(s))
+    rec = R.summarize("vade", card, m, b, [0, 1], metric="pass@2")
+    # baseline: (3 x 0.5 + 3 x 0) / 6 = 0.25; method: (3 x 0.5 + 3 x 1) / 6 = 0.75
+    assert rec["metric"] == "pass@2" and rec["acc_baseline"] == [0.25, 0.25] and rec["acc_method"] == [0.75, 0.75]
+    assert rec["verdict"] == "reproduced direction"
+    assert "held-out arithmetic pass@2" in R.format_result({**rec, "seeds": [0, 1]})
+    greedy = R.summarize("vade", card, m, b, [0, 1])
+    assert greedy["diff"] == -1.0 and greedy["verdict"] == "contradicted"
+    with pytest.raises(DataError, match="no 'pass@4'"):
+        R.summarize("vade", card, m, b, [0, 1], metric="pass@4")
+
+
+def test_reproduce_cli_metric_sets_the_samples_each_arm_evaluates():
+    from rlpost.cli import app
+
+    r = CliRunner().invoke(app, ["reproduce", "vade", "--seeds", "1", "--dry-run", "--metric", "pass@4", "steps=5"])
+    assert r.exit_code == 0, r.output
+    for line in r.output.strip().splitlines():
+        assert "eval.n_samples=4 eval.ks=[4] eval.at_start=false steps=5" in line
+    r = CliRunner().invoke(app, ["reproduce", "vade", "--dry-run", "--metric", "pass@4", "eval.n_samples=2"])
+    assert r.exit_code == 2 and "set eval.n_samples>=4" in r.output
+
+
+def test_reproduce_pass_at_k_on_tiny(tmp_path):
+    """One seed of the default recipe judged on pass@2: both evaluations sample twice per problem."""
+    res = R.reproduce("cpu_arithmetic_grpo", seeds=1, extra=TINY_RUN, out=tmp_path / "runs", record=False,
+                      log=lambda *_: None, metric="pass@2")
+    d = tmp_path / "runs" / "method" / "seed0"
+    for f in ("eval_start.json", "eval.json"):
+        recs = json.loads((d / f).read_text())["records"]
+        assert all(len(r["samples"]) == 2 if "samples" in r else "pass@2" in r for r in recs)
+    start = json.loads((d / "eval_start.json").read_text())["records"]
+    assert math.isclose(res["acc_baseline"][0], sum(r["pass@2"] for r in start) / len(start))
+    assert res["metric"] == "pass@2" and "--metric pass@2" in res["command"]
