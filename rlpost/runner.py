@@ -280,6 +280,10 @@ class Run:
             self.engine = ShardedEngine(self.local_engine)
         else:
             self.engine = self.local_engine
+        from rlpost.launch import build_rollout_backend
+
+        # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.launch)
+        self.engine = build_rollout_backend(cfg, self.engine, self.trainer.policy, self.tokenizer)
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         from rlpost.algos.stages import AlgoState, algo_requirements
@@ -482,6 +486,8 @@ class Run:
                 seed=step_seed(self.cfg.seed, step, "sampler"),
             )
         out.finish(scorer.metrics()).update_selector(self.selector)
+        if hasattr(self.engine, "step_metrics"):  # launcher=ray: worker CPU, weight pushes, failures (ray/...)
+            out.metrics.update(self.engine.step_metrics())
         examples = [self.train_examples[int(i)] for i in out.row_prompt_index]
         batch = out.to_batch([e.answer for e in examples], version, weights_step)
         t_rollout = time.perf_counter() - t_step - scorer.seconds
