@@ -35,27 +35,39 @@ def cluster():
     ray.shutdown()
 
 
-def _run(tmp_path, name, *extra, hook=None):
-    """Two steps; returns per-step batch tensors and metrics, the final weights and the pool's counters."""
+def _run(tmp_path, name, *extra, hook=None, steps=2):
+    """``steps`` steps through the configured executor; returns per-step batch tensors and metrics,
+    the final weights and the pool's counters."""
     from rlpost.config.compose import compose_config
+    from rlpost.executor import build_executor
     from rlpost.runner import Run
 
-    cfg = compose_config(tiny_overrides(*OVERRIDES, "trainer=torch", *extra))
+    cfg = compose_config(tiny_overrides(*OVERRIDES, "trainer=torch", f"steps={steps}", *extra))
     r = Run(cfg, tmp_path / name)
-    steps = []
+    out = []
+    learn = r.learn
+
+    def recording_learn(c, sync_engine=True):
+        m = learn(c, sync_engine)
+        b = c.batch
+        out.append({"prompt_index": b.prompt_index.clone(), "response_ids": b.response_ids.clone(),
+                    "response_mask": b.response_mask.clone(), "rewards": b.rewards.clone(),
+                    "advantages": b.extras["advantages"].clone(), "metrics": m})
+        return m
+
+    r.learn = recording_learn
+    ex = None
     try:
         if hook is not None:
             r.engine.after_submit = hook
-        for _ in range(2):
-            c = r.collect(r.step + 1, r.trainer.version, r.step)
-            m = r.learn(c)
-            b = c.batch
-            steps.append({"prompt_index": b.prompt_index.clone(), "response_ids": b.response_ids.clone(),
-                          "response_mask": b.response_mask.clone(), "rewards": b.rewards.clone(),
-                          "advantages": b.extras["advantages"].clone(), "metrics": m})
-        return {"steps": steps, "weights": {k: v.detach().clone() for k, v in r.trainer.policy.state_dict().items()},
+        ex = build_executor(cfg, r)
+        for _ in range(steps):
+            ex.step()
+        return {"steps": out, "weights": {k: v.detach().clone() for k, v in r.trainer.policy.state_dict().items()},
                 "rows": list(getattr(r.engine, "rows_generated", [])), "placed": getattr(r.engine, "placed", None)}
     finally:
+        if ex is not None:
+            ex.close()
         r.close()
 
 
@@ -77,7 +89,8 @@ def _assert_same(one, two):
     assert one["steps"][1]["metrics"]["rollout/policy_version"] > 0
 
 
-@pytest.mark.parametrize("placement,sync", [("colocated", "object_store"), ("disaggregated", "collective")])
+@pytest.mark.parametrize("placement,sync", [("colocated", "object_store"),
+                                            pytest.param("disaggregated", "collective", marks=pytest.mark.slow)])
 def test_ray_workers_equal_the_single_process_run(cluster, single, tmp_path, placement, sync):
     two = _run(tmp_path, placement, "launcher=ray", "launcher.num_rollout_workers=2",
                f"launcher.placement={placement}", f"launcher.weight_sync={sync}", "launcher.cpus_per_worker=1")
@@ -89,8 +102,10 @@ def test_ray_workers_equal_the_single_process_run(cluster, single, tmp_path, pla
     assert m["ray/worker_cpu_s"] > 0 and m["ray/weight_push_s"] > 0
 
 
-@pytest.mark.parametrize("restarts", [1, 0])
-def test_a_worker_killed_mid_step_is_recovered_and_the_run_is_unchanged(cluster, single, tmp_path, restarts):
+@pytest.mark.parametrize("restarts,executor", [(1, "async"), pytest.param(0, "sync", marks=pytest.mark.slow)])
+def test_a_worker_killed_mid_step_is_recovered_and_the_run_is_unchanged(cluster, single, tmp_path, restarts, executor):
+    """Killed in step 2 while its slice is in flight; under ``executor=async`` (staleness 0) the producer
+    thread drives the workers, the learner then sees exactly the synchronous run's batches."""
     calls = []
 
     def kill_second_worker_in_step_two(pool, futures):
@@ -99,13 +114,29 @@ def test_a_worker_killed_mid_step_is_recovered_and_the_run_is_unchanged(cluster,
             ray.kill(pool.workers[1])
 
     two = _run(tmp_path, f"kill{restarts}", "launcher=ray", "launcher.num_rollout_workers=2",
-               f"launcher.max_restarts={restarts}", "launcher.cpus_per_worker=0.5", hook=kill_second_worker_in_step_two)
+               f"launcher.max_restarts={restarts}", "launcher.cpus_per_worker=0.5", f"executor={executor}",
+               "executor.max_staleness=0", hook=kill_second_worker_in_step_two)
     _assert_same(single, two)
     m1, m2 = two["steps"][0]["metrics"], two["steps"][1]["metrics"]
     assert m1["ray/worker_failures"] == 0.0
     assert m2["ray/worker_failures"] == 1.0 and m2["ray/worker_restarts"] == float(restarts)
     # 2 groups were regenerated: on the replacement (slot 1) or on the remaining worker (slot 0)
     assert two["rows"] == ([24, 16] if restarts else [32, 8])
+
+
+@pytest.mark.slow
+def test_async_workers_generate_ahead_within_the_staleness_bound_with_partial_rollouts(cluster, tmp_path):
+    """``executor=async max_staleness=1`` with partial rollouts: the producer thread keeps the Ray workers one
+    step ahead of the learner; every row is within the bound at the step its rounds ran under."""
+    run = _run(tmp_path, "async1", "launcher=ray", "launcher.cpus_per_worker=0.5", "executor=async",
+               "executor.max_staleness=1", "executor.partial_rollout=true", "executor.over_provision=1.5",
+               "executor.partial_chunk_tokens=4", "algo=grpo", "algo.mini_batches=1", steps=3)
+    ms = [s["metrics"] for s in run["steps"]]
+    assert [m["step"] for m in ms] == [1, 2, 3]
+    assert all(m["async/staleness_hist_0"] + m["async/staleness_hist_1"] + m.get("async/staleness_hist_over_k", 0)
+               == pytest.approx(1.0) for m in ms)
+    assert max(m["async/staleness_max"] for m in ms) >= 1  # the workers did generate ahead of the learner
+    assert sum(m["ray/worker_cpu_s"] for m in ms) > 0 and all(m["ray/worker_failures"] == 0 for m in ms)
 
 
 def test_bad_launcher_settings_are_one_line_config_errors(compose, monkeypatch):

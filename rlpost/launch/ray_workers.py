@@ -94,6 +94,14 @@ def arrays_state(arrays: Dict[str, Tuple[str, Any]]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process (as :func:`rlpost.runner.cpu_seconds`, without importing the runner)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -214,9 +222,7 @@ class RolloutWorker:
             ``(GenerationResult, {"cpu_s", "gen_s", "load_s"})``: this process's CPU
             seconds, generation and weight-loading wall seconds of the call.
         """
-        from rlpost.runner import cpu_seconds
-
-        cpu0 = cpu_seconds()
+        cpu0 = _cpu_seconds()
         load = 0.0
         if version != self.version:
             if not ref or ref[0] is None:
@@ -224,7 +230,7 @@ class RolloutWorker:
             load = self.load_weights(ref, version)
         t0 = time.perf_counter()
         res = self.engine.generate(prompts, params)
-        return res, {"cpu_s": cpu_seconds() - cpu0, "gen_s": time.perf_counter() - t0, "load_s": load}
+        return res, {"cpu_s": _cpu_seconds() - cpu0, "gen_s": time.perf_counter() - t0, "load_s": load}
 
     def close(self) -> None:
         """Close the engine (vLLM frees its GPU memory)."""
