@@ -148,6 +148,7 @@ def test_bad_launcher_settings_are_one_line_config_errors(compose, monkeypatch):
     for extra, words in ((["launcher.num_rollout_workers=0"], "num_rollout_workers=0 must be >= 1"),
                          (["launcher.placement=colocate"], "Fix: launcher.placement=colocated"),
                          (["launcher.weight_sync=nccl"], "launcher.weight_sync='nccl' is unknown"),
+                         (["launcher.weight_sync=collective", "launcher.gpus_per_worker=0.5"], "one GPU per rank"),
                          (["trainer=deepspeed", "trainer.num_procs=2"], "trainer.num_procs=1"),
                          (["sampler=adaptive_temperature"], "launcher=none")):
         with pytest.raises(ConfigError, match=words) as e:

@@ -589,8 +589,9 @@ class LauncherConfig:
             (fractions allowed; ``gpus_per_worker > 0`` puts the engine on a GPU).
         max_restarts: how many dead rollout workers the pool replaces over the
             run; the unfinished groups of a dead worker are regenerated either way.
-        weight_sync: ``auto`` | ``object_store`` (the state_dict is put once in
-            Ray's object store and every worker loads it) | ``collective`` (a
+        weight_sync: ``auto`` (``collective`` when every worker has whole GPUs,
+            else ``object_store``) | ``object_store`` (the state_dict is put once
+            in Ray's object store and every worker loads it) | ``collective`` (a
             broadcast over a process group: NCCL on GPUs, gloo on CPU).
         object_store_mb: object-store size of a cluster started here (null: Ray's default).
     """

@@ -50,6 +50,10 @@ def check_launcher(cfg: Any) -> None:
     if float(lc.cpus_per_worker) == 0 and float(lc.gpus_per_worker) == 0:
         raise ConfigError("launcher.cpus_per_worker=0 and launcher.gpus_per_worker=0 reserve nothing, so Ray would pack "
                           "every worker anywhere. Fix: launcher.cpus_per_worker=1.")
+    if str(lc.weight_sync) == "collective" and 0 < float(lc.gpus_per_worker) < 1:
+        raise ConfigError(f"launcher.weight_sync=collective broadcasts over NCCL, which needs one GPU per rank, but "
+                          f"launcher.gpus_per_worker={lc.gpus_per_worker} shares a device. Fix: "
+                          f"launcher.weight_sync=object_store (or auto), or launcher.gpus_per_worker=1.")
     if int(lc.max_restarts) < 0:
         raise ConfigError(f"launcher.max_restarts={lc.max_restarts} must be >= 0 (0: never replace a dead worker).")
     if int(cfg.trainer.get("num_procs", 1) or 1) > 1:

@@ -299,7 +299,8 @@ class RayRolloutPool:
         self.n = int(lc.num_rollout_workers)
         self.gpu = float(lc.gpus_per_worker) > 0
         ws = str(lc.weight_sync)
-        self.weight_sync = ("collective" if self.gpu else "object_store") if ws == "auto" else ws
+        # NCCL takes one device per rank: a broadcast needs workers on devices of their own (gpus_per_worker >= 1)
+        self.weight_sync = ("collective" if float(lc.gpus_per_worker) >= 1 else "object_store") if ws == "auto" else ws
         self.restarts_left = int(lc.max_restarts)
         self.driver_node = ray.get_runtime_context().get_node_id()
         self.pg = None
