@@ -171,8 +171,14 @@ class RolloutWorker:
             c.model.lora.rank = 0  # merged weights: a plain model
         self.index = index
         self.device = torch.device("cuda" if gpu else "cpu")
-        self.policy, self.tokenizer = load_policy(c.model, torch.float32, seed=int(c.seed))
-        self.policy.to(self.device).eval().requires_grad_(False)
+        # vLLM holds its own weights on the GPU: the worker's torch copy only seeds vLLM's model directory,
+        # stays on the CPU in 16 bits, and pushes go straight into vLLM (model.load_weights)
+        self.vllm = str(c.rollout.engine) == "vllm"
+        self.policy, self.tokenizer = load_policy(c.model, torch.bfloat16 if self.vllm else torch.float32,
+                                                  seed=int(c.seed))
+        self.policy.eval().requires_grad_(False)
+        if not self.vllm:
+            self.policy.to(self.device)
         self.engine = build_engine(c, self.policy, self.tokenizer, self.device)
         self.version = -1
         self.group: Optional[WeightGroup] = None
@@ -193,8 +199,11 @@ class RolloutWorker:
         return time.perf_counter() - t0
 
     def _load(self, state: Dict[str, torch.Tensor], version: int) -> None:
-        self.policy.load_state_dict(state)
-        self.engine.sync_weights(self.policy)
+        if self.vllm:  # (name, tensor) pairs into vLLM's loader (VLLMRolloutEngine.sync_weights)
+            self.engine.sync_weights(list(state.items()))
+        else:
+            self.policy.load_state_dict(state)
+            self.engine.sync_weights(self.policy)
         self.version = version
 
     def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
@@ -302,6 +311,9 @@ class RayRolloutPool:
         # NCCL takes one device per rank: a broadcast needs workers on devices of their own (gpus_per_worker >= 1)
         self.weight_sync = ("collective" if float(lc.gpus_per_worker) >= 1 else "object_store") if ws == "auto" else ws
         self.restarts_left = int(lc.max_restarts)
+        rd = str(cfg.precision.rollout_dtype)
+        self.push_dtype = ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(rd)
+                           if str(cfg.rollout.engine) == "vllm" else None)
         self.driver_node = ray.get_runtime_context().get_node_id()
         self.pg = None
         self.after_submit: Optional[Callable[..., None]] = None
@@ -398,6 +410,8 @@ class RayRolloutPool:
         import ray
 
         state = _policy_state(policy)
+        if self.push_dtype is not None:  # vLLM workers load 16-bit weights: send half the bytes
+            state = {k: v.to(self.push_dtype) if v.is_floating_point() else v for k, v in state.items()}
         live = [self.workers[s] for s in self.live()]
         if self.weight_sync == "collective":
             self.ref = [None]
