@@ -706,7 +706,8 @@ class Run:
             from rlpost.distributed import all_gather_object
 
             cpu = all_gather_object(cpu[0])
-        m["time/rollout_cpu_s"] = float(sum(x for x, _ in cpu))
+        # every process's rollout work: the ranks' (gathered above) and launcher=ray's workers'
+        m["time/rollout_cpu_s"] = float(sum(x for x, _ in cpu)) + float(m.get("ray/worker_cpu_s", 0.0))
         m["time/learn_cpu_s"] = float(sum(y for _, y in cpu))
         m["memory/peak_rss_mb"] = peak_rss_mb()
         return m

@@ -23,8 +23,8 @@ since both ranks do the same work).
 Part ``ray``: ``trainer=torch`` in one process (``launcher=none``) against
 ``launcher=ray`` with 1 and 2 rollout workers (colocated, 1 CPU each, weights
 through the object store; each run starts its own local Ray cluster). Rollout CPU
-seconds add the driver's (select, score, dispatch) and the workers'
-(``ray/worker_cpu_s``); the weight push is part of the update's seconds and is
+seconds (``time/rollout_cpu_s``) add the driver's (select, score, dispatch) and the
+workers' (``ray/worker_cpu_s``, also shown alone); the weight push is part of the update's seconds and is
 also shown alone (``ray/weight_push_s``).
 
 Part ``tokens``: one ``policy_update`` of ``trainer=torch`` on a synthetic batch
@@ -83,7 +83,7 @@ def run_dp(name, overrides, steps, extra, root, cpu_factor):
     ray = "ray/worker_cpu_s" in steady[0]
     worker_cpu = med("ray/worker_cpu_s") if ray else 0.0
     return {"name": name, "step_s": med("time/step_s"), "rollout_s": med("time/rollout_s"),
-            "update_s": med("time/update_s"), "rollout_cpu": med("time/rollout_cpu_s", cpu_factor) + worker_cpu,
+            "update_s": med("time/update_s"), "rollout_cpu": med("time/rollout_cpu_s", cpu_factor),  # workers' included
             "learn_cpu": med("time/learn_cpu_s", cpu_factor), "reward": [r["reward/mean"] for r in recs],
             "worker_cpu": worker_cpu, "push_s": statistics.median(r.get("ray/weight_push_s", 0.0) for r in steady)}
 
