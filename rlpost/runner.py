@@ -98,7 +98,9 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               f"({cfg.precision.rollout_dtype}, T={cfg.rollout.temperature}, max_new_tokens={cfg.rollout.max_new_tokens})"
               + (f"; partial rollouts: chunks of {cfg.executor.partial_chunk_tokens} tokens, "
                  f"over_provision {cfg.executor.over_provision}, unfinished groups carried over"
-                 if cfg.executor.get("partial_rollout", False) else ""), phase=PRODUCE),
+                 if cfg.executor.get("partial_rollout", False) else "")
+              + (f"; in {cfg.launcher.num_rollout_workers} Ray workers ({cfg.launcher.placement})"
+                 if cfg.get("launcher") is not None and cfg.launcher.name == "ray" else ""), phase=PRODUCE),
         Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping", phase=PRODUCE),
         Stage("algo_inputs", "algorithm inputs: " + (", ".join(inputs) or "none"), bool(inputs)),
         Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)",
@@ -113,8 +115,10 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
         Stage("policy_update", f"loss={a.loss} agg={a.loss_agg} epochs={a.ppo_epochs} mini_batches={a.mini_batches} "
               f"trainer={cfg.trainer.engine} ({cfg.precision.trainer_dtype})"
               + (f" correction={cfg.precision.correction}" if cfg.precision.correction != "none" else "")),
-        Stage("sync", "the producer loads the newest weights before its next step (executor=async)" if async_ex
-              else "push updated weights to the rollout engine"),
+        Stage("sync", ("the producer loads the newest weights before its next step (executor=async)" if async_ex
+                       else "push updated weights to the rollout engine")
+              + (" (Ray workers: via the object store or a broadcast, launcher.weight_sync)"
+                 if cfg.get("launcher") is not None and cfg.launcher.name == "ray" else "")),
         Stage("evaluate", f"greedy accuracy on {cfg.eval.limit} held-out prompts " + (", ".join(ev) or "never"),
               bool(ev), phase=FINISH),
         Stage("log", f"metrics.jsonl + logger={cfg.logger.backend}", phase=FINISH),
@@ -280,6 +284,10 @@ class Run:
             self.engine = ShardedEngine(self.local_engine)
         else:
             self.engine = self.local_engine
+        from rlpost.launch import build_rollout_backend
+
+        # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.launch)
+        self.engine = build_rollout_backend(cfg, self.engine, self.trainer.policy, self.tokenizer)
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         from rlpost.algos.stages import AlgoState, algo_requirements
@@ -482,6 +490,8 @@ class Run:
                 seed=step_seed(self.cfg.seed, step, "sampler"),
             )
         out.finish(scorer.metrics()).update_selector(self.selector)
+        if hasattr(self.engine, "step_metrics"):  # launcher=ray: worker CPU, weight pushes, failures (ray/...)
+            out.metrics.update(self.engine.step_metrics())
         examples = [self.train_examples[int(i)] for i in out.row_prompt_index]
         batch = out.to_batch([e.answer for e in examples], version, weights_step)
         t_rollout = time.perf_counter() - t_step - scorer.seconds
@@ -696,7 +706,8 @@ class Run:
             from rlpost.distributed import all_gather_object
 
             cpu = all_gather_object(cpu[0])
-        m["time/rollout_cpu_s"] = float(sum(x for x, _ in cpu))
+        # every process's rollout work: the ranks' (gathered above) and launcher=ray's workers'
+        m["time/rollout_cpu_s"] = float(sum(x for x, _ in cpu)) + float(m.get("ray/worker_cpu_s", 0.0))
         m["time/learn_cpu_s"] = float(sum(y for _, y in cpu))
         m["memory/peak_rss_mb"] = peak_rss_mb()
         return m

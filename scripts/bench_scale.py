@@ -6,6 +6,7 @@ Usage::
     python scripts/bench_scale.py                         # both parts, default config, 3 steps per setting
     python scripts/bench_scale.py --part dp --steps 3 -o selector.prompts_per_step=4
     python scripts/bench_scale.py --part tokens --model smollm2-135m
+    python scripts/bench_scale.py --part ray --steps 3 -o model=tiny rollout.max_new_tokens=48
 
 Part ``dp``: ``rlpost train`` (default config unless ``-o``) with ``trainer=deepspeed``
 (ZeRO-2, gloo on CPU) on 1 process, on 2 processes with every rank repeating the
@@ -18,6 +19,13 @@ step, rollout and update wall seconds of rank 0 (``time/rollout_s``,
 learn phases summed over every process (``time/rollout_cpu_s``,
 ``time/learn_cpu_s``; for the unsharded 2-process run rank 0's figure times two,
 since both ranks do the same work).
+
+Part ``ray``: ``trainer=torch`` in one process (``launcher=none``) against
+``launcher=ray`` with 1 and 2 rollout workers (colocated, 1 CPU each, weights
+through the object store; each run starts its own local Ray cluster). Rollout CPU
+seconds (``time/rollout_cpu_s``) add the driver's (select, score, dispatch) and the
+workers' (``ray/worker_cpu_s``, also shown alone); the weight push is part of the update's seconds and is
+also shown alone (``ray/weight_push_s``).
 
 Part ``tokens``: one ``policy_update`` of ``trainer=torch`` on a synthetic batch
 with long-tailed response lengths (64 rows; lengths from a log-normal with
@@ -47,6 +55,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+RAY_SETTINGS = [
+    ("1 process, launcher=none", ["trainer=torch"], 1),
+    ("launcher=ray, 1 rollout worker", ["trainer=torch", "launcher=ray", "launcher.num_rollout_workers=1"], 1),
+    ("launcher=ray, 2 rollout workers", ["trainer=torch", "launcher=ray", "launcher.num_rollout_workers=2"], 1),
+]
+
 DP_SETTINGS = [
     ("1 process", ["trainer=deepspeed", "trainer.num_procs=1", "trainer.zero_stage=2"], 1),
     ("2 processes, rollouts repeated", ["trainer=deepspeed", "trainer.num_procs=2", "trainer.zero_stage=2",
@@ -66,9 +80,12 @@ def run_dp(name, overrides, steps, extra, root, cpu_factor):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = recs[1:] or recs
     med = lambda k, f=1.0: statistics.median(r[k] * f for r in steady)  # noqa: E731
+    ray = "ray/worker_cpu_s" in steady[0]
+    worker_cpu = med("ray/worker_cpu_s") if ray else 0.0
     return {"name": name, "step_s": med("time/step_s"), "rollout_s": med("time/rollout_s"),
-            "update_s": med("time/update_s"), "rollout_cpu": med("time/rollout_cpu_s", cpu_factor),
-            "learn_cpu": med("time/learn_cpu_s", cpu_factor), "reward": [r["reward/mean"] for r in recs]}
+            "update_s": med("time/update_s"), "rollout_cpu": med("time/rollout_cpu_s", cpu_factor),  # workers' included
+            "learn_cpu": med("time/learn_cpu_s", cpu_factor), "reward": [r["reward/mean"] for r in recs],
+            "worker_cpu": worker_cpu, "push_s": statistics.median(r.get("ray/weight_push_s", 0.0) for r in steady)}
 
 
 def part_dp(a) -> None:
@@ -86,6 +103,25 @@ def part_dp(a) -> None:
         else:
             print(f"| {r['name']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['rollout_cpu']:.1f} "
                   f"| {r['learn_cpu']:.1f} | {', '.join(f'{x:.4f}' for x in r['reward'])} |")
+
+
+def part_ray(a) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rlpost_bench_ray_") as root:
+        for name, ov, factor in RAY_SETTINGS:
+            rows.append(run_dp(name, ov, a.steps, a.overrides, root, factor))
+            print(f"done: {name}", file=sys.stderr, flush=True)
+    print(f"\n## Ray rollout workers: steps={a.steps} (first excluded), overrides: {' '.join(a.overrides) or '(default config)'}")
+    print("| trainer=torch | s/step | rollout s | update s | rollout CPU s (driver + workers) | of which workers "
+          "| learn CPU s | weight push s | reward/mean per step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['name']} | error: {r['error']} | | | | | | | |")
+        else:
+            print(f"| {r['name']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['rollout_cpu']:.2f} "
+                  f"| {r['worker_cpu']:.2f} | {r['learn_cpu']:.2f} | {r['push_s']:.3f} "
+                  f"| {', '.join(f'{x:.4f}' for x in r['reward'])} |")
 
 
 def long_tailed_batch(n: int, vocab: int, seed: int = 0):
@@ -161,7 +197,7 @@ def part_tokens(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["dp", "tokens", "all"], default="all")
+    ap.add_argument("--part", choices=["dp", "tokens", "ray", "all"], default="all")
     ap.add_argument("--steps", type=int, default=3, help="steps per setting of part dp (the first is a warm-up)")
     ap.add_argument("-o", "--overrides", nargs="*", default=[], help="extra Hydra overrides for part dp")
     ap.add_argument("--model", default="smollm2-135m", help="model of part tokens")
@@ -171,6 +207,8 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     if a.part in ("dp", "all"):
         part_dp(a)
+    if a.part in ("ray", "all"):
+        part_ray(a)
     if a.part in ("tokens", "all"):
         part_tokens(a)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")

@@ -4,6 +4,7 @@
     python scripts/gpu_check.py --part hf          # one NVIDIA GPU, no vLLM: torch + transformers (+ DeepSpeed)
     python scripts/gpu_check.py --part vllm        # a GPU machine with vLLM installed
     python scripts/gpu_check.py --part agent       # multi-turn episodes through vLLM (--dry-run: hf engine on CPU)
+    python scripts/gpu_check.py --part ray         # launcher=ray: 2 vLLM rollout workers as Ray actors (--dry-run: hf, CPU)
 
 Part ``hf`` needs only PyTorch, transformers, safetensors, tokenizers and the small
 wheels rlpost's config needs (hydra-core, omegaconf, antlr4-python3-runtime;
@@ -36,6 +37,14 @@ through the vLLM engine, one call per turn inside the engine's session: every ca
 and every row must be token-exact, the trainer's log-probs of the model tokens (environment tokens
 attended to) must match vLLM's, and turns 2+ must hit vLLM's prefix cache. ``--dry-run --part agent``
 runs the same check with the hf engine on CPU.
+
+Part ``ray`` runs ``launcher=ray`` (:class:`rlpost.launch.ray_workers.RayRolloutPool`) on one node: a local
+Ray cluster, 2 rollout workers (vLLM on the GPU; ``--dry-run``: the hf engine on CPU), the trainer in this
+process. On one GPU the workers share it (``gpus_per_worker=0.4``, weights through the object store); with
+3+ GPUs each worker gets its own (``gpus_per_worker=1``, weights broadcast over NCCL). Checks: the groups are
+split evenly, the workers' log-probs match the trainer's, a push moves them to the updated weights (stale
+gap >= 3 x the gap after), and a worker killed during a generate call loses no row. Prints tokens/s, push
+seconds and this process's peak GPU memory.
 """
 
 from __future__ import annotations
@@ -555,10 +564,100 @@ def part_agent(device: torch.device, shape: str, layers: Optional[int], dry: boo
         reset_peak(device)
 
 
+def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
+    """``launcher=ray`` on one node: 2 rollout workers (vLLM on a GPU, hf in --dry-run), push, kill (see module doc)."""
+    import ray
+
+    from rlpost.launch.ray_workers import RayRolloutPool
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.hf import HFRolloutEngine
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    V = int(SHAPES[shape]["vocab_size"])
+    tok = word_tokenizer(V)
+    B, P, R, G = (8, 8, 12, 4) if dry else (64, 128, 128, 4)
+    model_dir = tmp / "model"
+    build_model(shape, layers, torch.float32, torch.device("cpu"), seed=1).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    ngpu = torch.cuda.device_count() if not dry else 0
+    own = ngpu >= 3  # the trainer keeps device 0, each worker gets a whole device
+    gpus = 0.0 if dry else (1.0 if own else 0.4)
+    sync_mode = "collective" if (dry or own) else "object_store"  # --dry-run exercises the broadcast over gloo
+    over = ["model.source=hf", f"model.path={model_dir}", "model.name=gpu_check_ray", f"model.cache_dir={tmp}",
+            "launcher=ray", "launcher.num_rollout_workers=2", f"launcher.gpus_per_worker={gpus}",
+            f"launcher.cpus_per_worker={1 if dry else 2}", f"launcher.weight_sync={sync_mode}",
+            f"launcher.placement={'disaggregated' if own else 'colocated'}", "launcher.object_store_mb=256",
+            "trainer.lr=1e-3", "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={B}",
+            "precision=fp32" if dry else "precision=bf16"]
+    if not dry:
+        over += ["rollout=vllm", "rollout.gpu_memory_utilization=0.25"]
+    cfg = rl_config(over)
+    tol = 1e-3 if dry else 0.05
+    g = torch.Generator().manual_seed(0)
+    uniq = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B // G)]
+    prompts = [p for p in uniq for _ in range(G)]
+    sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+    print(f"\n== launcher=ray: 2 {'hf (dry run)' if dry else 'vLLM'} rollout workers, {shape}"
+          f"{'' if layers is None else f' with {layers} layers'}, {B} rows ({B // G} groups), weights via {sync_mode}")
+    pool = None
+    try:
+        with guard("ray_generate"):
+            policy = build_model(shape, layers, torch.float32, device, seed=1)
+            trainer = TorchTrainer(policy, cfg, device)
+            local = HFRolloutEngine(trainer.policy, tok, B, share_weights=True, device=device)
+            t0 = time.perf_counter()
+            pool = RayRolloutPool(cfg, local, trainer.policy)
+            start_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            gen = pool.generate(prompts, sp)
+            dt = time.perf_counter() - t0
+            batch = batch_from(gen, G)
+            lp0, _ = trainer.compute_logprobs(batch)
+            d0 = masked_abs_mean(gen.rollout_logprobs, lp0, gen.response_mask)
+            report("ray_generate", pool.rows_generated == [B // 2, B // 2] and d0 <= tol,
+                   f"pool start {start_s:.1f} s; {gen.num_tokens / dt:,.0f} tokens/s over 2 workers; rows per worker "
+                   f"{pool.rows_generated}; |worker - trainer| log-prob per token {d0:.4f} (threshold: rows split "
+                   f"evenly by groups, gap <= {tol})", tokens_per_s=gen.num_tokens / dt, start_s=start_s, gap=d0)
+        with guard("ray_push"):
+            trainer.policy_update(batch, torch.Generator().manual_seed(0))
+            lp1, _ = trainer.compute_logprobs(batch)
+            stale = masked_abs_mean(gen.rollout_logprobs, lp1, gen.response_mask)
+            t0 = time.perf_counter()
+            pool.sync_weights(trainer.policy)
+            push_s = time.perf_counter() - t0
+            gen2 = pool.generate(prompts, sp)
+            b2 = batch_from(gen2, G)
+            lp2, _ = trainer.compute_logprobs(b2)
+            after = masked_abs_mean(gen2.rollout_logprobs, lp2, gen2.response_mask)
+            report("ray_push", after <= tol and stale >= 3 * after,
+                   f"push {push_s:.2f} s via {pool.weight_sync}; |worker - trainer| per token: stale {stale:.4f}, "
+                   f"after push {after:.4f} (threshold: after <= {tol}, stale >= 3 x after)",
+                   push_s=push_s, stale=stale, after=after)
+        with guard("ray_kill"):
+            pool.after_submit = lambda p, futs: ray.kill(p.workers[1])
+            gen3 = pool.generate(prompts, sp)
+            pool.after_submit = None
+            m = pool.step_metrics()
+            same = float((gen3.response_ids[:, : gen2.response_ids.shape[1]] == gen2.response_ids[:, : gen3.response_ids.shape[1]])
+                         .all(-1).float().mean()) if gen3.response_ids.shape[0] == B else 0.0
+            ok = gen3.response_ids.shape[0] == B and m["ray/worker_failures"] >= 1 and (same == 1.0 or not dry)
+            report("ray_kill", ok, f"worker 1 killed during a generate call: {gen3.response_ids.shape[0]}/{B} rows back, "
+                   f"failures {m['ray/worker_failures']:.0f}, restarts {m['ray/worker_restarts']:.0f}; rows identical "
+                   f"to the unkilled call {same:.2f} (threshold: no row lost{', all identical' if dry else ''})",
+                   identical=same)
+        if device.type == "cuda":
+            print(f"driver peak GPU memory {peak_gib(device):.2f} GiB (the workers' memory is vLLM's share each)")
+    finally:
+        if pool is not None:
+            pool.close()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["hf", "vllm", "agent"], default="hf")
+    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray"], default="hf")
     ap.add_argument("--dry-run", action="store_true", help="CPU: plan, memory estimates, every hf check on a toy Qwen3")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--vllm-layers", type=int, default=8, help="layers of --shape for the vLLM part")
@@ -583,6 +682,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_agent(device, shape, None, True, Path(tempfile.mkdtemp(prefix="rlpost_agent_")))
+        elif a.part == "ray":
+            print("Plan (GPU part ray): a local Ray cluster, 2 vLLM rollout workers: generate, update, push, kill one.")
+            import tempfile
+
+            part_ray(device, shape, None, True, Path(tempfile.mkdtemp(prefix="rlpost_ray_")))
         else:
             part_hf(device, shape, dry=True)
     else:
@@ -600,6 +704,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_agent(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_agent_")))
+        elif a.part == "ray":
+            import tempfile
+
+            part_ray(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_ray_")))
         else:
             import tempfile
 

@@ -5,6 +5,8 @@
 #   bash scripts/gpu_check.sh               # part hf: one NVIDIA GPU, torch + transformers (+ DeepSpeed), no vLLM
 #   bash scripts/gpu_check.sh --part vllm   # a GPU machine with vLLM installed (pip install vllm)
 #   bash scripts/gpu_check.sh --part agent  # multi-turn episodes through vLLM (add --dry-run: hf engine on CPU)
+#   bash scripts/gpu_check.sh --part ray    # launcher=ray: 2 vLLM rollout workers (Ray actors) on this GPU node:
+#                                           # generate, weight push, a killed worker (add --dry-run: hf engine on CPU)
 #
 # Every check prints PASS/FAIL with its threshold; the exit status is 1 if any failed.
 # docs/ENGINES.md ("GPU check") has the figures measured on an H200 and how to run it offline.

@@ -258,6 +258,13 @@ def _check_executor(cfg: DictConfig) -> None:
     check_partial(cfg)
 
 
+def _check_launcher(cfg: DictConfig) -> None:
+    """``launcher``: Ray installed, worker count, placement (:func:`rlpost.launch.check_launcher`)."""
+    from rlpost.launch import check_launcher
+
+    check_launcher(cfg)
+
+
 def _check_card(cfg: DictConfig) -> None:
     """A recipe's ``card`` (:mod:`rlpost.recipes`): every field known, every cited number sourced."""
     if cfg.get("card") is not None:
@@ -285,6 +292,7 @@ GROUP_CHECKS = (
     ("task", _check_task),
     ("ranges", _check_ranges),
     ("executor", _check_executor),
+    ("launcher", _check_launcher),
     ("card", _check_card),
 )
 

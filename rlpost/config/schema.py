@@ -85,6 +85,13 @@ ExecutorName = Choice("ExecutorName", {"sync": "sync", "async": "async"}, module
 ExecutorName.__doc__ = "executor.name."
 
 
+class LauncherName(Choice):
+    """launcher.name: ``none`` (everything in this process, or torchrun ranks) | ``ray`` (rollout workers as Ray actors)."""
+
+    none = "none"
+    ray = "ray"
+
+
 # --------------------------------------------------------------------------- algo
 @dataclass
 class ClipConfig:
@@ -560,6 +567,47 @@ class ExecutorConfig:
 
 
 @dataclass
+class LauncherConfig:
+    """Where rollouts run: in the trainer's process (``none``) or in a pool of Ray actors (``ray``).
+
+    With ``launcher=ray`` (:mod:`rlpost.launch.ray_workers`) the trainer stays in
+    the driver process and ``num_rollout_workers`` Ray actors, each holding a
+    rollout engine (``rollout.engine``), generate the step's prompt groups.
+    The values are checked by :func:`rlpost.launch.check_launcher` (string fields
+    are free text there so that a typo gets a one-line error with the fix).
+
+    Attributes:
+        name: none | ray.
+        num_rollout_workers: rollout actors (>= 1).
+        placement: ``colocated`` (workers on the driver's node, sharing its
+            devices) | ``disaggregated`` (workers on the cluster's other nodes
+            when it has any, each on its own devices).
+        address: null starts a local Ray cluster in this process; ``auto`` joins
+            the cluster started with ``ray start`` on this node; ``HOST:PORT``
+            joins that cluster's head.
+        cpus_per_worker, gpus_per_worker: Ray resources each actor reserves
+            (fractions allowed; ``gpus_per_worker > 0`` puts the engine on a GPU).
+        max_restarts: how many dead rollout workers the pool replaces over the
+            run; the unfinished groups of a dead worker are regenerated either way.
+        weight_sync: ``auto`` (``collective`` when every worker has whole GPUs,
+            else ``object_store``) | ``object_store`` (the state_dict is put once
+            in Ray's object store and every worker loads it) | ``collective`` (a
+            broadcast over a process group: NCCL on GPUs, gloo on CPU).
+        object_store_mb: object-store size of a cluster started here (null: Ray's default).
+    """
+
+    name: LauncherName = LauncherName.none  # type: ignore[valid-type]
+    num_rollout_workers: int = 2
+    placement: str = "colocated"
+    address: Optional[str] = None
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    max_restarts: int = 1
+    weight_sync: str = "auto"
+    object_store_mb: Optional[int] = None
+
+
+@dataclass
 class RootConfig:
     """The whole run.
 
@@ -592,6 +640,7 @@ class RootConfig:
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
     executor: ExecutorConfig = MISSING
+    launcher: LauncherConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     card: Optional[Dict[str, Any]] = None
@@ -608,6 +657,7 @@ GROUP_SCHEMAS = {
     "trainer": TrainerConfig,
     "logger": LoggerConfig,
     "executor": ExecutorConfig,
+    "launcher": LauncherConfig,
 }
 
 
