@@ -42,9 +42,13 @@ def split_invariance(name, agg, **params):
     m[3, 2:] = 0
     denom = agg_count(agg, m)
 
+    # the detached whole mini-batch, which the trainer passes with every micro-batch (losses with batch statistics)
+    full = PolicyLossInput(logprobs=lp0, old_logprobs=old, advantages=A, response_mask=m)
+
     def run(rows):
         lp = lp0.clone().requires_grad_(True)
-        x = PolicyLossInput(logprobs=lp[rows], old_logprobs=old[rows], advantages=A[rows], response_mask=m[rows], step=7)
+        x = PolicyLossInput(logprobs=lp[rows], old_logprobs=old[rows], advantages=A[rows], response_mask=m[rows], step=7,
+                            batch=full, rows=torch.arange(4)[rows])
         loss_mat, _ = compute_policy_loss(name, x, **params)
         loss = aggregate(agg, loss_mat, m[rows], denom=denom)
         loss.backward()
@@ -184,6 +188,45 @@ def test_holderpo_schedule_follows_the_training_step():
     ("fipo", "seq-mean-token-mean", {"decay_rate": 2.0}),
     ("holderpo", "seq-mean-token-mean", {}),
     ("holderpo", "token-mean", {"schedule": "constant", "p": -1.5}),
+    ("p3o", "token-mean", {}),
 ])
 def test_micro_batch_split_gives_the_whole_batch_loss_and_gradient(name, agg, params):
     split_invariance(name, agg, **params)
+
+
+# --- the batch-adaptive ESS objective, P3O (arXiv:2605.12380) -------------------------------------
+
+def test_p3o_ess_caps_the_weight_and_sets_the_kl_strength_by_hand():
+    # w = [1, 2, 0.5, 1]: (sum w)^2 / (n sum w^2) = 4.5^2 / (4 * 6.25) = 0.81
+    x = make([[1.0, 2.0], [0.5, 1.0]], [[1.0, 1.0], [-1.0, -1.0]])
+    loss, g, met = grad_of("p3o", x)
+    ess = 0.81
+    assert float(met["ess"]) == pytest.approx(ess, abs=1e-6)
+    # PG: -A min(r, ESS); KL: (1 - ESS)(1 - 1/r) on d/d log pi of log r + 1/r - 1
+    pg = [[-ess, -ess], [0.5, ess]]
+    kl = [[0.0, 0.5], [-1.0, 0.0]]
+    want = torch.tensor(pg) + (1 - ess) * torch.tensor(kl)
+    assert torch.allclose(g, want, atol=1e-5)
+    kl_val = [[0.0, math.log(2) + 0.5 - 1], [math.log(0.5) + 2 - 1, 0.0]]
+    assert torch.allclose(loss, torch.tensor(pg) + (1 - ess) * torch.tensor(kl_val), atol=1e-5)
+    assert float(met["clip_frac"]) == pytest.approx(0.75)  # r = 1, 2, 1 exceed ESS = 0.81; r = 0.5 does not
+
+
+def test_p3o_on_policy_is_plain_reinforce():
+    x = make([[1.0, 1.0, 1.0]], [[1.0, -2.0, 0.5]])
+    _, g, met = grad_of("p3o", x)
+    assert float(met["ess"]) == pytest.approx(1.0, abs=1e-6)
+    assert torch.allclose(g, torch.tensor([[-1.0, 2.0, -0.5]]), atol=1e-6)
+
+
+def test_p3o_ess_is_over_the_whole_mini_batch_not_the_micro_batch():
+    from rlpost.algos.losses import batch_view  # noqa: F401  (the loss reads PolicyLossInput.batch)
+
+    whole = make([[1.0, 2.0], [0.5, 1.0]], [[1.0, 1.0], [-1.0, -1.0]])
+    part = make([[1.0, 2.0]], [[1.0, 1.0]])
+    part.batch = PolicyLossInput(logprobs=whole.logprobs.detach(), old_logprobs=whole.old_logprobs,
+                                 advantages=whole.advantages, response_mask=whole.response_mask)
+    part.rows = torch.tensor([0])
+    _, g, met = grad_of("p3o", part)
+    assert float(met["ess"]) == pytest.approx(0.81, abs=1e-6)  # alone, row 0 would give 9 / 10 = 0.9
+    assert torch.allclose(g, torch.tensor([[-0.81, -0.81 + 0.19 * 0.5]]), atol=1e-5)

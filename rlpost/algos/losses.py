@@ -1847,3 +1847,57 @@ def holderpo_loss(
         metrics["holder_p"] = torch.tensor(cur_p)
         metrics["seq_ratio_mean"] = _nonempty_mean(rho.detach(), m)
     return loss, metrics
+
+
+_P3O_PAPER = ("Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training (arXiv:2605.12380); "
+              "authors' code https://github.com/FeynRL-project/FeynRL (algs/P3O), after P3O: Policy-on Policy-off "
+              "Policy Optimization (arXiv:1905.01756)")
+
+
+@POLICY_LOSSES.register("p3o", paper=_P3O_PAPER, batch_statistics=True)
+def p3o_loss(inp: PolicyLossInput) -> Tuple[torch.Tensor, Metrics]:
+    """The batch-adaptive ESS objective: the ratio cap and the trust-region weight both set by the batch's ESS.
+
+    With token ratios ``w = pi / pi_old`` over the response tokens of the
+    mini-batch, ``ESS = (sum w)^2 / (n sum w^2 + 1e-8 n)`` in ``(0, 1]`` (the
+    normalised effective sample size; ``n`` the token count). Per token
+
+        ``loss_t = -sg(min(r_t, ESS)) A_t log pi_t + (1 - ESS) KL_t``,
+        ``KL_t = log r_t + 1 / r_t - 1`` (the release's k3 estimate of
+        ``KL(pi || pi_old)``, exponent clamped to [-10, 10]).
+
+    Fresh data (``ESS`` near 1) gives the plain score-function update ``-A grad
+    log pi`` with no pull-back; stale or mismatched data concentrates the
+    ratios, so ``ESS`` falls, the weight of every token is capped at it (high-ratio
+    tokens keep a nonzero weight ``ESS``, unlike a PPO clip) and the KL to
+    ``pi_old`` takes over. No clip range and no KL coefficient: the objective
+    has no parameters. The PG term is written ``-A sg(min(r, ESS) / r) r`` so
+    its value is ``-A min(r, ESS)`` (the release's value multiplies by ``log pi``;
+    the gradient is the same).
+
+    Departure from the release, for micro-batch invariance: the release takes
+    ``ESS`` over each micro-batch (summed across data-parallel ranks); here it is
+    over the whole mini-batch of the optimizer step (registry tag
+    ``batch_statistics``: :func:`batch_view`), the batch that the paper's title
+    says to trust. Shapes: ``inp`` tensors ``[B, R]``. Metrics: ``ess`` (0-d),
+    ``kl_behavioral`` (mean ``KL_t``).
+    """
+    full, _ = batch_view(inp)
+    with torch.no_grad():
+        fm = full.response_mask.double()
+        fw = torch.exp((full.logprobs.double() - full.old_logprobs.double()).clamp(-20.0, 20.0)) * fm
+        n = fm.sum()
+        ess = float((fw.sum() ** 2 / (fw.pow(2).sum() + 1e-8) / n).clamp(0.0, 1.0)) if n > 0 else 1.0
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    w = torch.clamp(ratio.detach(), max=ess)
+    kl = log_ratio + torch.exp((-log_ratio).clamp(-10.0, 10.0)) - 1.0
+    loss = _is_weighted_pg(ratio, w, A) + (1.0 - ess) * kl
+    with torch.no_grad():
+        capped = (ratio.detach() > ess).float()
+        metrics = _clip_metrics(ratio, log_ratio, capped * (A < 0).float(), capped * (A > 0).float(), m)
+        metrics["clip_frac"] = masked_mean(capped, m)
+        metrics["ess"] = torch.tensor(ess)
+        metrics["kl_behavioral"] = masked_mean(kl.detach(), m)
+    return loss, metrics
