@@ -76,6 +76,11 @@ class PolicyLossInput:
             first batch; the trainer passes its count of earlier policy
             updates, saved with a checkpoint), or None. Losses with a schedule
             over training (``holderpo``'s exponent) read it; None means step 0.
+        old_entropy: ``[B, R]`` per-token entropy (nats) of the pre-update policy
+            ``pi_old``, detached, or None. Losses tagged ``needs_old_entropy``
+            (``erc``) read it; the runner computes it with the old log-probs
+            (``extras['old_entropy']``) when the update reuses the batch, and on a
+            single on-policy pass it is the current entropy (None here).
     """
 
     logprobs: torch.Tensor
@@ -90,6 +95,7 @@ class PolicyLossInput:
     group_index: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None
     step: Optional[int] = None
+    old_entropy: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
@@ -1900,4 +1906,74 @@ def p3o_loss(inp: PolicyLossInput) -> Tuple[torch.Tensor, Metrics]:
         metrics["clip_frac"] = masked_mean(capped, m)
         metrics["ess"] = torch.tensor(ess)
         metrics["kl_behavioral"] = masked_mean(kl.detach(), m)
+    return loss, metrics
+
+
+_ERC_PAPER = ("Entropy Ratio Clipping as a Soft Global Constraint for Stable Reinforcement Learning (ERC, "
+              "arXiv:2512.05591); authors' code https://github.com/Kwai-Klear/ERC (loss grpo_erc)")
+
+
+@dataclass(frozen=True)
+class ERCParams:
+    """ERC on DAPO's clipped surrogate; defaults are the authors' DAPO + ERC run script."""
+
+    eps_low: float = param(0.2, "PPO ratio floor 1 - eps_low (authors' script: 0.2)")
+    eps_high: float = param(0.28, "PPO ratio cap 1 + eps_high (authors' script: 0.28)")
+    dual_clip: Optional[float] = param(10.0, "dual clip c on A < 0 tokens (authors' script clip_ratio_c: 10), or null")
+    entropy_ratio_low: float = param(0.95, "tokens whose entropy ratio H / H_old is not above this get no gradient (script: 0.95)")
+    entropy_ratio_high: float = param(1.05, "tokens whose entropy ratio H / H_old is not below this get no gradient (script: 1.05)")
+
+
+@POLICY_LOSSES.register("erc", paper=_ERC_PAPER, params=ERCParams, needs_entropy=True, needs_old_entropy=True)
+def erc_loss(
+    inp: PolicyLossInput,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: Optional[float],
+    entropy_ratio_low: float,
+    entropy_ratio_high: float,
+) -> Tuple[torch.Tensor, Metrics]:
+    """ERC: DAPO's clipped surrogate, with the gradient cut where a token's entropy moved too far from pi_old's.
+
+    PPO's clip sees only the sampled token's ratio; probability mass moved onto
+    tokens that were not sampled shows in the entropy of the whole next-token
+    distribution. ERC compares, at each response position, the entropy of the
+    current policy with that of the old one, ``rho_t = (H_t + 1e-8) / (H_old_t +
+    1e-8)``, and keeps the token's gradient only when
+    ``entropy_ratio_low < rho_t < entropy_ratio_high`` (the release detaches the
+    loss of the other tokens: their value stays in the loss, their gradient is
+    0). The surrogate is PPO's with ``eps_low`` / ``eps_high`` and dual clip.
+
+    ``inp.entropy`` is the current policy's entropy (tag ``needs_entropy``);
+    ``inp.old_entropy`` the old policy's (tag ``needs_old_entropy``: the runner
+    computes it with the old log-probs when the batch is reused). Without it
+    (one on-policy pass) the old policy is the current one and every ratio is 1.
+    Shapes ``[B, R]``. Metrics: ``erc_masked_frac`` (share of tokens whose
+    gradient the entropy ratio cut; the paper reports about 20%),
+    ``entropy_ratio_mean``.
+
+    Raises:
+        ValueError: ``inp.entropy`` is None, or ``entropy_ratio_low >= 1`` or
+            ``entropy_ratio_high <= 1`` (the band must contain ratio 1).
+    """
+    if not entropy_ratio_low < 1.0 < entropy_ratio_high:
+        raise ValueError(f"erc: need entropy_ratio_low < 1 < entropy_ratio_high, got {entropy_ratio_low}, {entropy_ratio_high}")
+    if inp.entropy is None:
+        raise ValueError("erc needs PolicyLossInput.entropy (the trainer computes it for losses tagged needs_entropy)")
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    loss, low, high, extra = _ppo_core(ratio, A, eps_low, eps_high, dual_clip, m)
+    with torch.no_grad():
+        H = inp.entropy.detach().float()
+        H_old = H if inp.old_entropy is None else inp.old_entropy.detach().float()
+        rho = (H + 1e-8) / (H_old + 1e-8)
+        keep = (rho > entropy_ratio_low) & (rho < entropy_ratio_high)
+    loss = torch.where(keep, loss, loss.detach())
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics.update(extra)
+    with torch.no_grad():
+        metrics["erc_masked_frac"] = masked_mean((~keep).float(), m)
+        metrics["entropy_ratio_mean"] = masked_mean(rho, m)
     return loss, metrics
