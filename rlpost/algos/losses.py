@@ -1630,7 +1630,7 @@ class FIPOParams:
 
     eps_low: float = param(0.2, "PPO ratio floor 1 - eps_low (DAPO scaffold: 0.2)")
     eps_high: float = param(0.28, "PPO ratio cap 1 + eps_high (DAPO clip-higher, the 32B script: 0.28)")
-    dual_clip: Optional[float] = param(10.0, "dual clip c on A < 0 tokens; tokens with ratio > c also leave the future-KL sum (script: delta 10), or null")
+    dual_clip: Optional[float] = param(10.0, "dual clip c on A < 0 tokens; ratio > c also leaves the future sum (script: 10)")
     decay_rate: float = param(32.0, "half-life in tokens of the future-KL discount: gamma = 2^(-1/decay_rate) (script: 32)")
     weight_clip: Optional[float] = param(0.2, "influence weight clipped to [1 - c, 1 + c] (script: 0.2), or null for no clip")
     weight_clip_high_only: bool = param(False, "clip the weight to [1, 1 + c] instead (ms-swift default true; the 32B script: false)")
@@ -1641,16 +1641,18 @@ def future_kl(log_ratio: torch.Tensor, mask: torch.Tensor, gamma: float) -> torc
     """FIPO's discounted future log-ratio ``F_t = sum_{k>=t} gamma^(k-t) m_k d_k`` per row, ``[B, R]``.
 
     ``d = log_ratio`` (the signed per-token log-prob shift ``log pi - log pi_old``);
-    ``F_t = m_t d_t + gamma F_{t+1}``, computed in float64 as one product with the
-    ``[R, R]`` upper-triangular discount matrix; 0 outside ``mask``.
+    ``F_t = m_t d_t + gamma F_{t+1}``, run backwards over positions in float64
+    (O(R) memory; a position outside ``mask`` passes the discounted sum through);
+    0 outside ``mask``.
     """
-    R = log_ratio.shape[-1]
-    pos = torch.arange(R, device=log_ratio.device, dtype=torch.float64)
-    dist = pos[None, :] - pos[:, None]  # [t, k] = k - t
-    D = torch.where(dist >= 0, torch.pow(torch.tensor(gamma, dtype=torch.float64), dist.clamp(min=0)),
-                    torch.zeros_like(dist))
     m = mask.double()
-    return ((log_ratio.double() * m) @ D.T * m).to(log_ratio.dtype)
+    d = log_ratio.double() * m
+    out = torch.zeros_like(d)
+    acc = torch.zeros_like(d[..., 0])
+    for t in range(d.shape[-1] - 1, -1, -1):
+        acc = d[..., t] + gamma * acc
+        out[..., t] = acc
+    return (out * m).to(log_ratio.dtype)
 
 
 @POLICY_LOSSES.register("fipo", paper=_FIPO_PAPER, params=FIPOParams)
