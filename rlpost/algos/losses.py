@@ -1744,14 +1744,14 @@ class HolderSchedule(Choice):
 
 @dataclass(frozen=True)
 class HolderPOParams:
-    """HölderPO's sequence-level power-mean ratio and its p schedule (paper: linear 2 -> -2; authors' script)."""
+    """HölderPO's sequence-level power-mean ratio and its p schedule (authors' math script: linear 2 -> -2)."""
 
     eps_low: float = param(0.2, "sequence ratio floor 1 - eps_low (authors' script CLIPRANGE 0.2)")
     eps_high: float = param(0.2, "sequence ratio cap 1 + eps_high (authors' script CLIPRANGE 0.2)")
-    schedule: HolderSchedule = param(HolderSchedule.linear_dec, "p schedule (paper's main result: linear_dec from p_max to p_min)")
+    schedule: HolderSchedule = param(HolderSchedule.linear_dec, "p schedule (authors' math script: linear_dec, p_max to p_min)")
     p: float = param(1.0, "the exponent when schedule=constant (1: arithmetic mean, 0: geometric mean = GSPO's ratio)")
-    p_min: float = param(-2.0, "lower end of the schedule (paper's math runs: -2; ALFWorld: -1)")
-    p_max: float = param(2.0, "upper end of the schedule (paper's math runs: 2; ALFWorld: 1)")
+    p_min: float = param(-2.0, "lower end of the schedule (authors' math script: -2)")
+    p_max: float = param(2.0, "upper end of the schedule (authors' math script: 2)")
     schedule_steps: int = param(500, "training steps the schedule spans, then p stays at its end (authors' script: 500)")
     power: float = param(2.0, "exponent n of the poly / poly_dec schedules (authors' default 2)")
 
@@ -1829,9 +1829,9 @@ def holderpo_loss(
     with ``A_i`` the sequence mean of the token advantages, placed on each of
     its tokens: ``seq-mean-token-mean`` gives the authors' mean over sequences.
     ``p`` follows ``schedule`` at training step ``inp.step``
-    (:func:`holder_p`; None counts as step 0): the paper anneals it linearly
-    from 2 to -2 (math) so that early updates amplify sparse signals and late
-    ones have bounded variance. On-policy every ``rho = 1`` whatever ``p``,
+    (:func:`holder_p`; None counts as step 0): the authors' math script anneals
+    it linearly from 2 to -2, so that early updates amplify sparse signals and
+    late ones have bounded variance (the paper's argument). On-policy every ``rho = 1`` whatever ``p``,
     so the loss equals GRPO's until a batch is reused (the authors make one
     update per mini-batch of a larger rollout batch: ``algo.mini_batches > 1``).
     The token-level variant of the authors' code (``holder_token``) is not
