@@ -620,7 +620,12 @@ class Run:
         return gather_rows(local, rows, len(batch), batch.response_mask.shape[1])
 
     def _old_logprobs(self, ctx: "LearnContext") -> None:
+        from rlpost.algos.registries import POLICY_LOSSES
+
         ctx.batch.extras["old_logprobs"] = self._rows_pass(ctx.batch, lambda b: self.trainer.compute_logprobs(b)[0])
+        if POLICY_LOSSES.tag(self.cfg.algo.loss, "needs_old_entropy", False):  # ERC's entropy ratio (one more pass)
+            ctx.batch.extras["old_entropy"] = self._rows_pass(
+                ctx.batch, lambda b: self.trainer.compute_logprobs(b, with_entropy=True)[1])
 
     def _ref_logprobs(self, ctx: "LearnContext") -> None:
         ctx.batch.extras["ref_logprobs"] = self._rows_pass(ctx.batch,

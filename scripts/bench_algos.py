@@ -34,6 +34,7 @@ NAMED = [
     "sao", "mssr", "hapo", "aepo", "gapo", "dispo",
     "bnpo", "maxrl", "f_grpo", "dgpo", "max_at_k", "rec", "opmd", "asymre", "dppo",
     "tpo", "cpgd", "cfpo", "kpo", "sspo", "egsw", "seed_grpo", "nat",
+    "fipo", "holderpo", "p3o", "erc",
 ]
 
 

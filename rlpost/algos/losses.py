@@ -72,6 +72,15 @@ class PolicyLossInput:
         segment_ids: ``[B, R]`` long, the subsentence index of each response
             token within its row, or None; losses tagged ``needs_segments``
             (``sspo``) read it (the runner fills ``extras['segment_ids']``).
+        step: index of the training step this update belongs to (0 for the
+            first batch; the trainer passes its count of earlier policy
+            updates, saved with a checkpoint), or None. Losses with a schedule
+            over training (``holderpo``'s exponent) read it; None means step 0.
+        old_entropy: ``[B, R]`` per-token entropy (nats) of the pre-update policy
+            ``pi_old``, detached, or None. Losses tagged ``needs_old_entropy``
+            (``erc``) read it; the runner computes it with the old log-probs
+            (``extras['old_entropy']``) when the update reuses the batch, and on a
+            single on-policy pass it is the current entropy (None here).
     """
 
     logprobs: torch.Tensor
@@ -85,6 +94,8 @@ class PolicyLossInput:
     seed: Optional[int] = None
     group_index: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None
+    step: Optional[int] = None
+    old_entropy: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
@@ -1605,3 +1616,366 @@ def compute_policy_loss(name: str, inp: PolicyLossInput, **params: object) -> Tu
             (the message lists the valid keys).
     """
     return POLICY_LOSSES.get(name)(inp, **POLICY_LOSSES.kwargs(name, params, "algo.loss_params"))
+
+
+# --- Issue 17, third batch: FIPO (future-KL token weights), HölderPO (power-mean sequence ratio) ------
+
+_FIPO_PAPER = ("FIPO: Eliciting Deep Reasoning with Future-KL Influenced Policy Optimization (arXiv:2603.19835); "
+               "loss as in the ms-swift port of the authors' verl code (github.com/modelscope/ms-swift, pull 9328)")
+
+
+@dataclass(frozen=True)
+class FIPOParams:
+    """FIPO on DAPO's clipped surrogate; defaults are the authors' 32B run script (as the ms-swift port states)."""
+
+    eps_low: float = param(0.2, "PPO ratio floor 1 - eps_low (DAPO scaffold: 0.2)")
+    eps_high: float = param(0.28, "PPO ratio cap 1 + eps_high (DAPO clip-higher, the 32B script: 0.28)")
+    dual_clip: Optional[float] = param(10.0, "dual clip c on A < 0 tokens; ratio > c also leaves the future sum (script: 10)")
+    decay_rate: float = param(32.0, "half-life in tokens of the future-KL discount: gamma = 2^(-1/decay_rate) (script: 32)")
+    weight_clip: Optional[float] = param(0.2, "influence weight clipped to [1 - c, 1 + c] (script: 0.2), or null for no clip")
+    weight_clip_high_only: bool = param(False, "clip the weight to [1, 1 + c] instead (ms-swift default true; the 32B script: false)")
+    safety_threshold: Optional[float] = param(3.0, "A < 0 tokens with ratio above this keep a weight in [0.8, 1] (script: 3.0), or null")
+
+
+def future_kl(log_ratio: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """FIPO's discounted future log-ratio ``F_t = sum_{k>=t} gamma^(k-t) m_k d_k`` per row, ``[B, R]``.
+
+    ``d = log_ratio`` (the signed per-token log-prob shift ``log pi - log pi_old``);
+    ``F_t = m_t d_t + gamma F_{t+1}``, run backwards over positions in float64
+    (O(R) memory; a position outside ``mask`` passes the discounted sum through);
+    0 outside ``mask``.
+    """
+    m = mask.double()
+    d = log_ratio.double() * m
+    out = torch.zeros_like(d)
+    acc = torch.zeros_like(d[..., 0])
+    for t in range(d.shape[-1] - 1, -1, -1):
+        acc = d[..., t] + gamma * acc
+        out[..., t] = acc
+    return (out * m).to(log_ratio.dtype)
+
+
+@POLICY_LOSSES.register("fipo", paper=_FIPO_PAPER, params=FIPOParams)
+def fipo_loss(
+    inp: PolicyLossInput,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: Optional[float],
+    decay_rate: float,
+    weight_clip: Optional[float],
+    weight_clip_high_only: bool,
+    safety_threshold: Optional[float],
+) -> Tuple[torch.Tensor, Metrics]:
+    """FIPO: DAPO's clipped surrogate with each token's loss weighted by its future-KL influence.
+
+    Outcome rewards give every token of a response one advantage. FIPO
+    re-weights token ``t`` by how much the update is already moving the rest of
+    the trajectory: ``F_t = sum_{k>=t} gamma^(k-t) (log pi_k - log pi_old_k)``
+    (:func:`future_kl`, ``gamma = 2^(-1/decay_rate)``), with tokens whose ratio
+    exceeds ``dual_clip`` left out of the sum; the weight is
+    ``f_t = clip(exp(F_t), 1 - weight_clip, 1 + weight_clip)`` (lower bound 1
+    with ``weight_clip_high_only``), detached, and for ``A < 0`` tokens whose
+    ratio exceeds ``safety_threshold`` clipped further to ``[0.8, 1]`` (no
+    amplified penalty on tokens that already rose a lot). Loss per token:
+    ``f_t * PPO(r_t, A_t)`` with PPO's clip ``[1 - eps_low, 1 + eps_high]`` and
+    dual clip, i.e. the advantage becomes ``A_t f_t``. On-policy (``r = 1``)
+    every ``f_t = 1`` and the loss is DAPO's: the weights act from the second
+    update on a batch (``algo.ppo_epochs > 1`` or ``algo.mini_batches > 1``;
+    the 32B script makes 3 updates per batch).
+
+    Followed where the abstract is silent: the ms-swift port's formula and the
+    authors' 32B script values (declaration defaults). Shapes: every tensor of
+    ``inp`` ``[B, R]``. Metrics: ``fipo_future_kl`` (mean ``F_t``),
+    ``fipo_weight_mean``, ``fipo_safety_frac`` (share of tokens whose weight the
+    safety rule capped).
+
+    Raises:
+        ValueError: ``decay_rate <= 0``, ``weight_clip`` not in [0, 1), or
+            ``safety_threshold < 0``.
+    """
+    if decay_rate <= 0:
+        raise ValueError(f"fipo: decay_rate must be > 0, got {decay_rate}")
+    if weight_clip is not None and not 0.0 <= weight_clip < 1.0:
+        raise ValueError(f"fipo: weight_clip must be in [0, 1) or null, got {weight_clip}")
+    if safety_threshold is not None and safety_threshold < 0:
+        raise ValueError(f"fipo: safety_threshold must be >= 0 or null, got {safety_threshold}")
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    with torch.no_grad():
+        d = log_ratio.detach()
+        if dual_clip is not None:
+            d = torch.where(ratio.detach() > dual_clip, torch.zeros_like(d), d)
+        F = future_kl(d, m, 2.0 ** (-1.0 / decay_rate))
+        f = torch.exp(F.clamp(max=20.0))
+        if weight_clip is not None:
+            f = f.clamp(1.0 if weight_clip_high_only else 1.0 - weight_clip, 1.0 + weight_clip)
+        unsafe = torch.zeros_like(m, dtype=torch.bool)
+        if safety_threshold is not None:
+            unsafe = (A < 0) & (ratio.detach() > safety_threshold)
+            f = torch.where(unsafe, f.clamp(0.8, 1.0), f)
+    loss, low, high, extra = _ppo_core(ratio, A, eps_low, eps_high, dual_clip, m)
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics.update(extra)
+    with torch.no_grad():
+        metrics["fipo_future_kl"] = masked_mean(F, m)
+        metrics["fipo_weight_mean"] = masked_mean(f, m)
+        metrics["fipo_safety_frac"] = masked_mean(unsafe.float(), m)
+    return loss * f, metrics
+
+
+_HOLDER_PAPER = "Hölder Policy Optimisation (HölderPO, arXiv:2605.12058); authors' code https://github.com/YihangChen9/HolderPO"
+
+
+class HolderSchedule(Choice):
+    """How HölderPO's exponent ``p`` moves between ``p_min`` and ``p_max`` over ``schedule_steps`` (authors' code)."""
+
+    constant = "constant"
+    linear = "linear"
+    linear_dec = "linear_dec"
+    sin = "sin"
+    cos = "cos"
+    poly = "poly"
+    poly_dec = "poly_dec"
+    cubic = "cubic"
+    cubic_dec = "cubic_dec"
+
+
+@dataclass(frozen=True)
+class HolderPOParams:
+    """HölderPO's sequence-level power-mean ratio and its p schedule (authors' math script: linear 2 -> -2)."""
+
+    eps_low: float = param(0.2, "sequence ratio floor 1 - eps_low (authors' script CLIPRANGE 0.2)")
+    eps_high: float = param(0.2, "sequence ratio cap 1 + eps_high (authors' script CLIPRANGE 0.2)")
+    schedule: HolderSchedule = param(HolderSchedule.linear_dec, "p schedule (authors' math script: linear_dec, p_max to p_min)")
+    p: float = param(1.0, "the exponent when schedule=constant (1: arithmetic mean, 0: geometric mean = GSPO's ratio)")
+    p_min: float = param(-2.0, "lower end of the schedule (authors' math script: -2)")
+    p_max: float = param(2.0, "upper end of the schedule (authors' math script: 2)")
+    schedule_steps: int = param(500, "training steps the schedule spans, then p stays at its end (authors' script: 500)")
+    power: float = param(2.0, "exponent n of the poly / poly_dec schedules (authors' default 2)")
+
+
+def holder_p(step: int, schedule: str, p: float, p_min: float, p_max: float, schedule_steps: int, power: float) -> float:
+    """HölderPO's exponent at training step ``step`` (0-based), as the authors' ``_get_current_holder_p``.
+
+    ``progress = min(1, step / schedule_steps)``; ``linear_dec``:
+    ``p_max - (p_max - p_min) progress``; ``cos``: ``mid + amp cos(pi progress)``;
+    ``cubic``: ``mid + amp (2 progress - 1)^3`` (``mid``, ``amp`` the centre and
+    half-width of ``[p_min, p_max]``); the ``*_dec`` forms mirror them.
+
+    Raises:
+        ValueError: an unknown ``schedule`` or ``schedule_steps < 1``.
+    """
+    if schedule == "constant":
+        return float(p)
+    if schedule_steps < 1:
+        raise ValueError(f"holderpo: schedule_steps must be >= 1, got {schedule_steps}")
+    t = min(1.0, max(0, step) / schedule_steps)
+    mid, amp = (p_min + p_max) / 2.0, (p_max - p_min) / 2.0
+    table = {
+        "linear": p_min + (p_max - p_min) * t,
+        "linear_dec": p_max - (p_max - p_min) * t,
+        "sin": mid - amp * math.cos(math.pi * t),
+        "cos": mid + amp * math.cos(math.pi * t),
+        "poly": p_min + (p_max - p_min) * t ** power,
+        "poly_dec": p_max - (p_max - p_min) * t ** power,
+        "cubic": mid + amp * (2.0 * t - 1.0) ** 3,
+        "cubic_dec": mid - amp * (2.0 * t - 1.0) ** 3,
+    }
+    if schedule not in table:
+        raise ValueError(f"holderpo: schedule={schedule!r}: valid choices are {', '.join(c.value for c in HolderSchedule)}")
+    return float(table[schedule])
+
+
+def holder_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """``[B]`` log of the Hölder mean ``((1/L) sum_t r_t^p)^(1/p)`` of each row's masked token ratios.
+
+    Computed in log space, ``(logsumexp_t(p log r_t) - log L) / p``, so large
+    ``|p|`` cannot overflow; ``|p| < 1e-6`` gives the geometric-mean limit
+    ``mean_t log r_t`` (the authors' threshold). A row without tokens gives 0.
+    """
+    m = mask > 0
+    L = m.sum(-1).clamp(min=1).to(log_ratio.dtype)
+    if abs(p) < 1e-6:
+        return (log_ratio * mask).sum(-1) / L
+    z = torch.where(m, p * log_ratio, torch.full_like(log_ratio, float("-inf")))
+    lse = torch.logsumexp(z, dim=-1)
+    out = (lse - torch.log(L)) / p
+    return torch.where(m.any(-1), out, torch.zeros_like(out))
+
+
+@POLICY_LOSSES.register("holderpo", paper=_HOLDER_PAPER, params=HolderPOParams, sequence_level=True)
+def holderpo_loss(
+    inp: PolicyLossInput,
+    *,
+    eps_low: float,
+    eps_high: float,
+    schedule: str,
+    p: float,
+    p_min: float,
+    p_max: float,
+    schedule_steps: int,
+    power: float,
+) -> Tuple[torch.Tensor, Metrics]:
+    """HölderPO: PPO's clip on each sequence's Hölder (power) mean of its token ratios, with p annealed.
+
+    ``rho_i = ((1/L_i) sum_t r_it^p)^(1/p)`` (:func:`holder_mean_log_ratio`);
+    ``p = 1`` is the arithmetic mean, ``p -> 0`` the geometric mean (GSPO's and
+    GMPO's sequence ratio), large ``p`` concentrates the gradient on the tokens
+    with the largest ratios (each token's share of ``d rho`` is
+    ``r_t^p / sum_s r_s^p``), negative ``p`` on the smallest. Per sequence
+    ``loss_i = max(-A_i rho_i, -A_i clip(rho_i, 1 - eps_low, 1 + eps_high))``
+    with ``A_i`` the sequence mean of the token advantages, placed on each of
+    its tokens: ``seq-mean-token-mean`` gives the authors' mean over sequences.
+    ``p`` follows ``schedule`` at training step ``inp.step``
+    (:func:`holder_p`; None counts as step 0): the authors' math script anneals
+    it linearly from 2 to -2, so that early updates amplify sparse signals and
+    late ones have bounded variance (the paper's argument). On-policy every ``rho = 1`` whatever ``p``,
+    so the loss equals GRPO's until a batch is reused (the authors make one
+    update per mini-batch of a larger rollout batch: ``algo.mini_batches > 1``).
+    The token-level variant of the authors' code (``holder_token``) is not
+    implemented. Metrics: ``holder_p``, ``seq_ratio_mean``.
+
+    Raises:
+        ValueError: see :func:`holder_p`.
+    """
+    cur_p = holder_p(inp.step or 0, schedule, p, p_min, p_max, schedule_steps, power)
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    log_rho = holder_mean_log_ratio(log_ratio, m, cur_p)
+    rho = torch.exp(log_rho.clamp(-20.0, 20.0))
+    A = _seq_mean(inp.advantages, m)
+    seq_loss = torch.maximum(-A * rho, -A * torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high))
+    loss = seq_loss[:, None] * torch.ones_like(log_ratio)
+    with torch.no_grad():
+        low = ((rho < 1.0 - eps_low) & (A < 0)).float()[:, None].expand_as(m)
+        high = ((rho > 1.0 + eps_high) & (A > 0)).float()[:, None].expand_as(m)
+        metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+        metrics["holder_p"] = torch.tensor(cur_p)
+        metrics["seq_ratio_mean"] = _nonempty_mean(rho.detach(), m)
+    return loss, metrics
+
+
+_P3O_PAPER = ("Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training (arXiv:2605.12380); "
+              "authors' code https://github.com/FeynRL-project/FeynRL (algs/P3O), after P3O: Policy-on Policy-off "
+              "Policy Optimization (arXiv:1905.01756)")
+
+
+@POLICY_LOSSES.register("p3o", paper=_P3O_PAPER, batch_statistics=True)
+def p3o_loss(inp: PolicyLossInput) -> Tuple[torch.Tensor, Metrics]:
+    """The batch-adaptive ESS objective: the ratio cap and the trust-region weight both set by the batch's ESS.
+
+    With token ratios ``w = pi / pi_old`` over the response tokens of the
+    mini-batch, ``ESS = (sum w)^2 / (n sum w^2 + 1e-8 n)`` in ``(0, 1]`` (the
+    normalised effective sample size; ``n`` the token count). Per token
+
+        ``loss_t = -sg(min(r_t, ESS)) A_t log pi_t + (1 - ESS) KL_t``,
+        ``KL_t = log r_t + 1 / r_t - 1`` (the release's k3 estimate of
+        ``KL(pi || pi_old)``, exponent clamped to [-10, 10]).
+
+    Fresh data (``ESS`` near 1) gives the plain score-function update ``-A grad
+    log pi`` with no pull-back; stale or mismatched data concentrates the
+    ratios, so ``ESS`` falls, the weight of every token is capped at it (high-ratio
+    tokens keep a nonzero weight ``ESS``, unlike a PPO clip) and the KL to
+    ``pi_old`` takes over. No clip range and no KL coefficient: the objective
+    has no parameters. The PG term is written ``-A sg(min(r, ESS) / r) r`` so
+    its value is ``-A min(r, ESS)`` (the release's value multiplies by ``log pi``;
+    the gradient is the same).
+
+    Departure from the release, for micro-batch invariance: the release takes
+    ``ESS`` over each micro-batch (summed across data-parallel ranks); here it is
+    over the whole mini-batch of the optimizer step (registry tag
+    ``batch_statistics``: :func:`batch_view`), the batch that the paper's title
+    says to trust. Shapes: ``inp`` tensors ``[B, R]``. Metrics: ``ess`` (0-d),
+    ``kl_behavioral`` (mean ``KL_t``).
+    """
+    full, _ = batch_view(inp)
+    with torch.no_grad():
+        fm = full.response_mask.double()
+        fw = torch.exp((full.logprobs.double() - full.old_logprobs.double()).clamp(-20.0, 20.0)) * fm
+        n = fm.sum()
+        ess = float((fw.sum() ** 2 / (fw.pow(2).sum() + 1e-8) / n).clamp(0.0, 1.0)) if n > 0 else 1.0
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    w = torch.clamp(ratio.detach(), max=ess)
+    kl = log_ratio + torch.exp((-log_ratio).clamp(-10.0, 10.0)) - 1.0
+    loss = _is_weighted_pg(ratio, w, A) + (1.0 - ess) * kl
+    with torch.no_grad():
+        capped = (ratio.detach() > ess).float()
+        metrics = _clip_metrics(ratio, log_ratio, capped * (A < 0).float(), capped * (A > 0).float(), m)
+        metrics["clip_frac"] = masked_mean(capped, m)
+        metrics["ess"] = torch.tensor(ess)
+        metrics["kl_behavioral"] = masked_mean(kl.detach(), m)
+    return loss, metrics
+
+
+_ERC_PAPER = ("Entropy Ratio Clipping as a Soft Global Constraint for Stable Reinforcement Learning (ERC, "
+              "arXiv:2512.05591); authors' code https://github.com/Kwai-Klear/ERC (loss grpo_erc)")
+
+
+@dataclass(frozen=True)
+class ERCParams:
+    """ERC on DAPO's clipped surrogate; defaults are the authors' DAPO + ERC run script."""
+
+    eps_low: float = param(0.2, "PPO ratio floor 1 - eps_low (authors' script: 0.2)")
+    eps_high: float = param(0.28, "PPO ratio cap 1 + eps_high (authors' script: 0.28)")
+    dual_clip: Optional[float] = param(10.0, "dual clip c on A < 0 tokens (authors' script clip_ratio_c: 10), or null")
+    entropy_ratio_low: float = param(0.95, "tokens whose entropy ratio H / H_old is not above this get no gradient (script: 0.95)")
+    entropy_ratio_high: float = param(1.05, "tokens whose entropy ratio H / H_old is not below this get no gradient (script: 1.05)")
+
+
+@POLICY_LOSSES.register("erc", paper=_ERC_PAPER, params=ERCParams, needs_entropy=True, needs_old_entropy=True)
+def erc_loss(
+    inp: PolicyLossInput,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: Optional[float],
+    entropy_ratio_low: float,
+    entropy_ratio_high: float,
+) -> Tuple[torch.Tensor, Metrics]:
+    """ERC: DAPO's clipped surrogate, with the gradient cut where a token's entropy moved too far from pi_old's.
+
+    PPO's clip sees only the sampled token's ratio; probability mass moved onto
+    tokens that were not sampled shows in the entropy of the whole next-token
+    distribution. ERC compares, at each response position, the entropy of the
+    current policy with that of the old one, ``rho_t = (H_t + 1e-8) / (H_old_t +
+    1e-8)``, and keeps the token's gradient only when
+    ``entropy_ratio_low < rho_t < entropy_ratio_high`` (the release detaches the
+    loss of the other tokens: their value stays in the loss, their gradient is
+    0). The surrogate is PPO's with ``eps_low`` / ``eps_high`` and dual clip.
+
+    ``inp.entropy`` is the current policy's entropy (tag ``needs_entropy``);
+    ``inp.old_entropy`` the old policy's (tag ``needs_old_entropy``: the runner
+    computes it with the old log-probs when the batch is reused). Without it
+    (one on-policy pass) the old policy is the current one and every ratio is 1.
+    Shapes ``[B, R]``. Metrics: ``erc_masked_frac`` (share of tokens whose
+    gradient the entropy ratio cut; the paper reports about 20%),
+    ``entropy_ratio_mean``.
+
+    Raises:
+        ValueError: ``inp.entropy`` is None, or ``entropy_ratio_low >= 1`` or
+            ``entropy_ratio_high <= 1`` (the band must contain ratio 1).
+    """
+    if not entropy_ratio_low < 1.0 < entropy_ratio_high:
+        raise ValueError(f"erc: need entropy_ratio_low < 1 < entropy_ratio_high, got {entropy_ratio_low}, {entropy_ratio_high}")
+    if inp.entropy is None:
+        raise ValueError("erc needs PolicyLossInput.entropy (the trainer computes it for losses tagged needs_entropy)")
+    m = inp.response_mask
+    ratio, log_ratio = _ratio(inp)
+    A = inp.advantages
+    loss, low, high, extra = _ppo_core(ratio, A, eps_low, eps_high, dual_clip, m)
+    with torch.no_grad():
+        H = inp.entropy.detach().float()
+        H_old = H if inp.old_entropy is None else inp.old_entropy.detach().float()
+        rho = (H + 1e-8) / (H_old + 1e-8)
+        keep = (rho > entropy_ratio_low) & (rho < entropy_ratio_high)
+    loss = torch.where(keep, loss, loss.detach())
+    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
+    metrics.update(extra)
+    with torch.no_grad():
+        metrics["erc_masked_frac"] = masked_mean((~keep).float(), m)
+        metrics["entropy_ratio_mean"] = masked_mean(rho, m)
+    return loss, metrics

@@ -531,6 +531,8 @@ class TorchTrainer:
                         seed=seed,
                         group_index=mb.group_index.to(self.device),
                         segment_ids=mb.extras["segment_ids"].to(self.device) if "segment_ids" in mb.extras else None,
+                        step=self.updates - 1,
+                        old_entropy=mb.extras["old_entropy"].to(self.device) if "old_entropy" in mb.extras else None,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
                     w, wm = self._correction_weights(old, mb)
