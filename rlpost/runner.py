@@ -5,8 +5,8 @@ A config becomes an explicit list of stages (:func:`build_graph`), which
 through its own callable:
 
     produce (Run.collect):  select -> rollout -> reward
-    learn (Run.learn):      algo_inputs -> old_logprobs -> ref_logprobs -> values -> advantages
-                            -> critic_update -> policy_update -> sync
+    learn (Run.learn):      algo_inputs -> old_logprobs -> ref_logprobs -> teacher_logprobs -> values
+                            -> advantages -> critic_update -> policy_update -> sync
     finish (train):         evaluate -> log -> checkpoint
 
 Disabled stages (no critic, no KL, ...) are printed as skipped and never run;
@@ -104,6 +104,7 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
         Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)",
               needs_old_logprobs(a)),
         Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})", a.kl.coef > 0),
+        teacher_stage(cfg),
         Stage("values", "critic values V(s_t)", a.critic.enabled),
         Stage("advantages", f"adv_estimator={a.adv_estimator}"
               + (f" (baseline={(a.adv_params or {}).get('baseline')})" if (a.adv_params or {}).get("baseline") else "")
@@ -122,6 +123,18 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               + f"after the last step or an interrupt, keep the last {cfg.checkpoint.keep_last}", phase=FINISH),
     ]
     return graph
+
+
+def teacher_stage(cfg: DictConfig) -> "Stage":
+    """The ``teacher_logprobs`` stage: the frozen ``model.teacher`` scores the rollouts (:mod:`rlpost.models.teacher`)."""
+    spec = cfg.model.get("teacher", None)
+    if not spec:
+        return Stage("teacher_logprobs", "teacher log-probs (no model.teacher)", False)
+    from rlpost.models.teacher import teacher_top_k
+
+    k = teacher_top_k(cfg.algo)
+    return Stage("teacher_logprobs", f"frozen teacher model.teacher={spec}: log-probs of the sampled tokens"
+                 + (f" and its top-{k} support per position" if k else ""), True)
 
 
 def needs_old_logprobs(a: Any) -> bool:
@@ -161,7 +174,7 @@ class Collected:
 
 
 # the stages whose seconds make up ``time/update_s`` (log-probs, values, advantages and the updates)
-UPDATE_STAGES = ("old_logprobs", "ref_logprobs", "values", "advantages", "critic_update", "policy_update")
+UPDATE_STAGES = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "advantages", "critic_update", "policy_update")
 
 
 @dataclass
@@ -272,6 +285,12 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
+        self.teacher = None  # the frozen distillation teacher (model.teacher): owns its parameters
+        if cfg.model.get("teacher", None):
+            from rlpost.models.teacher import load_teacher
+
+            self.teacher = load_teacher(str(cfg.model.teacher), self.tokenizer, self.trainer.dtype,
+                                        self.trainer.device, seed=cfg.seed)
         self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
         self.shard = self._rollout_sharding()
         if self.shard:  # data-parallel rollouts: every generate call is split across ranks and gathered
@@ -549,6 +568,7 @@ class Run:
     def stage_fns(self) -> Dict[str, Callable[["LearnContext"], None]]:
         """The callables of the learn-phase stages of :func:`build_graph`, by stage name."""
         return {"algo_inputs": self._algo_inputs, "old_logprobs": self._old_logprobs, "ref_logprobs": self._ref_logprobs,
+                "teacher_logprobs": self._teacher_logprobs,
                 "values": self._values, "advantages": self._advantages, "critic_update": self._critic_update,
                 "policy_update": self._policy_update, "sync": self._sync}
 
@@ -615,6 +635,17 @@ class Run:
     def _ref_logprobs(self, ctx: "LearnContext") -> None:
         ctx.batch.extras["ref_logprobs"] = self._rows_pass(ctx.batch,
                                                            lambda b: self.trainer.compute_logprobs(b, "ref")[0])
+
+    def _teacher_logprobs(self, ctx: "LearnContext") -> None:
+        """``extras['teacher_logprobs']`` ``[B, R]`` (+ top-K ids / log-probs ``[B, R, K]``) from the frozen teacher."""
+        from rlpost.models.teacher import teacher_top_k
+
+        k = teacher_top_k(self.cfg.algo)
+        out = self.teacher.score(ctx.batch, self.trainer, top_k=k)
+        ctx.batch.extras.update(out)
+        m = ctx.batch.response_mask
+        gap = (ctx.batch.rollout_logprobs - out["teacher_logprobs"]) * m
+        ctx.metrics["teacher/logprob_gap"] = float(gap.sum() / m.sum().clamp(min=1))  # sampled-token reverse-KL estimate
 
     def _values(self, ctx: "LearnContext") -> None:
         zero3 = self.cfg.trainer.engine == "deepspeed" and int(self.cfg.trainer.zero_stage) == 3

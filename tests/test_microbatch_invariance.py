@@ -42,6 +42,12 @@ def _run(compose, loss: str, agg: str, mb: int):
     b.extras["old_logprobs"] = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * b.response_mask
     b.rollout_logprobs = (lp + 0.2 * torch.randn(lp.shape, generator=g)) * b.response_mask
     b.extras["segment_ids"] = (torch.arange(lp.shape[1]) // 3).expand(lp.shape).clone()  # sspo's subsentences
+    k = POLICY_LOSSES.tag(loss, "teacher_topk", None)
+    if k:  # distillation on a teacher's top-K support (rlpost.algos.distill): a random "teacher"
+        K = int(POLICY_LOSSES.kwargs(loss, {}, "algo.loss_params")[k])
+        b.extras["teacher_topk_ids"] = torch.randint(0, 1000, (*lp.shape, K), generator=g)
+        b.extras["teacher_topk_logprobs"] = -torch.rand(*lp.shape, K, generator=g) * 8
+        b.extras["teacher_logprobs"] = -torch.rand(lp.shape, generator=g) * b.response_mask
     grads = {}
 
     def capture(params):

@@ -72,6 +72,13 @@ class PolicyLossInput:
         segment_ids: ``[B, R]`` long, the subsentence index of each response
             token within its row, or None; losses tagged ``needs_segments``
             (``sspo``) read it (the runner fills ``extras['segment_ids']``).
+        teacher_logprobs: ``[B, R]`` the frozen teacher's log-probs of the sampled
+            tokens (``model.teacher``), or None; no grad.
+        support_logprobs: ``[B, R, K]`` the current policy's log-probs (with grad)
+            at the teacher's top-K token ids of each position, or None; losses
+            tagged ``teacher_topk`` (:mod:`rlpost.algos.distill`) read it.
+        teacher_support_logprobs: ``[B, R, K]`` the teacher's log-probs at those
+            ids (full-vocabulary normalised), or None; no grad.
     """
 
     logprobs: torch.Tensor
@@ -85,6 +92,9 @@ class PolicyLossInput:
     seed: Optional[int] = None
     group_index: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    support_logprobs: Optional[torch.Tensor] = None
+    teacher_support_logprobs: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:

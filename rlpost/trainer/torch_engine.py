@@ -511,7 +511,14 @@ class TorchTrainer:
                 seed = (int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no) if batch_stats else None
                 for mb in micro:
                     m = mb.response_mask.to(self.device)
-                    lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
+                    if "teacher_topk_ids" in mb.extras:  # distillation on the teacher's top-K (rlpost.algos.distill)
+                        from rlpost.models.teacher import student_support_pass
+
+                        lp, ent, teacher_in = student_support_pass(self, self.train_module, mb, need_entropy, entropy_grad)
+                    else:
+                        lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
+                        teacher_in = {"teacher_logprobs": mb.extras["teacher_logprobs"].to(self.device)
+                                      if "teacher_logprobs" in mb.extras else None}
                     rollout_lp = mb.rollout_logprobs.to(self.device)
                     old = self._old_logprobs(mb, lp, v_start)
                     if epoch == 0:
@@ -531,6 +538,7 @@ class TorchTrainer:
                         seed=seed,
                         group_index=mb.group_index.to(self.device),
                         segment_ids=mb.extras["segment_ids"].to(self.device) if "segment_ids" in mb.extras else None,
+                        **teacher_in,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
                     w, wm = self._correction_weights(old, mb)
