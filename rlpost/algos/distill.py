@@ -19,7 +19,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from rlpost.algos.losses import PolicyLossInput
+from rlpost.algos.losses import PolicyLossInput, ratio_metrics
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
 from rlpost.registry import param
@@ -111,7 +111,10 @@ def topk_reverse_kl_loss(inp: PolicyLossInput, *, top_k: int, renormalise: bool)
     t = t.to(s.device, s.dtype)
     loss = truncated_reverse_kl(s, t, renormalise) * m
     with torch.no_grad():
+        log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-20.0, 20.0)
         metrics = {
+            **ratio_metrics(log_ratio.exp(), log_ratio, m),  # drift from the rollout-time weights (no clip here)
+            "clip_frac": torch.zeros((), device=m.device),
             "opd/topk_reverse_kl": masked_mean(loss.detach(), m),
             "opd/teacher_topk_mass": masked_mean(t.exp().sum(-1), m),
             "opd/student_topk_mass": masked_mean(s.detach().exp().sum(-1), m),
