@@ -103,7 +103,9 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
         Stage("algo_inputs", "algorithm inputs: " + (", ".join(inputs) or "none"), bool(inputs)),
         Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)",
               needs_old_logprobs(a)),
-        Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})", a.kl.coef > 0),
+        Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})"
+              if not loss_needs_ref(a) else f"reference-model log-probs for loss={a.loss}",
+              a.kl.coef > 0 or loss_needs_ref(a)),
         teacher_stage(cfg),
         Stage("values", "critic values V(s_t)", a.critic.enabled),
         Stage("advantages", f"adv_estimator={a.adv_estimator}"
@@ -123,6 +125,13 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               + f"after the last step or an interrupt, keep the last {cfg.checkpoint.keep_last}", phase=FINISH),
     ]
     return graph
+
+
+def loss_needs_ref(a: Any) -> bool:
+    """``algo.loss`` is tagged ``needs_ref``: it reads the reference policy's log-probs itself (EXO)."""
+    from rlpost.algos.registries import POLICY_LOSSES
+
+    return bool(POLICY_LOSSES.tag(str(a.loss), "needs_ref", False))
 
 
 def teacher_stage(cfg: DictConfig) -> "Stage":

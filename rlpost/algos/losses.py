@@ -79,6 +79,8 @@ class PolicyLossInput:
             tagged ``teacher_topk`` (:mod:`rlpost.algos.distill`) read it.
         teacher_support_logprobs: ``[B, R, K]`` the teacher's log-probs at those
             ids (full-vocabulary normalised), or None; no grad.
+        ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
+            losses tagged ``needs_ref`` (``exo``) read it; no grad.
     """
 
     logprobs: torch.Tensor
@@ -95,6 +97,7 @@ class PolicyLossInput:
     teacher_logprobs: Optional[torch.Tensor] = None
     support_logprobs: Optional[torch.Tensor] = None
     teacher_support_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:

@@ -187,7 +187,7 @@ class TorchTrainer:
         # reference is the same module with its adapters disabled (no second copy of the weights).
         self.lora = is_lora(self.policy)
         self.ref: Optional[torch.nn.Module] = None
-        if self.algo.kl.coef > 0 and not self.lora:
+        if self.wants_ref and not self.lora:
             import copy
 
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -281,9 +281,14 @@ class TorchTrainer:
             )
 
     @property
+    def wants_ref(self) -> bool:
+        """A reference policy is needed: KL to it (``algo.kl.coef > 0``) or a loss tagged ``needs_ref`` (EXO)."""
+        return self.algo.kl.coef > 0 or bool(POLICY_LOSSES.tag(self.algo.loss, "needs_ref", False))
+
+    @property
     def has_ref(self) -> bool:
         """Whether a KL reference policy exists: a frozen copy, or (LoRA) the base model under the adapters."""
-        return self.ref is not None or (self.lora and self.algo.kl.coef > 0)
+        return self.ref is not None or (self.lora and self.wants_ref)
 
     # -------------------------------------------------------- no-grad passes
     @torch.no_grad()
@@ -444,6 +449,7 @@ class TorchTrainer:
             advantages=mini.extras["advantages"].to(self.device), response_mask=mini.response_mask.to(self.device),
             group_index=mini.group_index.to(self.device),
             segment_ids=mini.extras["segment_ids"].to(self.device) if "segment_ids" in mini.extras else None,
+            ref_logprobs=mini.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mini.extras else None,
         )
 
     def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
@@ -538,6 +544,7 @@ class TorchTrainer:
                         seed=seed,
                         group_index=mb.group_index.to(self.device),
                         segment_ids=mb.extras["segment_ids"].to(self.device) if "segment_ids" in mb.extras else None,
+                        ref_logprobs=mb.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mb.extras else None,
                         **teacher_in,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
