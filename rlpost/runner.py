@@ -675,7 +675,8 @@ class Run:
                            values=batch.extras.get("values"), token_rewards=token_rewards,
                            baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs,
-                           answer_ids=batch.extras.get("answer_ids")),
+                           answer_ids=batch.extras.get("answer_ids"),
+                           teacher_logprobs=batch.extras.get("teacher_logprobs")),
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages

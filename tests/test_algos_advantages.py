@@ -19,6 +19,9 @@ def inp(rewards, lengths, groups, R=None, **kw):
     for i, L in enumerate(lengths):
         mask[i, :L] = 1.0
     kw.setdefault("answer_ids", torch.arange(len(lengths)) % 3)  # answer clusters for seed_grpo
+    # opd_token (model.teacher): a teacher that agrees with the student's rollout log-probs gives 0
+    kw.setdefault("teacher_logprobs", torch.zeros(len(lengths), R))
+    kw.setdefault("rollout_logprobs", torch.zeros(len(lengths), R))
     return AdvantageInput(
         rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
         group_index=torch.tensor(groups), **kw,
@@ -316,6 +319,7 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "reinforce_pp_baseline": "group mean, then global whitening shifts every token",
     "remax": "greedy-rollout baseline",
     "mssr": "per-prompt running baseline",
+    "opd_token": "not a reward baseline: the teacher's minus the student's log-prob of each token",
 }
 
 LENGTHS8 = [15, 24, 6, 32, 2, 6, 7, 13]

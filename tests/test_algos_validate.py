@@ -136,7 +136,8 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
         adv,
         AdvantageInput(rewards=rewards, response_mask=mask, group_index=torch.arange(B) // n,
                        values=torch.rand(B, R) if needs_critic else None, entropy=torch.rand(B, R),
-                       baseline_rewards=torch.full((B,), 0.5), answer_ids=torch.arange(B) % 2),
+                       baseline_rewards=torch.full((B,), 0.5), answer_ids=torch.arange(B) % 2,
+                       teacher_logprobs=-torch.rand(B, R), rollout_logprobs=-torch.rand(B, R)),
         **dict(cfg.adv_params),
     )
     lm = mask if out.loss_mask is None else out.loss_mask

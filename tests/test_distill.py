@@ -244,3 +244,34 @@ def test_smollm2_as_its_own_teacher_two_steps(compose, tmp_path):
     assert len(rows) == 2 and all(math.isfinite(r["loss/policy"]) for r in rows)
     assert rows[0]["opd/topk_reverse_kl"] == pytest.approx(0.0, abs=1e-5)
     assert rows[1]["opd/topk_reverse_kl"] < 1e-3
+
+
+def test_opd_token_advantage_hand_values():
+    """Sampled-token OPD (the paper's baseline): A_t = log q(y_t) - log pi_old(y_t), 0 on padding."""
+    from rlpost.algos.advantages import AdvantageInput, compute_advantages
+
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    x = AdvantageInput(rewards=torch.tensor([1.0]), response_mask=mask, group_index=torch.tensor([0]),
+                       teacher_logprobs=torch.tensor([[-1.0, -2.0, -7.0]]),
+                       rollout_logprobs=torch.tensor([[-1.5, -1.0, -1.0]]))
+    assert torch.allclose(compute_advantages("opd_token", x).advantages, torch.tensor([[0.5, -1.0, 0.0]]))
+    x.old_logprobs = torch.tensor([[-1.0, -2.5, 0.0]])  # the trainer's pre-update log-probs win when present
+    assert torch.allclose(compute_advantages("opd_token", x).advantages, torch.tensor([[0.0, 0.5, 0.0]]))
+    x.teacher_logprobs = None
+    with pytest.raises(ValueError, match="model.teacher"):
+        compute_advantages("opd_token", x)
+
+
+def test_sampled_token_opd_reads_the_teacher_stage(compose, tmp_path):
+    """algo.adv_estimator=opd_token with ppo_clip: the runner hands the teacher's log-probs to the estimator;
+    with the student as its own teacher every advantage of step 1 is 0."""
+    from rlpost.runner import train
+
+    cfg = compose(tiny_overrides("algo=opd", "algo.adv_estimator=opd_token", "algo.loss=ppo_clip",
+                                 "model.teacher=tiny", "steps=1", "selector.prompts_per_step=2",
+                                 "algo.n_samples_per_prompt=2", "rollout.max_new_tokens=6", "eval.at_end=false",
+                                 "checkpoint.every=0"))
+    train(cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    row = [r for r in rows if "adv/mean" in r][0]
+    assert abs(row["adv/mean"]) < 1e-4 and math.isfinite(row["loss/policy"])

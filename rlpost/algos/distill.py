@@ -19,8 +19,9 @@ from typing import Dict, Tuple
 
 import torch
 
+from rlpost.algos.advantages import AdvantageInput, AdvantageOutput
 from rlpost.algos.losses import PolicyLossInput, ratio_metrics
-from rlpost.algos.registries import POLICY_LOSSES
+from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
 from rlpost.registry import param
 
@@ -120,3 +121,36 @@ def topk_reverse_kl_loss(inp: PolicyLossInput, *, top_k: int, renormalise: bool)
             "opd/student_topk_mass": masked_mean(s.detach().exp().sum(-1), m),
         }
     return loss, metrics
+
+
+@ADV_ESTIMATORS.register(
+    "opd_token",
+    paper="Revisiting On-Policy Distillation: Empirical Failure Modes and Simple Fixes (arXiv:2603.25562), "
+    "its sampled-token OPD baseline",
+    needs_teacher=True,
+)
+def opd_token_advantage(inp: AdvantageInput) -> AdvantageOutput:
+    """Sampled-token on-policy distillation: ``A_t = log q(y_t | s_t) - log pi_old(y_t | s_t)`` per token.
+
+    The one-token reverse-KL signal that the top-K loss replaces (the paper's
+    baseline): the teacher's log-prob of the sampled token minus the student's at
+    rollout time (``old_logprobs`` when the runner computed them, else the rollout
+    engine's), token-level (no future-reward sum, the paper's low-variance
+    choice), no outcome reward. With a policy-gradient loss (``ppo_clip``) this is
+    reverse-KL distillation on the sampled tokens. With ``rollout.top_p < 1`` the
+    student side is the truncated sampling distribution, the teacher's is not.
+
+    Shapes: ``teacher_logprobs`` and the student's ``[B, R]`` -> advantages ``[B, R]``,
+    0 outside the mask.
+
+    Raises:
+        ValueError: no ``teacher_logprobs`` (set ``model.teacher``) or no student log-probs.
+    """
+    if inp.teacher_logprobs is None:
+        raise ValueError("opd_token needs the teacher's log-probs: set model.teacher (the teacher_logprobs stage)")
+    student = inp.old_logprobs if inp.old_logprobs is not None else inp.rollout_logprobs
+    if student is None:
+        raise ValueError("opd_token needs the student's rollout-time log-probs (old or rollout log-probs)")
+    m = inp.response_mask
+    adv = (inp.teacher_logprobs.double() - student.double()) * m.double()
+    return AdvantageOutput(advantages=adv.float())
