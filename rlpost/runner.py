@@ -87,7 +87,9 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
     inputs = [w for w, on in (("reference answers (SFT)", req.reference_responses), ("token entropy", req.entropy),
                                ("greedy baseline rollout", req.baseline_rollout),
                                ("per-prompt Beta baseline", req.beta_baseline),
-                               ("answer clusters", req.answers), ("subsentence ids", req.segments)) if on]
+                               ("answer clusters", req.answers), ("subsentence ids", req.segments),
+                               (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
+                                req.reference_rewards)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -313,6 +315,13 @@ class Run:
         from rlpost.algos.stages import AlgoState, algo_requirements
 
         self.algo_state = AlgoState(algo_requirements(cfg.algo))
+        self._reference_rewards: Dict[int, List[float]] = {}  # A*-PO: rewards of reference samples, by prompt
+        self._reference_engine = None
+        if self.algo_state.req.reference_rewards and self.trainer.ref is None:
+            from rlpost.errors import ConfigError
+
+            raise ConfigError(f"adv_estimator={cfg.algo.adv_estimator} samples the frozen reference policy, which "
+                              f"model.lora shares with the policy (no separate copy). Fix: model.lora.rank=0.")
         self.step = 0
         self.update_rng = torch.Generator().manual_seed(cfg.seed)
         self.partial = self._build_partial()
@@ -618,8 +627,27 @@ class Run:
             pos = {p: k for k, p in enumerate(uniq)}
             return torch.stack([r_g[pos[int(i)]] for i in batch.prompt_index]).float()
 
+        def reference_rewards(n: int) -> torch.Tensor:
+            # A*-PO's stage 1, per prompt on first use: n samples of the frozen reference policy, scored
+            # once and cached (the same distribution as the paper's offline pass over the dataset)
+            new = sorted({int(i) for i in batch.prompt_index} - set(self._reference_rewards))
+            if new:
+                if self._reference_engine is None:
+                    from rlpost.rollout import build_engine
+
+                    self._reference_engine = build_engine(self.cfg, self.trainer.ref, self.tokenizer, self.device)
+                sp = self.sampling_params(step)
+                sp.temperature_hook = None
+                rows = [i for i in new for _ in range(n)]
+                g = self._reference_engine.generate([self.prompt_ids(i) for i in rows], sp)
+                r = self.reward_fn(g.texts, [self.train_examples[i] for i in rows], g.response_mask.sum(-1))[0]
+                for k, i in enumerate(new):
+                    self._reference_rewards[i] = [float(x) for x in r[k * n:(k + 1) * n]]
+            return torch.tensor([self._reference_rewards[int(i)] for i in batch.prompt_index], dtype=torch.float32)
+
         ctx.metrics.update(prepare_algo_inputs(
-            self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, tokenizer=self.tokenizer,
+            self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, reference_rewards=reference_rewards,
+            tokenizer=self.tokenizer,
             answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
         ))
 
@@ -676,7 +704,8 @@ class Run:
                            baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs,
                            answer_ids=batch.extras.get("answer_ids"),
-                           teacher_logprobs=batch.extras.get("teacher_logprobs")),
+                           teacher_logprobs=batch.extras.get("teacher_logprobs"),
+                           reference_rewards=batch.extras.get("reference_rewards")),
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages

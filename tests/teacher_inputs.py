@@ -16,7 +16,7 @@ def teacher_inputs(loss: str, lp: torch.Tensor, seed: int = 0) -> Dict[str, torc
     requires grad (the student's side), log-probs of K distinct tokens of a vocabulary of 3K."""
     key = POLICY_LOSSES.tag(loss, "teacher_topk", None)
     g = torch.Generator().manual_seed(seed)
-    if POLICY_LOSSES.tag(loss, "needs_ref", False):  # EXO: the reference policy's log-probs
+    if POLICY_LOSSES.tag(loss, "needs_ref", False):  # EXO, A*-PO: the reference policy's log-probs
         return {"ref_logprobs": lp.detach() + 0.2 * torch.randn(lp.shape, generator=g)}
     if not key and not POLICY_LOSSES.tag(loss, "needs_teacher", False):
         return {}

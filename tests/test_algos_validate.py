@@ -137,7 +137,8 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
         AdvantageInput(rewards=rewards, response_mask=mask, group_index=torch.arange(B) // n,
                        values=torch.rand(B, R) if needs_critic else None, entropy=torch.rand(B, R),
                        baseline_rewards=torch.full((B,), 0.5), answer_ids=torch.arange(B) % 2,
-                       teacher_logprobs=-torch.rand(B, R), rollout_logprobs=-torch.rand(B, R)),
+                       teacher_logprobs=-torch.rand(B, R), rollout_logprobs=-torch.rand(B, R),
+                       reference_rewards=torch.rand(B, 8)),
         **dict(cfg.adv_params),
     )
     lm = mask if out.loss_mask is None else out.loss_mask

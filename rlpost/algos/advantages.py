@@ -70,6 +70,9 @@ class AdvantageInput:
         teacher_logprobs: ``[B, R]`` a frozen teacher's log-probs of the response
             tokens (``model.teacher``), or None; estimators tagged
             ``needs_teacher`` (``opd_token``) read it.
+        reference_rewards: ``[B, N]`` rewards of N responses of each row's prompt
+            sampled from the frozen reference policy, or None; estimators tagged
+            ``needs_reference_rewards`` (``a_star``: the optimal value V*) read it.
     """
 
     rewards: torch.Tensor
@@ -83,6 +86,7 @@ class AdvantageInput:
     rollout_logprobs: Optional[torch.Tensor] = None
     answer_ids: Optional[torch.Tensor] = None
     teacher_logprobs: Optional[torch.Tensor] = None
+    reference_rewards: Optional[torch.Tensor] = None
 
 
 class Baseline(Choice):

@@ -282,8 +282,12 @@ class TorchTrainer:
 
     @property
     def wants_ref(self) -> bool:
-        """A reference policy is needed: KL to it (``algo.kl.coef > 0``) or a loss tagged ``needs_ref`` (EXO)."""
-        return self.algo.kl.coef > 0 or bool(POLICY_LOSSES.tag(self.algo.loss, "needs_ref", False))
+        """A reference policy is needed: KL to it (``algo.kl.coef > 0``), a loss tagged ``needs_ref`` (EXO,
+        A*-PO) or an estimator tagged ``needs_reference_rewards`` (A*-PO's V* samples the reference)."""
+        from rlpost.algos.registries import ADV_ESTIMATORS
+
+        return (self.algo.kl.coef > 0 or bool(POLICY_LOSSES.tag(self.algo.loss, "needs_ref", False))
+                or bool(ADV_ESTIMATORS.tag(self.algo.adv_estimator, "needs_reference_rewards", None)))
 
     @property
     def has_ref(self) -> bool:
