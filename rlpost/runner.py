@@ -5,8 +5,8 @@ A config becomes an explicit list of stages (:func:`build_graph`), which
 through its own callable:
 
     produce (Run.collect):  select -> rollout -> reward
-    learn (Run.learn):      algo_inputs -> old_logprobs -> ref_logprobs -> values -> advantages
-                            -> critic_update -> policy_update -> sync
+    learn (Run.learn):      algo_inputs -> old_logprobs -> ref_logprobs -> teacher_logprobs -> values
+                            -> advantages -> critic_update -> policy_update -> sync
     finish (train):         evaluate -> log -> checkpoint
 
 Disabled stages (no critic, no KL, ...) are printed as skipped and never run;
@@ -87,7 +87,9 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
     inputs = [w for w, on in (("reference answers (SFT)", req.reference_responses), ("token entropy", req.entropy),
                                ("greedy baseline rollout", req.baseline_rollout),
                                ("per-prompt Beta baseline", req.beta_baseline),
-                               ("answer clusters", req.answers), ("subsentence ids", req.segments)) if on]
+                               ("answer clusters", req.answers), ("subsentence ids", req.segments),
+                               (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
+                                req.reference_rewards)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -105,7 +107,10 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
         Stage("algo_inputs", "algorithm inputs: " + (", ".join(inputs) or "none"), bool(inputs)),
         Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)",
               needs_old_logprobs(a)),
-        Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})", a.kl.coef > 0),
+        Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})"
+              if not loss_needs_ref(a) else f"reference-model log-probs for loss={a.loss}",
+              a.kl.coef > 0 or loss_needs_ref(a)),
+        teacher_stage(cfg),
         Stage("values", "critic values V(s_t)", a.critic.enabled),
         Stage("advantages", f"adv_estimator={a.adv_estimator}"
               + (f" (baseline={(a.adv_params or {}).get('baseline')})" if (a.adv_params or {}).get("baseline") else "")
@@ -126,6 +131,25 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               + f"after the last step or an interrupt, keep the last {cfg.checkpoint.keep_last}", phase=FINISH),
     ]
     return graph
+
+
+def loss_needs_ref(a: Any) -> bool:
+    """``algo.loss`` is tagged ``needs_ref``: it reads the reference policy's log-probs itself (EXO)."""
+    from rlpost.algos.registries import POLICY_LOSSES
+
+    return bool(POLICY_LOSSES.tag(str(a.loss), "needs_ref", False))
+
+
+def teacher_stage(cfg: DictConfig) -> "Stage":
+    """The ``teacher_logprobs`` stage: the frozen ``model.teacher`` scores the rollouts (:mod:`rlpost.models.teacher`)."""
+    spec = cfg.model.get("teacher", None)
+    if not spec:
+        return Stage("teacher_logprobs", "teacher log-probs (no model.teacher)", False)
+    from rlpost.models.teacher import teacher_top_k
+
+    k = teacher_top_k(cfg.algo)
+    return Stage("teacher_logprobs", f"frozen teacher model.teacher={spec}: log-probs of the sampled tokens"
+                 + (f" and its top-{k} support per position" if k else ""), True)
 
 
 def needs_old_logprobs(a: Any) -> bool:
@@ -165,7 +189,7 @@ class Collected:
 
 
 # the stages whose seconds make up ``time/update_s`` (log-probs, values, advantages and the updates)
-UPDATE_STAGES = ("old_logprobs", "ref_logprobs", "values", "advantages", "critic_update", "policy_update")
+UPDATE_STAGES = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "advantages", "critic_update", "policy_update")
 
 
 @dataclass
@@ -276,6 +300,12 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
+        self.teacher = None  # the frozen distillation teacher (model.teacher): owns its parameters
+        if cfg.model.get("teacher", None):
+            from rlpost.models.teacher import load_teacher
+
+            self.teacher = load_teacher(str(cfg.model.teacher), self.tokenizer, self.trainer.dtype,
+                                        self.trainer.device, seed=cfg.seed)
         self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
         self.shard = self._rollout_sharding()
         if self.shard:  # data-parallel rollouts: every generate call is split across ranks and gathered
@@ -293,6 +323,13 @@ class Run:
         from rlpost.algos.stages import AlgoState, algo_requirements
 
         self.algo_state = AlgoState(algo_requirements(cfg.algo))
+        self._reference_rewards: Dict[int, List[float]] = {}  # A*-PO: rewards of reference samples, by prompt
+        self._reference_engine = None
+        if self.algo_state.req.reference_rewards and self.trainer.ref is None:
+            from rlpost.errors import ConfigError
+
+            raise ConfigError(f"adv_estimator={cfg.algo.adv_estimator} samples the frozen reference policy, which "
+                              f"model.lora shares with the policy (no separate copy). Fix: model.lora.rank=0.")
         self.step = 0
         self.update_rng = torch.Generator().manual_seed(cfg.seed)
         self.partial = self._build_partial()
@@ -559,6 +596,7 @@ class Run:
     def stage_fns(self) -> Dict[str, Callable[["LearnContext"], None]]:
         """The callables of the learn-phase stages of :func:`build_graph`, by stage name."""
         return {"algo_inputs": self._algo_inputs, "old_logprobs": self._old_logprobs, "ref_logprobs": self._ref_logprobs,
+                "teacher_logprobs": self._teacher_logprobs,
                 "values": self._values, "advantages": self._advantages, "critic_update": self._critic_update,
                 "policy_update": self._policy_update, "sync": self._sync}
 
@@ -599,8 +637,27 @@ class Run:
             pos = {p: k for k, p in enumerate(uniq)}
             return torch.stack([r_g[pos[int(i)]] for i in batch.prompt_index]).float()
 
+        def reference_rewards(n: int) -> torch.Tensor:
+            # A*-PO's stage 1, per prompt on first use: n samples of the frozen reference policy, scored
+            # once and cached (the same distribution as the paper's offline pass over the dataset)
+            new = sorted({int(i) for i in batch.prompt_index} - set(self._reference_rewards))
+            if new:
+                if self._reference_engine is None:
+                    from rlpost.rollout import build_engine
+
+                    self._reference_engine = build_engine(self.cfg, self.trainer.ref, self.tokenizer, self.device)
+                sp = self.sampling_params(step)
+                sp.temperature_hook = None
+                rows = [i for i in new for _ in range(n)]
+                g = self._reference_engine.generate([self.prompt_ids(i) for i in rows], sp)
+                r = self.reward_fn(g.texts, [self.train_examples[i] for i in rows], g.response_mask.sum(-1))[0]
+                for k, i in enumerate(new):
+                    self._reference_rewards[i] = [float(x) for x in r[k * n:(k + 1) * n]]
+            return torch.tensor([self._reference_rewards[int(i)] for i in batch.prompt_index], dtype=torch.float32)
+
         ctx.metrics.update(prepare_algo_inputs(
-            self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, tokenizer=self.tokenizer,
+            self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, reference_rewards=reference_rewards,
+            tokenizer=self.tokenizer,
             answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
         ))
 
@@ -631,6 +688,17 @@ class Run:
         ctx.batch.extras["ref_logprobs"] = self._rows_pass(ctx.batch,
                                                            lambda b: self.trainer.compute_logprobs(b, "ref")[0])
 
+    def _teacher_logprobs(self, ctx: "LearnContext") -> None:
+        """``extras['teacher_logprobs']`` ``[B, R]`` (+ top-K ids / log-probs ``[B, R, K]``) from the frozen teacher."""
+        from rlpost.models.teacher import teacher_top_k
+
+        k = teacher_top_k(self.cfg.algo)
+        out = self.teacher.score(ctx.batch, self.trainer, top_k=k)
+        ctx.batch.extras.update(out)
+        m = ctx.batch.response_mask
+        gap = (ctx.batch.rollout_logprobs - out["teacher_logprobs"]) * m
+        ctx.metrics["teacher/logprob_gap"] = float(gap.sum() / m.sum().clamp(min=1))  # sampled-token reverse-KL estimate
+
     def _values(self, ctx: "LearnContext") -> None:
         zero3 = self.cfg.trainer.engine == "deepspeed" and int(self.cfg.trainer.zero_stage) == 3
         ctx.batch.extras["values"] = self._rows_pass(ctx.batch, self.trainer.compute_values, collective_model=zero3)
@@ -650,7 +718,9 @@ class Run:
                            values=batch.extras.get("values"), token_rewards=token_rewards,
                            baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs,
-                           answer_ids=batch.extras.get("answer_ids")),
+                           answer_ids=batch.extras.get("answer_ids"),
+                           teacher_logprobs=batch.extras.get("teacher_logprobs"),
+                           reference_rewards=batch.extras.get("reference_rewards")),
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages

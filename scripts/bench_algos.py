@@ -64,6 +64,11 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
     try:
         base = [f"algo={name}", f"steps={steps}", "logger=jsonl", "eval.at_start=false", "eval.at_end=false", "checkpoint.every=0"]
         cfg = compose_config([*base, *overrides])
+        from rlpost.models.teacher import uses_teacher
+
+        if uses_teacher(cfg.algo) and not cfg.model.get("teacher"):  # distillation: the model is its own teacher
+            base.append(f"model.teacher={cfg.model.name}")
+            cfg = compose_config([*base, *overrides])
         if rollouts_per_step > 0:
             k = max(1, rollouts_per_step // int(cfg.algo.n_samples_per_prompt))
             cfg = compose_config([*base, f"selector.prompts_per_step={k}", *overrides])

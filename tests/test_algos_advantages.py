@@ -19,6 +19,10 @@ def inp(rewards, lengths, groups, R=None, **kw):
     for i, L in enumerate(lengths):
         mask[i, :L] = 1.0
     kw.setdefault("answer_ids", torch.arange(len(lengths)) % 3)  # answer clusters for seed_grpo
+    # opd_token (model.teacher): a teacher that agrees with the student's rollout log-probs gives 0
+    kw.setdefault("teacher_logprobs", torch.zeros(len(lengths), R))
+    kw.setdefault("rollout_logprobs", torch.zeros(len(lengths), R))
+    kw.setdefault("reference_rewards", torch.zeros(len(lengths), 8))  # a_star: 8 reference samples, reward 0
     return AdvantageInput(
         rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
         group_index=torch.tensor(groups), **kw,
@@ -316,6 +320,8 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "reinforce_pp_baseline": "group mean, then global whitening shifts every token",
     "remax": "greedy-rollout baseline",
     "mssr": "per-prompt running baseline",
+    "opd_token": "not a reward baseline: the teacher's minus the student's log-prob of each token",
+    "a_star": "baseline V* from the reference policy's samples, not the group",
 }
 
 LENGTHS8 = [15, 24, 6, 32, 2, 6, 7, 13]
@@ -360,8 +366,8 @@ def test_batch_of_equal_rewards_gives_zero_or_the_papers_value(name):
             baseline_rewards=torch.full((8,), 0.9))
     a = compute_advantages(name, x).advantages
     assert torch.isfinite(a).all()
-    if name in ("gae", "sao", "reinforce"):
-        return  # critic baseline (values 0 here) / no baseline: the advantage is the return
+    if name in ("gae", "sao", "reinforce", "a_star"):
+        return  # critic baseline (values 0 here) / no baseline / V* of reference rewards 0: the advantage is the return
     assert torch.equal(a, torch.zeros_like(a)), (name, a.abs().max())
 
 

@@ -9,6 +9,7 @@ from rlpost.algos.aggregation import aggregate
 from rlpost.algos.hapo import adaptive_clip_range, entropy_hhat, make_temperature_hook, redistribute_advantage
 from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
 from rlpost.algos.registries import POLICY_LOSSES
+from teacher_inputs import teacher_inputs  # noqa: E402  (tests/teacher_inputs.py)
 from rlpost.algos.regularizers import kl_penalty, kl_reward_penalty
 
 
@@ -214,7 +215,8 @@ def test_on_policy_ratio_is_one_and_loss_is_finite(name):
     lp = torch.randn(3, 4) - 2.0
     x = PolicyLossInput(logprobs=lp.clone().requires_grad_(True), old_logprobs=lp.clone(),
                         advantages=torch.randn(3, 4), response_mask=torch.ones(3, 4), entropy=torch.rand(3, 4),
-                        group_index=torch.tensor([0, 0, 1]), segment_ids=torch.tensor([[0, 0, 1, 1]] * 3))
+                        group_index=torch.tensor([0, 0, 1]), segment_ids=torch.tensor([[0, 0, 1, 1]] * 3),
+                        **teacher_inputs(name, lp))
     loss, met = compute_policy_loss(name, x)
     assert torch.isfinite(loss).all()
     assert torch.isclose(met["ratio_mean"], torch.tensor(1.0)) and torch.isclose(met["ratio_max"], torch.tensor(1.0))

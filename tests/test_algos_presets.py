@@ -11,6 +11,13 @@ from rlpost.config.compose import compose_config, conf_dir, group_choices
 PRESETS = group_choices("algo")
 
 
+def uses_teacher_preset(name: str) -> bool:
+    """Distillation presets need ``model.teacher`` (a tiny teacher here)."""
+    from rlpost.models.teacher import uses_teacher
+
+    return uses_teacher(compose_config([f"algo={name}"]).algo)
+
+
 def test_every_preset_names_its_paper_and_only_registered_parts():
     import rlpost.algos  # noqa: F401
     from rlpost.algos.registries import ADV_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
@@ -31,7 +38,7 @@ def test_preset_two_steps_on_tiny(name, tmp_path):
     cfg = compose_config([
         f"algo={name}", "model=tiny", "steps=2", "logger=jsonl", "rollout.max_new_tokens=6",
         "selector.prompts_per_step=1", "eval.at_end=false", "checkpoint.every=0", "trainer.lr=1e-4",
-    ])
+    ] + (["model.teacher=tiny"] if uses_teacher_preset(name) else []))
     train(cfg, tmp_path)
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if l.strip()]
     rows = [r for r in rows if "reward/mean" in r]

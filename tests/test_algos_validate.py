@@ -13,6 +13,7 @@ from rlpost.algos.registries import ADV_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 from rlpost.algos.validate import loss_overrides, validate_algo, validate_correction
 from rlpost.config.schema import AlgoConfig
 from rlpost.errors import ConfigError
+from teacher_inputs import teacher_inputs  # noqa: E402  (tests/teacher_inputs.py)
 
 
 def algo(**kw):
@@ -135,7 +136,9 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
         adv,
         AdvantageInput(rewards=rewards, response_mask=mask, group_index=torch.arange(B) // n,
                        values=torch.rand(B, R) if needs_critic else None, entropy=torch.rand(B, R),
-                       baseline_rewards=torch.full((B,), 0.5), answer_ids=torch.arange(B) % 2),
+                       baseline_rewards=torch.full((B,), 0.5), answer_ids=torch.arange(B) % 2,
+                       teacher_logprobs=-torch.rand(B, R), rollout_logprobs=-torch.rand(B, R),
+                       reference_rewards=torch.rand(B, 8)),
         **dict(cfg.adv_params),
     )
     lm = mask if out.loss_mask is None else out.loss_mask
@@ -143,9 +146,11 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
         lp = (torch.randn(B, R) - 1.0).requires_grad_(True)
         inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach() + 0.05 * torch.randn(B, R),
                               advantages=out.advantages, response_mask=lm, entropy=torch.rand(B, R),
-                              group_index=torch.arange(B) // n, segment_ids=(torch.arange(R) // 2).expand(B, R))
+                              group_index=torch.arange(B) // n, segment_ids=(torch.arange(R) // 2).expand(B, R),
+                              **teacher_inputs(loss, lp))
         loss_mat, met = compute_policy_loss(loss, inp, **loss_overrides(cfg))
         total = aggregate(agg, loss_mat, lm, norm_const=R)
         total.backward()
-        assert torch.isfinite(total) and torch.isfinite(lp.grad).all(), (adv, loss, agg)
+        grad = lp.grad if inp.support_logprobs is None else inp.support_logprobs.grad  # distillation: the support's
+        assert torch.isfinite(total) and torch.isfinite(grad).all(), (adv, loss, agg)
         assert all(torch.isfinite(v) for v in met.values())

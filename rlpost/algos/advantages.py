@@ -67,6 +67,12 @@ class AdvantageInput:
             answer (equal ids = same answer; an unparseable response gets an id
             of its own), or None. Estimators tagged ``needs_answers``
             (``seed_grpo``) read it.
+        teacher_logprobs: ``[B, R]`` a frozen teacher's log-probs of the response
+            tokens (``model.teacher``), or None; estimators tagged
+            ``needs_teacher`` (``opd_token``) read it.
+        reference_rewards: ``[B, N]`` rewards of N responses of each row's prompt
+            sampled from the frozen reference policy, or None; estimators tagged
+            ``needs_reference_rewards`` (``a_star``: the optimal value V*) read it.
     """
 
     rewards: torch.Tensor
@@ -79,6 +85,8 @@ class AdvantageInput:
     old_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
     answer_ids: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    reference_rewards: Optional[torch.Tensor] = None
 
 
 class Baseline(Choice):

@@ -81,6 +81,15 @@ class PolicyLossInput:
             (``erc``) read it; the runner computes it with the old log-probs
             (``extras['old_entropy']``) when the update reuses the batch, and on a
             single on-policy pass it is the current entropy (None here).
+        teacher_logprobs: ``[B, R]`` the frozen teacher's log-probs of the sampled
+            tokens (``model.teacher``), or None; no grad.
+        support_logprobs: ``[B, R, K]`` the current policy's log-probs (with grad)
+            at the teacher's top-K token ids of each position, or None; losses
+            tagged ``teacher_topk`` (:mod:`rlpost.algos.distill`) read it.
+        teacher_support_logprobs: ``[B, R, K]`` the teacher's log-probs at those
+            ids (full-vocabulary normalised), or None; no grad.
+        ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
+            losses tagged ``needs_ref`` (``exo``) read it; no grad.
     """
 
     logprobs: torch.Tensor
@@ -96,6 +105,10 @@ class PolicyLossInput:
     segment_ids: Optional[torch.Tensor] = None
     step: Optional[int] = None
     old_entropy: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    support_logprobs: Optional[torch.Tensor] = None
+    teacher_support_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:

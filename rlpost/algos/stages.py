@@ -47,6 +47,8 @@ class AlgoRequirements:
         reference_responses: train on reference answers instead of samples (SFT).
         answers: cluster the responses' extracted final answers (SEED-GRPO).
         segments: subsentence index of every response token (SSPO).
+        reference_rewards: N > 0: rewards of N reference-policy samples of each
+            row's prompt (A*-PO's V*; N is the estimator's ``num_value_samples``).
     """
 
     entropy: bool = False
@@ -55,6 +57,7 @@ class AlgoRequirements:
     reference_responses: bool = False
     answers: bool = False
     segments: bool = False
+    reference_rewards: int = 0
 
 
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
@@ -67,7 +70,18 @@ def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
         reference_responses=bool(POLICY_LOSSES.tag(loss, "needs_reference_responses", False)),
         answers=bool(ADV_ESTIMATORS.tag(adv, "needs_answers", False)),
         segments=bool(POLICY_LOSSES.tag(loss, "needs_segments", False)),
+        reference_rewards=_reference_samples(algo_cfg),
     )
+
+
+def _reference_samples(algo_cfg: Any) -> int:
+    """N of an estimator tagged ``needs_reference_rewards="<param>"`` (its parameter of that name), else 0."""
+    key = ADV_ESTIMATORS.tag(str(algo_cfg.adv_estimator), "needs_reference_rewards", None)
+    if not key:
+        return 0
+    from rlpost.algos.validate import adv_overrides
+
+    return int(ADV_ESTIMATORS.kwargs(str(algo_cfg.adv_estimator), adv_overrides(algo_cfg), "algo.adv_params")[key])
 
 
 #: losses whose paper samples with a per-token temperature, and the sampler that owns it
@@ -221,6 +235,7 @@ def prepare_algo_inputs(
     trainer: Any,
     *,
     greedy_rewards: Optional[Callable[[], torch.Tensor]] = None,
+    reference_rewards: Optional[Callable[[int], torch.Tensor]] = None,
     tokenizer: Any = None,
     answer_format: str = "tags",
     max_len: int = 64,
@@ -233,6 +248,8 @@ def prepare_algo_inputs(
         trainer: has ``compute_logprobs(batch, which='policy', with_entropy=True)``.
         greedy_rewards: callable returning ``[B]`` rewards of a greedy rollout of
             each row's prompt (ReMax), or None.
+        reference_rewards: callable ``n -> [B, n]`` rewards of n reference-policy
+            samples of each row's prompt (A*-PO), or None.
         tokenizer, answer_format, max_len: for SFT's reference answers.
     Effects:
         for SFT, replaces the batch's responses by the reference answers
@@ -273,6 +290,12 @@ def prepare_algo_inputs(
         b = greedy_rewards().float()
         batch.extras["baseline_rewards"] = b
         m["adv/baseline_reward_mean"] = float(b.mean())
+    if req.reference_rewards:
+        if reference_rewards is None:
+            raise ValueError("this estimator needs reference-policy samples of each prompt but the runner gave none")
+        rr = reference_rewards(req.reference_rewards).float()
+        batch.extras["reference_rewards"] = rr
+        m["adv/reference_reward_mean"] = float(rr.mean())
     if state.tracker is not None:
         pidx = [int(i) for i in batch.prompt_index]
         batch.extras["baseline_rewards"] = state.tracker.baseline(pidx)

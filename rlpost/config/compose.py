@@ -278,6 +278,9 @@ def _check_model(cfg: DictConfig) -> None:
     from rlpost.models.lora import check_lora_config
 
     check_lora_config(cfg.model)
+    from rlpost.models.teacher import check_teacher_config
+
+    check_teacher_config(cfg)  # model.teacher set exactly when the algorithm distils from one
 
 
 #: The one validation entry point's checks, by config group, in order. Closed

@@ -241,6 +241,11 @@ class ModelConfig:
         gradient_checkpointing: recompute activations in the backward pass.
         tiny: shape of the tiny model (source=tiny).
         lora: LoRA adapters (``model.lora.rank > 0``); see :class:`LoraConfig`.
+        teacher: a frozen teacher for distillation presets (``algo=opd``): a model
+            preset name (``conf/model/NAME.yaml``) or a local HF directory, loaded
+            without gradients or optimizer state in the trainer's precision
+            (:mod:`rlpost.models.teacher`); null: none. Set exactly when the
+            algorithm uses a teacher.
     """
 
     name: str = "smollm2-135m"
@@ -252,6 +257,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     tiny: TinyConfig = field(default_factory=TinyConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    teacher: Optional[str] = None
 
 
 @dataclass

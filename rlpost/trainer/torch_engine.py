@@ -187,7 +187,7 @@ class TorchTrainer:
         # reference is the same module with its adapters disabled (no second copy of the weights).
         self.lora = is_lora(self.policy)
         self.ref: Optional[torch.nn.Module] = None
-        if self.algo.kl.coef > 0 and not self.lora:
+        if self.wants_ref and not self.lora:
             import copy
 
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -281,9 +281,18 @@ class TorchTrainer:
             )
 
     @property
+    def wants_ref(self) -> bool:
+        """A reference policy is needed: KL to it (``algo.kl.coef > 0``), a loss tagged ``needs_ref`` (EXO,
+        A*-PO) or an estimator tagged ``needs_reference_rewards`` (A*-PO's V* samples the reference)."""
+        from rlpost.algos.registries import ADV_ESTIMATORS
+
+        return (self.algo.kl.coef > 0 or bool(POLICY_LOSSES.tag(self.algo.loss, "needs_ref", False))
+                or bool(ADV_ESTIMATORS.tag(self.algo.adv_estimator, "needs_reference_rewards", None)))
+
+    @property
     def has_ref(self) -> bool:
         """Whether a KL reference policy exists: a frozen copy, or (LoRA) the base model under the adapters."""
-        return self.ref is not None or (self.lora and self.algo.kl.coef > 0)
+        return self.ref is not None or (self.lora and self.wants_ref)
 
     # -------------------------------------------------------- no-grad passes
     @torch.no_grad()
@@ -444,6 +453,7 @@ class TorchTrainer:
             advantages=mini.extras["advantages"].to(self.device), response_mask=mini.response_mask.to(self.device),
             group_index=mini.group_index.to(self.device),
             segment_ids=mini.extras["segment_ids"].to(self.device) if "segment_ids" in mini.extras else None,
+            ref_logprobs=mini.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mini.extras else None,
         )
 
     def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
@@ -511,7 +521,14 @@ class TorchTrainer:
                 seed = (int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no) if batch_stats else None
                 for mb in micro:
                     m = mb.response_mask.to(self.device)
-                    lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
+                    if "teacher_topk_ids" in mb.extras:  # distillation on the teacher's top-K (rlpost.algos.distill)
+                        from rlpost.models.teacher import student_support_pass
+
+                        lp, ent, teacher_in = student_support_pass(self, self.train_module, mb, need_entropy, entropy_grad)
+                    else:
+                        lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
+                        teacher_in = {"teacher_logprobs": mb.extras["teacher_logprobs"].to(self.device)
+                                      if "teacher_logprobs" in mb.extras else None}
                     rollout_lp = mb.rollout_logprobs.to(self.device)
                     old = self._old_logprobs(mb, lp, v_start)
                     if epoch == 0:
@@ -533,6 +550,8 @@ class TorchTrainer:
                         segment_ids=mb.extras["segment_ids"].to(self.device) if "segment_ids" in mb.extras else None,
                         step=self.updates - 1,
                         old_entropy=mb.extras["old_entropy"].to(self.device) if "old_entropy" in mb.extras else None,
+                        ref_logprobs=mb.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mb.extras else None,
+                        **teacher_in,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
                     w, wm = self._correction_weights(old, mb)

@@ -1,0 +1,366 @@
+"""A frozen teacher model for distillation presets (``model.teacher=``).
+
+``model.teacher`` names a model config (``tiny``, ``smollm2-135m``: a file of
+``conf/model/``) or a local Hugging Face directory. :func:`load_teacher` loads it
+once, frozen (no gradients, eval mode, no optimizer state), in the trainer's
+precision; :class:`Teacher` owns its parameters and is the only code that runs
+them. The runner's ``teacher_logprobs`` stage (after ``ref_logprobs``) calls
+:meth:`Teacher.score`, which writes the teacher's per-token log-probs of the
+sampled responses and, for losses that need it (tag ``teacher_topk``), the ids
+and log-probs of the teacher's top-K tokens at every response position.
+
+:func:`support_logprobs` is the shared log-prob kernel of both sides: one
+backbone pass, the LM head run only on real response tokens in chunks (as
+:func:`rlpost.models.logprobs.response_logprobs`), returning the sampled token's
+log-prob and, from the same logits, either the top-K of the distribution
+(teacher) or the log-probs at given token ids (student, with gradient).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from rlpost.errors import ConfigError
+
+
+# ----------------------------------------------------------------- config
+def uses_teacher(algo_cfg: Any) -> bool:
+    """Whether ``algo.loss`` or ``algo.adv_estimator`` is tagged ``needs_teacher``."""
+    import rlpost.algos  # noqa: F401  (registers)
+    from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
+
+    return bool(POLICY_LOSSES.tag(str(algo_cfg.loss), "needs_teacher", False)
+                or ADV_ESTIMATORS.tag(str(algo_cfg.adv_estimator), "needs_teacher", False))
+
+
+def teacher_top_k(algo_cfg: Any) -> int:
+    """K of the teacher's top-K support the loss needs (0: only the sampled tokens' log-probs).
+
+    A loss tagged ``teacher_topk="<param>"`` declares K as that parameter
+    (``algo.loss_params.<param>``): the loss owns it, the teacher stage reads it.
+    """
+    from rlpost.algos.registries import POLICY_LOSSES
+    from rlpost.algos.validate import loss_kwargs
+
+    key = POLICY_LOSSES.tag(str(algo_cfg.loss), "teacher_topk", None)
+    return int(loss_kwargs(algo_cfg)[key]) if key else 0
+
+
+def teacher_model_config(spec: str) -> Any:
+    """The model config named by ``model.teacher``: a ``conf/model/NAME.yaml`` preset or a local HF directory.
+
+    Returns an OmegaConf node with the :class:`rlpost.config.schema.ModelConfig`
+    fields. A preset's own ``teacher`` is ignored (no teacher of a teacher).
+
+    Raises:
+        ConfigError: ``spec`` is neither a preset name nor an existing directory.
+    """
+    from omegaconf import OmegaConf
+
+    from rlpost.config.compose import conf_dir, group_choices
+    from rlpost.config.schema import ModelConfig
+
+    base = OmegaConf.structured(ModelConfig)
+    preset = conf_dir() / "model" / f"{spec}.yaml"
+    if preset.exists():
+        node = OmegaConf.load(preset)
+        node = {k: v for k, v in OmegaConf.to_container(node).items() if k not in ("defaults", "teacher")}
+        return OmegaConf.merge(base, node)
+    if Path(str(spec)).expanduser().is_dir():
+        return OmegaConf.merge(base, {"name": Path(str(spec)).name, "source": "hf", "path": str(spec)})
+    raise ConfigError(f"model.teacher={spec!r} is neither a model preset ({', '.join(group_choices('model'))}) nor a "
+                      f"local model directory. Fix: model.teacher=<preset name> or model.teacher=/path/to/hf_dir.")
+
+
+def check_teacher_config(cfg: Any) -> None:
+    """``model.teacher`` is set exactly when the algorithm uses a teacher, and names a loadable config.
+
+    Raises:
+        ConfigError: a distillation algorithm without ``model.teacher``; a teacher
+            that no part of ``algo`` reads (a setting that would be ignored); a
+            teacher spec that names nothing.
+    """
+    spec = cfg.model.get("teacher", None)
+    need = uses_teacher(cfg.algo)
+    if need and not spec:
+        raise ConfigError(f"algo={cfg.algo.name} (loss={cfg.algo.loss}, adv_estimator={cfg.algo.adv_estimator}) "
+                          f"distils from a teacher but model.teacher is not set. Fix: model.teacher=<model preset or "
+                          f"HF dir> (e.g. model.teacher=smollm2-135m).")
+    if spec and not need:
+        raise ConfigError(f"model.teacher={spec} is set but algo={cfg.algo.name} uses no teacher, so it would be "
+                          f"ignored. Fix: drop model.teacher or choose a distillation preset (algo=opd).")
+    if spec:
+        teacher_model_config(str(spec))
+
+
+def check_tokenizers(student_tok: Any, teacher_tok: Any, teacher_name: str = "teacher") -> None:
+    """Teacher and student must share one vocabulary: token ids index both models' distributions.
+
+    Raises:
+        ConfigError: the vocabularies differ (size, or any token's id).
+    """
+    sv, tv = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if sv != tv:
+        diff = len(set(sv.items()) ^ set(tv.items()))
+        raise ConfigError(f"model.teacher={teacher_name}: its tokenizer differs from the student's ({len(tv)} vs "
+                          f"{len(sv)} tokens, {diff} (token, id) pairs differ); per-token distillation compares the "
+                          f"two models' distributions over the same token ids. Fix: a teacher of the student's "
+                          f"family (same tokenizer).")
+
+
+# ----------------------------------------------------------------- kernel
+def _chunk_support(head, h, targets, inv_temp, want_entropy: bool, top_k: int, top_p: float,
+                   support: Optional[torch.Tensor], k_top: int):
+    """Per chunk: sampled log-prob ``[n]``, entropy ``[n]``, and ``[n, K]`` support log-probs (or ids).
+
+    The sampled log-prob and entropy follow :func:`rlpost.models.logprobs._chunk_logprobs`
+    (the sampler's top-k/top-p truncation); the support log-probs are those of the
+    untruncated temperature-scaled distribution, normalised over the whole vocabulary.
+    """
+    from rlpost.models.logprobs import TRUNCATED_LOGPROB
+
+    logits = head(h).float()
+    if inv_temp is not None:
+        logits = logits * inv_temp[..., None]
+    full_logz = torch.logsumexp(logits, dim=-1)
+    if support is not None:
+        sup = logits.gather(-1, support) - full_logz[..., None]
+        sup_ids = support
+    elif k_top > 0:
+        vals, sup_ids = logits.detach().topk(k_top, dim=-1)
+        sup = vals - full_logz[..., None]
+    else:
+        sup, sup_ids = logits.new_zeros(logits.shape[0], 0), support
+    truncated = bool(top_k) or top_p < 1.0
+    if truncated:
+        from rlpost.rollout.sampling import apply_top_k_top_p
+
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+        logz = torch.logsumexp(logits, dim=-1)
+    else:
+        logz = full_logz
+    lp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz
+    if truncated:
+        lp = lp.clamp(min=TRUNCATED_LOGPROB)
+    if not want_entropy:
+        ent = torch.zeros_like(lp)
+    else:
+        with torch.no_grad():
+            p = torch.softmax(logits, dim=-1)
+            plogit = torch.where(p > 0, p * logits, torch.zeros_like(logits)) if truncated else p * logits
+            ent = logz - plogit.sum(-1)
+    if sup_ids is None:
+        sup_ids = torch.zeros(sup.shape, dtype=torch.long, device=sup.device)
+    return lp, ent, sup, sup_ids
+
+
+def support_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_attn: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    support_ids: Optional[torch.Tensor] = None,
+    k_top: int = 0,
+    chunk_size: int = 64,
+    with_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Sampled-token log-probs plus log-probs on a per-position token support, from one forward pass.
+
+    Args:
+        model: a transformers causal LM.
+        prompt_ids, prompt_mask: ``[B, P]`` left-padded.
+        response_ids, response_attn: ``[B, R]`` right-padded ids; 1 on real tokens.
+        temperature: scalar or ``[B, R]``; logits are divided by it (0 entries = 1).
+        support_ids: ``[B, R', K]`` long token ids (``R' >= R``; only the first R
+            columns are read) whose log-probs to return, with gradient (the student
+            side of a top-K distillation loss); or None.
+        k_top: with ``support_ids`` None and ``k_top > 0``, return the ``k_top``
+            highest-probability tokens of each position (the teacher side).
+        chunk_size, with_entropy: as :func:`rlpost.models.logprobs.response_logprobs`.
+        top_k, top_p: the sampler's truncation for the sampled-token log-prob and
+            the entropy (the support log-probs are always untruncated).
+    Returns:
+        ``(logprobs [B, R], entropy [B, R] or None, support_logprobs [B, R, K],
+        support_ids [B, R, K])``, float32 log-probs in nats normalised over the
+        whole vocabulary; 0 (ids 0) on padding positions. ``K`` is 0 when neither
+        ``support_ids`` nor ``k_top`` is given.
+    """
+    from rlpost.models.logprobs import _shared_prefix_hidden, backbone_and_head, build_inputs
+
+    base, head = backbone_and_head(model)
+    P, R = prompt_ids.shape[1], response_ids.shape[1]
+    B = response_ids.shape[0]
+    h = None
+    if not getattr(base, "gradient_checkpointing", False):
+        h = _shared_prefix_hidden(base, prompt_ids, prompt_mask, response_ids, response_attn)
+    if h is None:
+        ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
+        h = base(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state[:, P - 1 : P + R - 1]
+    flat_idx = (response_attn > 0).to(h.device).reshape(-1).nonzero().squeeze(-1)
+    hs = h.reshape(B * R, -1).index_select(0, flat_idx)
+    tgt = response_ids.to(h.device).reshape(-1).index_select(0, flat_idx)
+    sup_in = None
+    K = int(k_top)
+    if support_ids is not None:
+        K = support_ids.shape[-1]
+        sup_in = support_ids[:, :R].to(h.device).reshape(B * R, K).index_select(0, flat_idx)
+    inv_temp = None
+    if isinstance(temperature, torch.Tensor):
+        T = temperature.float().to(h.device).reshape(-1).index_select(0, flat_idx)
+        T = torch.where(T > 0, T, torch.ones_like(T))
+        if not bool((T == 1).all()):
+            inv_temp = 1.0 / T
+    elif float(temperature) != 1.0:
+        inv_temp = torch.full((hs.shape[0],), 1.0 / float(temperature), device=h.device)
+    rows = max(1, chunk_size * B)
+    N = hs.shape[0]
+    use_ckpt = torch.is_grad_enabled() and N > rows
+    parts: list = [[], [], [], []]
+    for s in range(0, N, rows):
+        e = min(N, s + rows)
+        args = (head, hs[s:e], tgt[s:e], None if inv_temp is None else inv_temp[s:e], with_entropy, top_k, top_p,
+                None if sup_in is None else sup_in[s:e], K)
+        out = checkpoint(_chunk_support, *args, use_reentrant=False) if use_ckpt else _chunk_support(*args)
+        for lst, x in zip(parts, out):
+            lst.append(x)
+
+    def unpack(xs, width: int = 0, dtype=torch.float32):
+        if xs:
+            flat = torch.cat(xs)
+        else:  # no real token: an empty view of ``hs`` keeps the result on the graph (zero gradients)
+            flat = hs.float().sum(-1)
+            flat = flat[:, None].expand(0, width) if width else flat
+            flat = flat.to(dtype)
+        shape = (B * R, width) if width else (B * R,)
+        out = torch.zeros(shape, dtype=dtype, device=h.device).index_copy(0, flat_idx, flat.to(dtype))
+        return out.view(B, R, width) if width else out.view(B, R)
+
+    lp = unpack(parts[0])
+    ent = unpack(parts[1]) if with_entropy else None
+    sup = unpack(parts[2], K) if K else torch.zeros(B, R, 0, device=h.device)
+    sids = unpack(parts[3], K, torch.long) if K else torch.zeros(B, R, 0, dtype=torch.long, device=h.device)
+    return lp, ent, sup, sids
+
+
+# ----------------------------------------------------------------- teacher
+class Teacher:
+    """The frozen teacher: owns its module (no grad, eval mode, never in an optimizer).
+
+    Args:
+        module: the teacher causal LM (already on the trainer's device, in its dtype).
+        name: the ``model.teacher`` spec, for messages.
+    """
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self.module = module.eval().requires_grad_(False)
+        self.name = name
+
+    @torch.no_grad()
+    def score(self, batch: Any, trainer: Any, top_k: int = 0) -> Dict[str, torch.Tensor]:
+        """Teacher log-probs of the batch's responses, micro-batched like the trainer's passes.
+
+        The teacher is scored at the rollout temperature (the distribution both
+        models are compared under, as the student's log-probs are) and without the
+        sampler's top-k/top-p truncation: truncating the teacher would put
+        ``-inf`` on tokens the student may still choose. (Our choice; the authors'
+        verl code scores teacher and student with the same temperature.)
+
+        Args:
+            batch: :class:`rlpost.batch.RolloutBatch`.
+            trainer: the run's trainer (its ``_split``, ``_temperature``,
+                ``autocast``, ``device`` and ``tcfg.logprob_chunk_size``).
+            top_k: K of the top-K support to return (0: none).
+        Returns:
+            ``{"teacher_logprobs": [B, R]}`` and with ``top_k > 0`` also
+            ``"teacher_topk_ids"`` ``[B, R, K]`` long and ``"teacher_topk_logprobs"``
+            ``[B, R, K]`` (full-vocabulary log-probs, descending), on CPU, zeros on padding.
+        """
+        B, R = len(batch), batch.response_ids.shape[1]
+        lps = torch.zeros(B, R)
+        ids = torch.zeros(B, R, top_k, dtype=torch.long)
+        sups = torch.zeros(B, R, top_k)
+        for rows, mb in trainer._split(batch):
+            attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
+            with trainer.autocast():
+                lp, _, sup, sid = support_logprobs(
+                    self.module, mb.prompt_ids.to(trainer.device), mb.prompt_mask.to(trainer.device),
+                    mb.response_ids.to(trainer.device), attn.to(trainer.device),
+                    temperature=trainer._temperature(mb), k_top=top_k, chunk_size=trainer.tcfg.logprob_chunk_size)
+            idx = torch.tensor(rows, dtype=torch.long)
+            w = lp.shape[1]
+            lps[idx, :w] = lp.float().cpu()
+            if top_k:
+                ids[idx, :w] = sid.cpu()
+                sups[idx, :w] = sup.float().cpu()
+        out = {"teacher_logprobs": lps * batch.response_mask}
+        if top_k:
+            out["teacher_topk_ids"] = ids
+            out["teacher_topk_logprobs"] = sups
+        return out
+
+
+def load_teacher(spec: str, student_tokenizer: Any, dtype: torch.dtype, device: Any, seed: int = 0) -> Teacher:
+    """Load ``model.teacher`` frozen, in ``dtype`` (the trainer's precision), on ``device``.
+
+    ``model.teacher=tiny`` builds the random tiny model from ``seed`` (the run
+    seed), so a tiny student and a tiny teacher of one run start identical.
+    LoRA settings of the named preset are not applied: the teacher is never trained.
+
+    Raises:
+        ConfigError: unknown spec, or a tokenizer that differs from the student's.
+        ModelLoadError: the teacher cannot be loaded.
+    """
+    from omegaconf import OmegaConf
+
+    from rlpost.models.loader import load_model, load_tokenizer
+
+    mcfg = teacher_model_config(spec)
+    OmegaConf.update(mcfg, "lora.rank", 0)
+    OmegaConf.update(mcfg, "gradient_checkpointing", False)
+    check_tokenizers(student_tokenizer, load_tokenizer(mcfg), spec)
+    module = load_model(mcfg, dtype, seed=seed).to(device)
+    return Teacher(module, spec)
+
+
+def student_support_pass(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: bool, entropy_grad: bool = False):
+    """The policy update's forward for a top-K distillation loss: one pass, sampled and support log-probs.
+
+    Same inputs as the trainer's ``_logprobs`` (temperature, the sampler's
+    truncation for the sampled token); additionally the student's log-probs at
+    ``mb.extras['teacher_topk_ids']``, with gradient.
+
+    Returns:
+        ``(logprobs [b, R], entropy [b, R] or None, teacher inputs)``: the last a
+        dict of :class:`rlpost.algos.losses.PolicyLossInput` fields
+        (``teacher_logprobs``, ``support_logprobs``, ``teacher_support_logprobs``),
+        cut to the micro-batch's response width.
+    Raises:
+        ConfigError: an entropy bonus with gradient (``algo.entropy_coef != 0``),
+            which this pass does not differentiate.
+    """
+    if entropy_grad:
+        raise ConfigError("algo.entropy_coef != 0 with a top-K distillation loss: the entropy bonus's gradient is not "
+                          "computed on this path. Fix: algo.entropy_coef=0.")
+    attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
+    dev = trainer.device
+    with trainer.autocast():
+        lp, ent, sup, _ = support_logprobs(
+            model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
+            temperature=trainer._temperature(mb), support_ids=mb.extras["teacher_topk_ids"],
+            chunk_size=trainer.tcfg.logprob_chunk_size, with_entropy=with_entropy, **trainer._truncation())
+    R = lp.shape[1]
+    return lp, ent, {
+        "teacher_logprobs": mb.extras["teacher_logprobs"][:, :R].to(dev),
+        "support_logprobs": sup.float(),
+        "teacher_support_logprobs": mb.extras["teacher_topk_logprobs"][:, :R].to(dev),
+    }

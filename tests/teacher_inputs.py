@@ -1,0 +1,29 @@
+"""Random second-policy inputs for the generic loss tests: losses tagged ``teacher_topk`` (rlpost.algos.distill)
+read the teacher's top-K support, those tagged ``needs_ref`` (EXO) the reference log-probs, which a plain
+PolicyLossInput lacks."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from rlpost.algos.registries import POLICY_LOSSES
+
+
+def teacher_inputs(loss: str, lp: torch.Tensor, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """``PolicyLossInput`` teacher fields for ``loss`` (empty when it reads none); ``support_logprobs``
+    requires grad (the student's side), log-probs of K distinct tokens of a vocabulary of 3K."""
+    key = POLICY_LOSSES.tag(loss, "teacher_topk", None)
+    g = torch.Generator().manual_seed(seed)
+    if POLICY_LOSSES.tag(loss, "needs_ref", False):  # EXO, A*-PO: the reference policy's log-probs
+        return {"ref_logprobs": lp.detach() + 0.2 * torch.randn(lp.shape, generator=g)}
+    if not key and not POLICY_LOSSES.tag(loss, "needs_teacher", False):
+        return {}
+    K = int(POLICY_LOSSES.kwargs(loss, {}, "algo.loss_params")[key]) if key else 0
+    out = {"teacher_logprobs": lp.detach() + 0.1 * torch.randn(lp.shape, generator=g)}
+    if K:
+        s = torch.log_softmax(torch.randn(*lp.shape, 3 * K, generator=g), -1)[..., :K]
+        t = torch.log_softmax(torch.randn(*lp.shape, 3 * K, generator=g), -1)[..., :K]
+        out.update(support_logprobs=s.clone().requires_grad_(True), teacher_support_logprobs=t)
+    return out
