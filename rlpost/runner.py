@@ -273,6 +273,9 @@ class Run:
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
         self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        from rlpost.models.moe_replay import attach_routing
+
+        self.local_engine = attach_routing(cfg, self.trainer, self.local_engine)  # model.routing_replay
         self.shard = self._rollout_sharding()
         if self.shard:  # data-parallel rollouts: every generate call is split across ranks and gathered
             from rlpost.distributed import ShardedEngine

@@ -184,13 +184,21 @@ class AlgoConfig:
 # ------------------------------------------------------------------ model / tasks
 @dataclass
 class TinyConfig:
-    """Shape of the random-initialised ``model=tiny`` (SmolLM2's Llama family)."""
+    """Shape of the random-initialised ``model=tiny`` (SmolLM2's Llama family).
+
+    ``moe_experts > 0`` builds a Qwen3-MoE of that shape instead (every layer sparse,
+    ``moe_top_k`` experts per token, experts of width ``moe_intermediate_size``):
+    the tiny MoE that ``model.routing_replay`` is tested and measured on.
+    """
 
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_intermediate_size: int = 32
 
 
 @dataclass
@@ -234,6 +242,10 @@ class ModelConfig:
         gradient_checkpointing: recompute activations in the backward pass.
         tiny: shape of the tiny model (source=tiny).
         lora: LoRA adapters (``model.lora.rank > 0``); see :class:`LoraConfig`.
+        routing_replay: MoE routing replay (:mod:`rlpost.models.moe_replay`): ``off``;
+            ``record`` (rollouts record each token's experts, the trainer routes on its
+            own and logs ``moe/route_mismatch``); ``replay`` (the trainer's forwards use
+            the rollout's experts). Needs an MoE model and ``rollout=hf``.
     """
 
     name: str = "smollm2-135m"
@@ -245,6 +257,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     tiny: TinyConfig = field(default_factory=TinyConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    routing_replay: str = "off"
 
 
 @dataclass
