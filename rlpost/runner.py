@@ -644,6 +644,13 @@ class Run:
         batch.extras["advantages"] = out.advantages
         if out.loss_mask is not None:  # e.g. MC-GRPO's median pivot leaves the update
             batch.response_mask = batch.response_mask * out.loss_mask
+        if getattr(self.sampler, "token_level", False):  # sampler=d3s token level: |A| x H token selection
+            from rlpost.samplers.prune import apply_loss_token_mask
+
+            ent = batch.extras.get("entropy")
+            if ent is None:
+                ent = self._rows_pass(batch, lambda b: self.trainer.compute_logprobs(b, with_entropy=True)[1])
+            ctx.metrics.update(apply_loss_token_mask(self.sampler, batch, ent, ctx.c.step))
         if out.returns is not None:
             batch.extras["returns"] = out.returns
 
