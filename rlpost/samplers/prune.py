@@ -125,8 +125,8 @@ class D3SSamplerParams:
     keep_end: float = param(1.0, "share kept once the curriculum is over (1 = no down-sampling).")
     schedule_steps: int = param(100, "steps over which the kept share goes linearly from keep_start to keep_end.")
     min_keep: int = param(2, "rollouts every group keeps at least (a group-relative advantage needs 2).")
-    token_keep_start: float = param(1.0, "token level: share of the batch's response tokens in the loss at step 0 "
-                                         "(largest |advantage| x entropy); 1 = token level off.")
+    token_keep_start: float = param(0.5, "token level: share of the batch's response tokens in the loss at step 0 "
+                                         "(largest |advantage| x entropy); 1 (with token_keep_end 1) = token level off.")
     token_keep_end: float = param(1.0, "token level: share kept once the curriculum (schedule_steps) is over.")
     token_scope: str = param("batch", "token level ranks tokens over the whole batch ('batch') or within each row ('row').")
 
@@ -172,7 +172,7 @@ class D3SSampler(Sampler):
     uses_rollout_counts = True
 
     def __init__(self, n_samples: int, *, keep_start: float, keep_end: float, schedule_steps: int, min_keep: int,
-                 token_keep_start: float = 1.0, token_keep_end: float = 1.0, token_scope: str = "batch") -> None:
+                 token_keep_start: float = 0.5, token_keep_end: float = 1.0, token_scope: str = "batch") -> None:
         super().__init__(n_samples)
         for name, v in (("keep_start", keep_start), ("keep_end", keep_end), ("token_keep_start", token_keep_start),
                         ("token_keep_end", token_keep_end)):
