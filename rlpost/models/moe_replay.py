@@ -3,14 +3,23 @@
 In RL on MoE models the experts a token is routed to can differ between the rollout
 engine and the trainer (numerics, a policy update between rollout and an
 off-policy mini-batch), which makes the token-level importance ratio unstable.
-Routing Replay ("Stabilizing Reinforcement Learning with LLMs: Formulation and
-Practices", Zheng et al., arXiv:2512.01374) records each token's routed experts
+Rollout Routing Replay, R3 ("Stabilizing MoE Reinforcement Learning by Aligning
+Training and Inference Routers", Ma et al., arXiv:2510.11370; Routing Replay in
+"Stabilizing Reinforcement Learning with LLMs: Formulation and Practices", Zheng
+et al., arXiv:2512.01374) records each token's routed experts
 during the rollout and replays them in the trainer's forward passes: the expert
 *choice* is the rollout's, the gating weights are the current router's
 probabilities of those experts (renormalised when the model normalises its top-k),
 so the router still gets gradients. The predictive variant, PR2 ("PR2: Predictive
 Routing Replay for MoE-Based LLM Reinforcement Learning", Dong et al.,
-arXiv:2606.00395), is not implemented here.
+arXiv:2606.00395), is not implemented here (the predictor's form and objective
+were not available to read).
+
+Wiring (``model.routing_replay``): :func:`attach_routing` wraps the hf engine in a
+:class:`RouteRecordingEngine` that stores each generated row's routes in a
+:class:`RouteStore` keyed by the row's tokens (:func:`row_key`), and gives the
+trainer a :class:`TrainerRouting` whose :meth:`~TrainerRouting.context` wraps each
+log-prob forward (old log-probs and update) in :meth:`RoutingReplay.replay`.
 
 Works with transformers' top-k routers of Qwen3-MoE and OLMoE (modules with
 ``weight [E, H]``, ``top_k``, ``norm_topk_prob``, whose forward maps ``[N, H]`` to
