@@ -138,6 +138,15 @@ def test_config_errors(compose):
     t = TorchTrainer(policy, cfg, "cpu")
     with pytest.raises(ConfigError, match="no top-k MoE routers"):
         attach_routing(cfg, t, object())
+    cfg.trainer.engine = "deepspeed"
+    with pytest.raises(ConfigError, match="needs trainer=torch"):
+        attach_routing(cfg, t, object())
+    cfg.rollout.engine = "vllm"
+    with pytest.raises(ConfigError, match="hf engine only"):
+        attach_routing(cfg, t, object())
     cfg.model.routing_replay = "always"
     with pytest.raises(ConfigError, match="not one of off, record, replay"):
         attach_routing(cfg, t, object())
+    cfg.model.routing_replay = "off"
+    eng = object()
+    assert attach_routing(cfg, t, eng) is eng and t.routing is None  # off: nothing wrapped, nothing patched

@@ -353,8 +353,10 @@ def attach_routing(cfg: Any, trainer: Any, engine: Any) -> Any:
         return engine
     if cfg.rollout.engine != "hf":
         raise ConfigError(f"model.routing_replay={mode} records routes in the hf engine only; set rollout=hf")
-    if not hasattr(trainer, "routing"):
-        raise ConfigError(f"model.routing_replay={mode} needs trainer.engine=torch")
+    if not hasattr(trainer, "routing") or str(getattr(cfg.trainer, "engine", "torch")) != "torch":
+        # DeepSpeed trains a wrapped (ZeRO-3: partitioned) module whose routers were never patched
+        raise ConfigError(f"model.routing_replay={mode} needs trainer=torch (the routers of the module it trains "
+                          "are the ones patched)")
     if getattr(cfg.model, "gradient_checkpointing", False):
         raise ConfigError(f"model.routing_replay={mode} cannot replay inside recomputed (checkpointed) forwards; "
                           "set model.gradient_checkpointing=false")
