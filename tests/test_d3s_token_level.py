@@ -51,6 +51,7 @@ def test_apply_records_dropped_tokens_and_follows_the_curriculum():
     assert m["sampler/tokens_dropped"] == n - int(b.response_mask.sum())
     assert int(b.response_mask.sum()) == -(-n // 2)  # ceil(0.5 n)
     assert torch.equal(b.extras["d3s_token_dropped"], before - b.response_mask)  # every token left out is recorded
+    assert torch.equal(b.extras["response_attn"], before.long())  # ... and still attended to by the forward
     assert bool((b.response_mask <= before).all())  # a subset of the loss mask
     assert float(b.response_mask[3].sum()) == 0.0  # zero advantage: |A| H = 0, the first to go
     b2 = make_batch(B=4, R=6)
@@ -94,6 +95,16 @@ def test_dropped_tokens_get_no_gradient(compose):
     kept = b.response_mask > 0
     assert int(dropped.sum()) > 0 and int(kept.sum()) > 0
     g0 = _grad(compose, b)
+    # the forward still reads the dropped tokens: kept tokens' log-probs are those of the unmasked batch
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    t = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], compose(tiny_overrides()), "cpu")
+    full = copy.deepcopy(b)
+    full.response_mask = b.extras["response_attn"].float()
+    del full.extras["response_attn"]
+    assert torch.allclose(t.compute_logprobs(b)[0][kept], t.compute_logprobs(full)[0][kept], atol=1e-6)
     # any advantage on a dropped token changes nothing ...
     b1 = copy.deepcopy(b)
     b1.extras["advantages"] = b.extras["advantages"].clone()

@@ -412,7 +412,10 @@ def apply_loss_token_mask(sampler: Any, batch: Any, entropy: torch.Tensor, step:
     ``batch.response_mask`` (the loss mask) is multiplied by
     ``sampler.loss_token_mask(advantages, entropy, response_mask, step)``; the
     tokens it removes are recorded in ``batch.extras['d3s_token_dropped']`` ``[B, R]``
-    (1 where a response token was in the loss and is not any more).
+    (1 where a response token was in the loss and is not any more). The trainer's
+    forward must still attend to them: ``extras['response_attn']`` is set to the
+    mask before (unless a sampler already set it), since the trainer otherwise
+    derives attention from the loss mask.
 
     Args:
         sampler: has ``loss_token_mask`` (:class:`D3SSampler`).
@@ -426,6 +429,8 @@ def apply_loss_token_mask(sampler: Any, batch: Any, entropy: torch.Tensor, step:
     if keep is None:
         return {}
     keep = keep.to(batch.response_mask.device)
+    if "response_attn" not in batch.extras:  # the forward still reads every token: only the loss drops some
+        batch.extras["response_attn"] = before.long()
     batch.response_mask = batch.response_mask * keep
     dropped = before * (1.0 - keep)
     batch.extras["d3s_token_dropped"] = dropped
