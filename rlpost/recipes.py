@@ -7,7 +7,7 @@ reads and validates (:class:`Card`)::
 
     card:
       method: vade                       # what the recipe exercises (a registered name)
-      kind: selector                     # algo | selector | sampler | correction | precision | executor | baseline
+      kind: selector                     # algo | selector | sampler | correction | precision | executor | model | baseline
       paper: "VADE: Variance-Aware Dynamic Sampling ..."
       arxiv: "2511.18902"                # or null; code: URL or null
       paper_setting:                     # the paper's own GPU setting
@@ -64,7 +64,7 @@ from rlpost.errors import ConfigError, DataError
 NOT_STATED = "not stated"  #: the paper (or its code) was read and gives no value
 NOT_CHECKED = "not checked"  #: nobody has read the source for this value yet
 SENTINELS = (NOT_STATED, NOT_CHECKED)
-KINDS = ("algo", "selector", "sampler", "correction", "precision", "executor", "baseline")
+KINDS = ("algo", "selector", "sampler", "correction", "precision", "executor", "model", "baseline")
 EXPECTS = ("higher", "no_worse")
 VERDICTS = ("reproduced direction", "not resolved", "contradicted")
 UNTRAINED = "untrained"

@@ -307,6 +307,9 @@ class Run:
             self.teacher = load_teacher(str(cfg.model.teacher), self.tokenizer, self.trainer.dtype,
                                         self.trainer.device, seed=cfg.seed)
         self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        from rlpost.models.moe_replay import attach_routing
+
+        self.local_engine = attach_routing(cfg, self.trainer, self.local_engine)  # model.routing_replay
         self.shard = self._rollout_sharding()
         if self.shard:  # data-parallel rollouts: every generate call is split across ranks and gathered
             from rlpost.distributed import ShardedEngine
@@ -726,6 +729,13 @@ class Run:
         batch.extras["advantages"] = out.advantages
         if out.loss_mask is not None:  # e.g. MC-GRPO's median pivot leaves the update
             batch.response_mask = batch.response_mask * out.loss_mask
+        if getattr(self.sampler, "token_level", False):  # sampler=d3s token level: |A| x H token selection
+            from rlpost.samplers.prune import apply_loss_token_mask
+
+            ent = batch.extras.get("entropy")
+            if ent is None:
+                ent = self._rows_pass(batch, lambda b: self.trainer.compute_logprobs(b, with_entropy=True)[1])
+            ctx.metrics.update(apply_loss_token_mask(self.sampler, batch, ent, ctx.c.step))
         if out.returns is not None:
             batch.extras["returns"] = out.returns
 

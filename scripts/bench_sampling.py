@@ -8,6 +8,8 @@ Usage::
     python scripts/bench_sampling.py --only "selector=domain_mixture task=arithmetic_mix"
     python scripts/bench_sampling.py --compare --steps 20 --seeds 0 1 \
         --methods selector=uniform selector=vade selector=dynamic_filter
+    python scripts/bench_sampling.py --protocol dataflex --budget-rollouts 320 --seeds 0 1 2 \
+        --methods selector=vade selector=dynamic_filter
 
 Table mode builds one run per entry (``algo=grpo`` on the default task, same
 seed) and reports, over the steps: rollouts spent (total), mean training reward
@@ -16,6 +18,12 @@ non-zero group advantage), prompts skipped, seconds. ``--compare`` trains each
 method with ``rlpost.runner.train`` (held-out evaluation at the end) for every
 seed, then prints the paired comparison against the first method
 (:func:`rlpost.eval.compare.compare`, paired bootstrap over problems).
+``--protocol dataflex`` is DataFlex-RL's protocol (arXiv:2609.06107,
+:mod:`rlpost.eval.protocol`): ``selector=uniform`` is always the first arm, every
+arm gets the same nominal rollout budget (``--budget-rollouts``, turned into
+steps) and the same seeds, and the table gives each arm's real spend, its
+benchmark-balanced held-out accuracy, the paired 95% CI of its difference from
+uniform and whether it excludes 0, plus uniform's gain over the untrained model.
 """
 
 from __future__ import annotations
@@ -137,8 +145,31 @@ def compare(args) -> None:
     print(report)
 
 
+def protocol(args) -> None:
+    """DataFlex-RL's protocol (:mod:`rlpost.eval.protocol`) over ``args.methods`` and ``args.seeds``."""
+    from rlpost.eval.protocol import BASELINE, budget_steps, protocol_report
+
+    if args.eval_limit <= 0:
+        raise SystemExit("--protocol needs --eval-limit > 0 (the paired statistics use the held-out records)")
+    if args.budget_rollouts:
+        args.steps = budget_steps(args.budget_rollouts, args.prompts, args.n)
+    root = _root(args)
+    methods = [BASELINE] + [m for m in args.methods if m != BASELINE]
+    arms = {}
+    for meth in methods:
+        entry = meth + (" eval.at_start=true" if meth == BASELINE else "")  # the untrained reference
+        for s in args.seeds:
+            m = run_entry(entry, s, args, root)
+            print(f"{meth} seed={s}: held-out accuracy={m['eval']}, rollouts spent={m['spent']:.0f}", flush=True)
+        arms[meth] = [run_dir_of(root, entry, s) for s in args.seeds]
+    print(f"# DataFlex-RL protocol: {args.steps} steps x {args.prompts} prompts x n={args.n} "
+          f"(nominal budget {args.steps * args.prompts * args.n} rollouts), model={args.model}, seeds={args.seeds}, "
+          f"held-out eval on {args.eval_limit}, extra={args.extra}; runs in {root}")
+    print(protocol_report(arms)[0])
+
+
 def main() -> None:
-    """Parse arguments and run the table or the comparison."""
+    """Parse arguments and run the table, the comparison or the protocol."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--model", default="smollm2-135m")
@@ -149,13 +180,18 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every entry")
     ap.add_argument("--compare", action="store_true")
+    ap.add_argument("--protocol", choices=["dataflex"], default=None, help="DataFlex-RL's evaluation protocol")
+    ap.add_argument("--budget-rollouts", type=int, default=0, help="--protocol: nominal rollouts per arm (sets --steps)")
     ap.add_argument("--methods", nargs="*", default=["selector=uniform", "selector=vade", "selector=dynamic_filter"])
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])
     ap.add_argument("--eval-limit", type=int, default=100, help="held-out problems scored after training (0: none)")
     ap.add_argument("--out", default=None, help="run directories go here (reused when finished); default: a temp dir")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    compare(args) if args.compare else table(args)
+    if args.protocol:
+        protocol(args)
+    else:
+        compare(args) if args.compare else table(args)
 
 
 if __name__ == "__main__":

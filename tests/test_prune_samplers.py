@@ -41,7 +41,7 @@ def test_d3s_schedule_and_token_mask():
     adv = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-2.0, -2.0, -2.0, 0.0]])
     ent = torch.tensor([[0.1, 0.9, 0.5, 0.2], [0.3, 0.1, 0.2, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    m = d3s_token_mask(adv, ent, mask, 0.5)
+    m = d3s_token_mask(adv, ent, mask, 0.5, scope="row")
     # row 0: 3 tokens -> keep ceil(1.5)=2 with |A|H 0.9, 0.5; row 1: |A|H = 0.6, 0.2, 0.4, 0 -> keep 0.6, 0.4
     assert m.tolist() == [[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0]]
     with pytest.raises(ValueError):

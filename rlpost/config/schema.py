@@ -191,13 +191,21 @@ class AlgoConfig:
 # ------------------------------------------------------------------ model / tasks
 @dataclass
 class TinyConfig:
-    """Shape of the random-initialised ``model=tiny`` (SmolLM2's Llama family)."""
+    """Shape of the random-initialised ``model=tiny`` (SmolLM2's Llama family).
+
+    ``moe_experts > 0`` builds a Qwen3-MoE of that shape instead (every layer sparse,
+    ``moe_top_k`` experts per token, experts of width ``moe_intermediate_size``):
+    the tiny MoE that ``model.routing_replay`` is tested and measured on.
+    """
 
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_intermediate_size: int = 32
 
 
 @dataclass
@@ -246,6 +254,10 @@ class ModelConfig:
             without gradients or optimizer state in the trainer's precision
             (:mod:`rlpost.models.teacher`); null: none. Set exactly when the
             algorithm uses a teacher.
+        routing_replay: MoE routing replay (:mod:`rlpost.models.moe_replay`): ``off``;
+            ``record`` (rollouts record each token's experts, the trainer routes on its
+            own and logs ``moe/route_mismatch``); ``replay`` (the trainer's forwards use
+            the rollout's experts). Needs an MoE model and ``rollout=hf``.
     """
 
     name: str = "smollm2-135m"
@@ -258,6 +270,7 @@ class ModelConfig:
     tiny: TinyConfig = field(default_factory=TinyConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     teacher: Optional[str] = None
+    routing_replay: str = "off"
 
 
 @dataclass

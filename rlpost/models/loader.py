@@ -170,6 +170,18 @@ def load_model(model_cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0
             pad_token_id=getattr(base, "pad_token_id", None),
             tie_word_embeddings=True,
         )
+        if int(getattr(t, "moe_experts", 0) or 0) > 0:  # a tiny Qwen3-MoE (routing replay tests and runs)
+            from transformers import Qwen3MoeConfig
+
+            cfg = Qwen3MoeConfig(
+                vocab_size=base.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                moe_intermediate_size=t.moe_intermediate_size, num_hidden_layers=t.num_hidden_layers,
+                num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                head_dim=t.hidden_size // t.num_attention_heads, num_experts=t.moe_experts,
+                num_experts_per_tok=t.moe_top_k, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                max_position_embeddings=2048, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
+                pad_token_id=getattr(base, "pad_token_id", None), tie_word_embeddings=True,
+            )
         g = torch.random.fork_rng()
         with g:
             torch.manual_seed(seed)

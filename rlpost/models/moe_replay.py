@@ -3,14 +3,23 @@
 In RL on MoE models the experts a token is routed to can differ between the rollout
 engine and the trainer (numerics, a policy update between rollout and an
 off-policy mini-batch), which makes the token-level importance ratio unstable.
-Routing Replay ("Stabilizing Reinforcement Learning with LLMs: Formulation and
-Practices", Zheng et al., arXiv:2512.01374) records each token's routed experts
+Rollout Routing Replay, R3 ("Stabilizing MoE Reinforcement Learning by Aligning
+Training and Inference Routers", Ma et al., arXiv:2510.11370; Routing Replay in
+"Stabilizing Reinforcement Learning with LLMs: Formulation and Practices", Zheng
+et al., arXiv:2512.01374) records each token's routed experts
 during the rollout and replays them in the trainer's forward passes: the expert
 *choice* is the rollout's, the gating weights are the current router's
 probabilities of those experts (renormalised when the model normalises its top-k),
 so the router still gets gradients. The predictive variant, PR2 ("PR2: Predictive
 Routing Replay for MoE-Based LLM Reinforcement Learning", Dong et al.,
-arXiv:2606.00395), is not implemented here.
+arXiv:2606.00395), is not implemented here (the predictor's form and objective
+were not available to read).
+
+Wiring (``model.routing_replay``): :func:`attach_routing` wraps the hf engine in a
+:class:`RouteRecordingEngine` that stores each generated row's routes in a
+:class:`RouteStore` keyed by the row's tokens (:func:`row_key`), and gives the
+trainer a :class:`TrainerRouting` whose :meth:`~TrainerRouting.context` wraps each
+log-prob forward (old log-probs and update) in :meth:`RoutingReplay.replay`.
 
 Works with transformers' top-k routers of Qwen3-MoE and OLMoE (modules with
 ``weight [E, H]``, ``top_k``, ``norm_topk_prob``, whose forward maps ``[N, H]`` to
@@ -58,6 +67,10 @@ class RoutingReplay:
         self.recording = False
         self.calls: List[List[torch.Tensor]] = [[] for _ in self.routers]
         self._routes: Optional[torch.Tensor] = None
+        self._enforce = True
+        #: ``[disagreeing, compared]`` token-layer counts since :meth:`reset_stats`: positions with a
+        #: replayed route where the router's own top-k set differs from it
+        self.stats = [0, 0]
         for layer, r in enumerate(self.routers):
             r.forward = self._make_forward(r, layer)
 
@@ -77,7 +90,14 @@ class RoutingReplay:
                 rep = self._routes[:, layer].to(own.device).long()
                 if rep.shape != own.shape:
                     raise ValueError(f"replayed routes {tuple(rep.shape)} do not match the forward's tokens {tuple(own.shape)}")
-                idx = torch.where((rep < 0).any(-1, keepdim=True), own, rep)
+                missing = (rep < 0).any(-1, keepdim=True)
+                with torch.no_grad():
+                    have = ~missing.squeeze(-1)
+                    diff = (own.sort(-1).values != rep.sort(-1).values).any(-1) & have
+                    self.stats[0] += int(diff.sum())
+                    self.stats[1] += int(have.sum())
+                if self._enforce:
+                    idx = torch.where(missing, own, rep)
             vals = probs.gather(-1, idx)
             if getattr(router, "norm_topk_prob", False):
                 vals = vals / vals.sum(-1, keepdim=True)
@@ -97,24 +117,30 @@ class RoutingReplay:
         finally:
             self.recording = False
 
+    def reset_stats(self) -> None:
+        """Zero :attr:`stats`."""
+        self.stats = [0, 0]
+
     @contextlib.contextmanager
-    def replay(self, routes: torch.Tensor) -> Iterator["RoutingReplay"]:
+    def replay(self, routes: torch.Tensor, enforce: bool = True) -> Iterator["RoutingReplay"]:
         """Within the block, a forward over ``N`` tokens routes them to ``routes`` ``[N, n_layers, k]``.
 
         ``N`` is the forward's flattened token count (``batch * seq``, row-major),
         i.e. ``routes_of_batch[b, p]`` flattened; rows with a ``-1`` use the
-        router's own top-k.
+        router's own top-k. Either way :attr:`stats` counts the token-layers whose
+        own top-k set differs from the given route. ``enforce=False`` only counts
+        (the baseline without replay: the router's own choice is used).
 
         Raises:
             ValueError: (inside the forward) a token count that differs from ``routes``.
         """
         if routes.dim() != 3 or routes.shape[1:] != (self.n_layers, self.k):
             raise ValueError(f"routes must be [N, {self.n_layers}, {self.k}], got {tuple(routes.shape)}")
-        self._routes = routes
+        self._routes, self._enforce = routes, bool(enforce)
         try:
             yield self
         finally:
-            self._routes = None
+            self._routes, self._enforce = None, True
 
 
 def generate_with_routes(engine: Any, replayer: RoutingReplay, prompts: List[List[int]], params: Any):
@@ -158,3 +184,185 @@ def routes_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     diff = (a.sort(-1).values != b.sort(-1).values).any(-1)
     return float(diff[ok].double().mean())
+
+
+# ------------------------------------------------------------ wiring: rollout engine -> trainer
+ROUTING_MODES = ("off", "record", "replay")
+
+
+def row_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+            response_attn: torch.Tensor) -> Tuple[int, ...]:
+    """The token sequence that identifies one rollout row: real prompt tokens, then the response
+    up to its last attended position (``[P]``, ``[P]``, ``[R]``, ``[R]`` tensors of one row).
+
+    A causal model's routes at a position depend only on the tokens up to it, so two rows with
+    the same key were routed alike by the same weights; the store can key on tokens and
+    survive every sampler's row selection, merging and regrouping.
+    """
+    nz = torch.nonzero(response_attn > 0).flatten()
+    n = int(nz[-1]) + 1 if len(nz) else 0
+    return tuple(prompt_ids[prompt_mask > 0].tolist()) + (-1,) + tuple(response_ids[:n].tolist())
+
+
+class RouteStore:
+    """Routes recorded at rollout time, keyed by :func:`row_key`.
+
+    Each entry is ``[n_prompt + n_response, n_layers, k]`` int16 (``-1`` where not
+    recorded). Holds at most ``capacity`` rows (oldest evicted): enough for the
+    batches between a rollout and its update, including an asynchronous executor's
+    in-flight ones.
+    """
+
+    def __init__(self, capacity: int = 8192) -> None:
+        import collections
+
+        self.capacity = int(capacity)
+        self._rows: "collections.OrderedDict[Tuple[int, ...], torch.Tensor]" = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def put(self, gen: Any, routes: torch.Tensor) -> None:
+        """Store every row of ``gen`` (a :class:`GenerationResult`) with its ``routes [B, P + R, L, k]``."""
+        P = gen.prompt_ids.shape[1]
+        for b in range(gen.prompt_ids.shape[0]):
+            key = row_key(gen.prompt_ids[b], gen.prompt_mask[b], gen.response_ids[b], gen.response_mask[b])
+            n_resp = len(key) - int((gen.prompt_mask[b] > 0).sum()) - 1
+            r = torch.cat([routes[b, :P][gen.prompt_mask[b] > 0], routes[b, P : P + n_resp]])
+            self._rows[key] = r.to(torch.int16)
+            self._rows.move_to_end(key)
+        while len(self._rows) > self.capacity:
+            self._rows.popitem(last=False)
+
+    def batch_routes(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                     response_attn: torch.Tensor, n_layers: int, k: int) -> Tuple[torch.Tensor, int]:
+        """``(routes [B, P + R, n_layers, k] long, rows found)`` for a trainer micro-batch laid out as
+        :func:`rlpost.models.logprobs.build_inputs` lays it out; rows not in the store get ``-1``."""
+        B, P = prompt_ids.shape
+        R = response_ids.shape[1]
+        out = torch.full((B, P + R, n_layers, k), -1, dtype=torch.long)
+        found = 0
+        for b in range(B):
+            pm, ra = prompt_mask[b].cpu(), response_attn[b].cpu()
+            r = self._rows.get(row_key(prompt_ids[b].cpu(), pm, response_ids[b].cpu(), ra))
+            if r is None:
+                continue
+            found += 1
+            n_p = int((pm > 0).sum())
+            cols = torch.cat([torch.nonzero(pm > 0).flatten(), P + torch.arange(r.shape[0] - n_p)])
+            out[b, cols] = r.long()
+        return out, found
+
+
+class RouteRecordingEngine:
+    """An hf rollout engine that records each generated row's routes into a :class:`RouteStore`.
+
+    Every other attribute is the wrapped engine's. When the engine's module is
+    replaced (a non-invertible rollout conversion rebuilds its copy after each
+    update) the new module's routers are patched on the next call.
+
+    Args:
+        engine: :class:`rlpost.rollout.hf.HFRolloutEngine`.
+        store: where routes go.
+        replayer: the :class:`RoutingReplay` of ``engine.model`` when it is the
+            trainer's module (weights shared; one patch per module), else None.
+    """
+
+    def __init__(self, engine: Any, store: RouteStore, replayer: Optional[RoutingReplay] = None) -> None:
+        self.__dict__["_engine"] = engine
+        self.__dict__["store"] = store
+        self.__dict__["_rr"] = replayer if replayer is not None else RoutingReplay(engine.model)
+        self.__dict__["_module"] = engine.model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._engine, name, value)
+
+    def generate(self, prompts: List[List[int]], params: Any):
+        """:meth:`HFRolloutEngine.generate`, storing the rows' routes."""
+        if self._engine.model is not self._module:
+            self.__dict__["_rr"] = RoutingReplay(self._engine.model)
+            self.__dict__["_module"] = self._engine.model
+        gen, routes = generate_with_routes(self._engine, self._rr, prompts, params)
+        self.store.put(gen, routes)
+        return gen
+
+
+class TrainerRouting:
+    """The trainer side of routing replay: wraps the policy's forwards in :meth:`RoutingReplay.replay`.
+
+    ``mode="replay"`` (R3: "Stabilizing MoE Reinforcement Learning by Aligning
+    Training and Inference Routers", Ma et al., arXiv:2510.11370; Routing Replay in
+    Zheng et al., arXiv:2512.01374) routes every recorded token-layer to the
+    rollout's experts in both the old-log-prob pass and the update forwards;
+    ``mode="record"`` leaves the router alone and only measures how often it
+    disagrees with the rollout (the baseline's drift).
+
+    Metrics (:meth:`metrics`, since the last call): ``moe/route_mismatch``, share of
+    compared token-layers where the trainer's own top-k set differs from the
+    rollout's; ``moe/replay_coverage``, share of forwarded rows found in the store.
+    """
+
+    def __init__(self, policy: torch.nn.Module, mode: str, store: Optional[RouteStore] = None) -> None:
+        if mode not in ROUTING_MODES[1:]:
+            raise ValueError(f"routing mode must be one of {ROUTING_MODES[1:]}, got {mode!r}")
+        self.mode = mode
+        self.rr = RoutingReplay(policy)
+        self.store = store if store is not None else RouteStore()
+        self.rows = [0, 0]  # found, forwarded
+
+    def context(self, prompt_ids, prompt_mask, response_ids, response_attn):
+        """The replay context for one forward over these ``[B, P]`` / ``[B, R]`` inputs."""
+        routes, found = self.store.batch_routes(prompt_ids, prompt_mask, response_ids, response_attn,
+                                                self.rr.n_layers, self.rr.k)
+        self.rows[0] += found
+        self.rows[1] += routes.shape[0]
+        B, T = routes.shape[:2]
+        return self.rr.replay(routes.view(B * T, self.rr.n_layers, self.rr.k), enforce=self.mode == "replay")
+
+    def metrics(self) -> dict:
+        """``moe/route_mismatch`` and ``moe/replay_coverage`` since the last call (then reset)."""
+        out = {}
+        if self.rr.stats[1]:
+            out["moe/route_mismatch"] = self.rr.stats[0] / self.rr.stats[1]
+        if self.rows[1]:
+            out["moe/replay_coverage"] = self.rows[0] / self.rows[1]
+        self.rr.reset_stats()
+        self.rows = [0, 0]
+        return out
+
+
+def attach_routing(cfg: Any, trainer: Any, engine: Any) -> Any:
+    """Wire ``model.routing_replay`` into a run: the trainer replays (or measures) and the engine records.
+
+    Returns the engine to use (``engine`` itself when the mode is ``off``).
+
+    Raises:
+        ConfigError: a mode other than off/record/replay, a non-hf rollout engine, a
+            trainer without a policy forward hook (deepspeed), gradient checkpointing
+            (its recomputed forward would route on its own), or a model without MoE routers.
+    """
+    from rlpost.errors import ConfigError
+
+    mode = str(getattr(cfg.model, "routing_replay", "off") or "off")
+    if mode not in ROUTING_MODES:
+        raise ConfigError(f"model.routing_replay={mode!r} is not one of {', '.join(ROUTING_MODES)}")
+    if mode == "off":
+        return engine
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(f"model.routing_replay={mode} records routes in the hf engine only; set rollout=hf")
+    if not hasattr(trainer, "routing") or str(getattr(cfg.trainer, "engine", "torch")) != "torch":
+        # DeepSpeed trains a wrapped (ZeRO-3: partitioned) module whose routers were never patched
+        raise ConfigError(f"model.routing_replay={mode} needs trainer=torch (the routers of the module it trains "
+                          "are the ones patched)")
+    if getattr(cfg.model, "gradient_checkpointing", False):
+        raise ConfigError(f"model.routing_replay={mode} cannot replay inside recomputed (checkpointed) forwards; "
+                          "set model.gradient_checkpointing=false")
+    try:
+        trainer.routing = TrainerRouting(trainer.policy, mode)
+        shared = trainer.routing.rr if engine.model is trainer.policy else None
+        return RouteRecordingEngine(engine, trainer.routing.store, shared)
+    except ValueError as e:
+        raise ConfigError(f"model.routing_replay={mode}: {e}; use an MoE model (e.g. model=tiny_moe)") from None

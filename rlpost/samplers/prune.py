@@ -78,22 +78,37 @@ def d3s_keep_ratio(step: int, start: float, end: float, steps: int) -> float:
     return start + (end - start) * f
 
 
-def d3s_token_mask(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, keep_ratio: float) -> torch.Tensor:
-    """D3S token level: keep the ``keep_ratio`` share of each row's tokens with the largest ``|A_t| * H_t``.
+def d3s_token_mask(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, keep_ratio: float,
+                   scope: str = "batch") -> torch.Tensor:
+    """D3S token level: keep the ``keep_ratio`` share of tokens with the largest ``|A_t| * H_t``.
 
     Args:
         advantages: ``[B, R]`` token advantages; entropy: ``[B, R]`` policy entropy
-            (nats) at each token; mask: ``[B, R]`` 1 on response tokens.
-        keep_ratio: in (0, 1]; each row keeps ``ceil(keep_ratio * n_row)`` tokens.
+            (nats) at each token; mask: ``[B, R]`` 1 on response tokens (the loss mask).
+        keep_ratio: in (0, 1].
+        scope: ``"batch"``: the ``ceil(keep_ratio * n)`` best of all ``n`` masked
+            tokens of the batch (the paper selects "across groups"; with a
+            sequence-level advantage such as GRPO's, only a pooled ranking lets
+            ``|A|`` matter, since it is constant within a row); ``"row"``: each row
+            keeps ``ceil(keep_ratio * n_row)`` of its own tokens. Ties are broken by
+            position (``torch.topk`` on the scores, which is deterministic on CPU).
     Returns:
-        ``[B, R]`` float 0/1 loss mask (a subset of ``mask``).
+        ``[B, R]`` float 0/1 loss mask, a subset of ``mask``.
     Raises:
-        ValueError: ``keep_ratio`` outside (0, 1].
+        ValueError: ``keep_ratio`` outside (0, 1] or an unknown ``scope``.
     """
     if not 0 < keep_ratio <= 1:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
-    score = (advantages.abs() * entropy).masked_fill(mask <= 0, float("-inf"))
-    out = torch.zeros_like(mask, dtype=torch.float32)
+    if scope not in ("batch", "row"):
+        raise ValueError(f"scope must be 'batch' or 'row', got {scope!r}")
+    score = (advantages.abs().float() * entropy.float()).masked_fill(mask <= 0, float("-inf"))
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    if scope == "batch":
+        n = int((mask > 0).sum())
+        k = int(math.ceil(keep_ratio * n))
+        if k:
+            out.view(-1)[torch.topk(score.reshape(-1), k).indices] = 1.0
+        return out
     n = (mask > 0).sum(-1)
     for b in range(mask.shape[0]):
         k = int(math.ceil(keep_ratio * int(n[b])))
@@ -110,6 +125,10 @@ class D3SSamplerParams:
     keep_end: float = param(1.0, "share kept once the curriculum is over (1 = no down-sampling).")
     schedule_steps: int = param(100, "steps over which the kept share goes linearly from keep_start to keep_end.")
     min_keep: int = param(2, "rollouts every group keeps at least (a group-relative advantage needs 2).")
+    token_keep_start: float = param(0.5, "token level: share of the batch's response tokens in the loss at step 0 "
+                                         "(largest |advantage| x entropy); 1 (with token_keep_end 1) = token level off.")
+    token_keep_end: float = param(1.0, "token level: share kept once the curriculum (schedule_steps) is over.")
+    token_scope: str = param("batch", "token level ranks tokens over the whole batch ('batch') or within each row ('row').")
 
 
 @SAMPLERS.register(
@@ -131,23 +150,59 @@ class D3SSampler(Sampler):
     update compute, not rollout tokens. The left-out rows' rewards go to
     :attr:`SampleResult.dropped`.
 
-    Metrics: ``sampler/keep_ratio``, ``sampler/pruned`` (rows left out).
+    Token level (on when ``token_keep_start`` or ``token_keep_end`` < 1): after the
+    advantages are computed, :meth:`loss_token_mask` keeps the share
+    ``d3s_keep_ratio(step, token_keep_start, token_keep_end, schedule_steps)`` of the
+    batch's loss tokens with the largest ``|A_t| * H_t`` (:func:`d3s_token_mask`),
+    ``H_t`` being the entropy of the policy *before* the update at each response
+    token (the rollout policy's entropy; the paper does not say which policy's,
+    and only this one exists before the update). The runner multiplies the loss
+    mask by it, so the dropped tokens get no gradient and leave the token-mean
+    denominators; it records them in ``extras['d3s_token_dropped']`` ``[B, R]``.
+    Both levels share one curriculum length; the paper's shares and schedule were
+    not checked (the recipe says so).
+
+    Metrics: ``sampler/keep_ratio``, ``sampler/pruned`` (rows left out), and from
+    the token level ``sampler/token_keep_ratio`` and ``sampler/tokens_dropped``.
 
     Raises:
-        ValueError: a share outside (0, 1] or ``min_keep < 1``.
+        ValueError: a share outside (0, 1], ``min_keep < 1`` or an unknown ``token_scope``.
     """
 
     uses_rollout_counts = True
 
-    def __init__(self, n_samples: int, *, keep_start: float, keep_end: float, schedule_steps: int, min_keep: int) -> None:
+    def __init__(self, n_samples: int, *, keep_start: float, keep_end: float, schedule_steps: int, min_keep: int,
+                 token_keep_start: float = 0.5, token_keep_end: float = 1.0, token_scope: str = "batch") -> None:
         super().__init__(n_samples)
-        for name, v in (("keep_start", keep_start), ("keep_end", keep_end)):
+        for name, v in (("keep_start", keep_start), ("keep_end", keep_end), ("token_keep_start", token_keep_start),
+                        ("token_keep_end", token_keep_end)):
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
         if min_keep < 1:
             raise ValueError(f"min_keep must be >= 1, got {min_keep}")
+        if token_scope not in ("batch", "row"):
+            raise ValueError(f"token_scope must be 'batch' or 'row', got {token_scope!r}")
         self.keep_start, self.keep_end = float(keep_start), float(keep_end)
         self.schedule_steps, self.min_keep = int(schedule_steps), int(min_keep)
+        self.token_keep_start, self.token_keep_end = float(token_keep_start), float(token_keep_end)
+        self.token_scope = token_scope
+
+    @property
+    def token_level(self) -> bool:
+        """Whether the token level is on (some step keeps less than every token)."""
+        return self.token_keep_start < 1.0 or self.token_keep_end < 1.0
+
+    def loss_token_mask(self, advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+                        step: int) -> Optional[torch.Tensor]:
+        """The token-level loss mask ``[B, R]`` for ``step`` (None when the token level is off).
+
+        Args:
+            advantages, entropy, mask: ``[B, R]`` as :func:`d3s_token_mask`.
+        """
+        if not self.token_level:
+            return None
+        ratio = d3s_keep_ratio(step, self.token_keep_start, self.token_keep_end, self.schedule_steps)
+        return d3s_token_mask(advantages, entropy, mask, ratio, self.token_scope)
 
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
         res = generate_groups(engine, prompts, self.counts(len(prompts), ctx), step_params(params, ctx, 0))
@@ -349,3 +404,35 @@ class ArrolSampler(Sampler):
         if h is not None:
             self.head = torch.nn.Linear(h["weight"].shape[1], 1)
             self.head.load_state_dict(h)
+
+
+def apply_loss_token_mask(sampler: Any, batch: Any, entropy: torch.Tensor, step: int) -> Dict[str, float]:
+    """Apply a sampler's token-level loss mask (D3S) to ``batch`` in place; returns the metrics.
+
+    ``batch.response_mask`` (the loss mask) is multiplied by
+    ``sampler.loss_token_mask(advantages, entropy, response_mask, step)``; the
+    tokens it removes are recorded in ``batch.extras['d3s_token_dropped']`` ``[B, R]``
+    (1 where a response token was in the loss and is not any more). The trainer's
+    forward must still attend to them: ``extras['response_attn']`` is set to the
+    mask before (unless a sampler already set it), since the trainer otherwise
+    derives attention from the loss mask.
+
+    Args:
+        sampler: has ``loss_token_mask`` (:class:`D3SSampler`).
+        batch: a :class:`rlpost.batch.RolloutBatch` with ``extras['advantages']``.
+        entropy: ``[B, R]`` policy entropy at each response token (nats).
+    Returns:
+        ``{"sampler/token_keep_ratio", "sampler/tokens_dropped"}`` (empty when the mask is off).
+    """
+    before = (batch.response_mask > 0).float()
+    keep = sampler.loss_token_mask(batch.extras["advantages"].cpu(), entropy.cpu(), before.cpu(), step)
+    if keep is None:
+        return {}
+    keep = keep.to(batch.response_mask.device)
+    if "response_attn" not in batch.extras:  # the forward still reads every token: only the loss drops some
+        batch.extras["response_attn"] = before.long()
+    batch.response_mask = batch.response_mask * keep
+    dropped = before * (1.0 - keep)
+    batch.extras["d3s_token_dropped"] = dropped
+    n = float(before.sum())
+    return {"sampler/token_keep_ratio": float(keep.sum()) / max(n, 1.0), "sampler/tokens_dropped": float(dropped.sum())}

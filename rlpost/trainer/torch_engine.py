@@ -196,6 +196,8 @@ class TorchTrainer:
         if self.algo.critic.enabled:
             self.critic = ValueModel(self.policy).to(self.device)
             self.critic_opt = self._make_optimizer(self.critic.parameters(), self.algo.critic.lr)
+        # MoE routing replay (model.routing_replay; rlpost.models.moe_replay.attach_routing sets it)
+        self.routing: Optional[Any] = None
         self.bad_steps = 0
         self.version = 0  # number of policy optimizer steps taken
         self.updates = 0  # number of policy_update calls (the entropy metric's interval counts these)
@@ -256,7 +258,9 @@ class TorchTrainer:
     def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False, entropy_grad: bool = False):
         attn = batch.extras.get("response_attn", (batch.response_mask > 0).long())
         T = self._temperature(batch)
-        with self.autocast():
+        replay = (self.routing.context(batch.prompt_ids, batch.prompt_mask, batch.response_ids, attn)
+                  if self.routing is not None and model is not self.ref else nullcontext())
+        with self.autocast(), replay:
             return response_logprobs(
                 model,
                 batch.prompt_ids.to(self.device),
@@ -268,6 +272,8 @@ class TorchTrainer:
                 with_entropy=with_entropy,
                 **self._truncation(),
                 entropy_grad=entropy_grad,
+                # routing replay maps routes onto one full [B, P + R] forward: no shared-prompt pass
+                **({"share_prefix": False} if self.routing is not None else {}),
             )
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -630,6 +636,8 @@ class TorchTrainer:
             rl, ol, mk = (_cat_padded(self._gather(t)) for t in mm_rows)
             out.update(mismatch_metrics(rl, ol, mk))
         out["actor/lr"] = float(self.sched.get_last_lr()[0])
+        if self.routing is not None:
+            out.update(self.routing.metrics())
         return out
 
     def critic_update(self, batch: RolloutBatch) -> Dict[str, float]:
