@@ -78,13 +78,16 @@ def matmul_gflops(n: int = 2048, reps: int = 10) -> dict:
     return out
 
 
-def decode_floor(rows: int = 32, new_tokens: int = 32, overrides: list | None = None) -> dict:
+def decode_floor(rows: int = 32, new_tokens: int = 32, overrides: list | None = None, reps: int = 3) -> dict:
     """The HF engine's seconds per decode step against the per-token floor, real model.
 
     Floor of one decode step over ``r`` rows = max(weight bytes / memory bandwidth,
     2 x parameters x r / matmul rate), with the bandwidth from summing a 512 MiB
     buffer and the rate from a decode-shaped (``r x 576 @ 576 x 8192``) matmul of the
     rollout dtype. The engine is timed per decoder forward (a hook), prefill apart.
+    Runs ``reps`` rounds, each generating once with the in-place KV cache (the
+    default) and once with transformers' ``torch.cat`` cache, interleaved; reports
+    the median round of each (keys prefixed ``cat_cache_`` for the latter).
     """
     import time
 
@@ -122,18 +125,28 @@ def decode_floor(rows: int = 32, new_tokens: int = 32, overrides: list | None = 
         lambda m, a, kw, o: calls.append((kw["input_ids"].shape[0], kw["input_ids"].shape[1], time.perf_counter() - t_last[0])),
         with_kwargs=True)
     eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))  # warm-up
-    calls.clear()
-    t = time.perf_counter()
-    g = eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
-    total = time.perf_counter() - t
+    # A/B, interleaved: the in-place KV cache (default) against transformers' torch.cat cache
+    runs: dict = {True: [], False: []}
+    for _ in range(reps):
+        for prealloc in (False, True):
+            eng.prealloc_cache = prealloc
+            calls.clear()
+            t = time.perf_counter()
+            g = eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
+            total = time.perf_counter() - t
+            dec = [c for c in calls if c[1] == 1]
+            runs[prealloc].append((total, sum(c[2] for c in calls if c[1] > 1), sum(c[2] for c in dec), dec, g.num_tokens))
     h1.remove()
     h2.remove()
-    dec = [c for c in calls if c[1] == 1]
-    floor = sum(max(wbytes / bw, 2 * n_params * r / rate) for r, _, _ in dec)
-    return {"rollout_dtype": str(dt).replace("torch.", ""), "rows": rows, "tokens": g.num_tokens, "total_s": total,
-            "prefill_s": sum(c[2] for c in calls if c[1] > 1), "decode_steps": len(dec),
-            "decoder_s": sum(c[2] for c in dec), "floor_s": floor, "bandwidth_GBs": bw / 1e9,
-            "matmul_GFLOPs": rate / 1e9, "weight_MB": wbytes / 1e6}
+    out = {"rollout_dtype": str(dt).replace("torch.", ""), "rows": rows, "bandwidth_GBs": bw / 1e9,
+           "matmul_GFLOPs": rate / 1e9, "weight_MB": wbytes / 1e6}
+    for prealloc, tag in ((True, ""), (False, "cat_cache_")):
+        med = sorted(runs[prealloc], key=lambda r: r[0])[len(runs[prealloc]) // 2]
+        total, prefill, decoder, dec, ntok = med
+        out.update({f"{tag}tokens": ntok, f"{tag}total_s": total, f"{tag}prefill_s": prefill,
+                    f"{tag}decode_steps": len(dec), f"{tag}decoder_s": decoder,
+                    f"{tag}floor_s": sum(max(wbytes / bw, 2 * n_params * r / rate) for r, _, _ in dec)})
+    return out
 
 
 def main() -> None:
@@ -151,9 +164,12 @@ def main() -> None:
         for p in args.precisions.split(","):
             r = decode_floor(overrides=[f"precision={p}", *overrides])
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-            print(f"  decoder forwards {r['decoder_s']:.2f} s vs floor {r['floor_s']:.2f} s "
-                  f"({r['floor_s'] / r['decoder_s']:.0%} of the floor's speed); sampling and Python: "
-                  f"{r['total_s'] - r['decoder_s'] - r['prefill_s']:.2f} s")
+            for tag, label in (("", "in-place KV cache"), ("cat_cache_", "torch.cat KV cache")):
+                print(f"  {label}: decoder forwards {r[tag + 'decoder_s']:.2f} s vs floor {r[tag + 'floor_s']:.2f} s "
+                      f"({r[tag + 'floor_s'] / r[tag + 'decoder_s']:.0%} of the floor's speed); sampling and Python: "
+                      f"{r[tag + 'total_s'] - r[tag + 'decoder_s'] - r[tag + 'prefill_s']:.2f} s; "
+                      f"{r[tag + 'tokens'] / r[tag + 'total_s']:.0f} tokens/s")
+            print(f"  decoder time, torch.cat cache / in-place cache: {r['cat_cache_decoder_s'] / r['decoder_s']:.2f}x")
         return
     results = [bench(p, args.steps, overrides) for p in args.precisions.split(",")]
     cols = ["precision", "rollout_s", "reward_s", "update_s", "step_s", "rollout_tok_s", "update_tokens", "update_gflops", "peak_rss_mb"]

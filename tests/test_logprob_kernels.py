@@ -75,6 +75,39 @@ def test_kernel_equals_dense_reference(temp_kind, chunk):
     assert float(lp_raw.detach()[rattn == 0].abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("temp_kind", ["one", "per_token"])
+@pytest.mark.parametrize("chunk", [1, 64])
+def test_fused_head_equals_autograd_graph(temp_kind, chunk):
+    """The in-place log-prob head (``fused_head``) = autograd's graph of the same formula.
+
+    chunk 1: several chunks, logits recomputed in backward; chunk 64: one chunk, logits kept.
+    Tolerance: 1e-6 on log-probs and entropy, 1e-6 abs + 1e-5 rel on gradients (fp32; the
+    backward evaluates the formula autograd does, ``g * (onehot - exp(z - lse))``).
+    """
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.models.logprobs import response_logprobs
+
+    model, _ = load_policy(ModelConfig(source="tiny"), seed=6)
+    model.train()
+    prompts, pmask, resp, rattn = _batch(2)
+    T = 1.0 if temp_kind == "one" else torch.rand(6, 6, generator=torch.Generator().manual_seed(2)) + 0.5
+    m = rattn.float()
+    res = {}
+    for fused in (False, True):
+        model.zero_grad()
+        lp, ent = response_logprobs(model, prompts, pmask, resp, rattn, temperature=T, chunk_size=chunk,
+                                    with_entropy=True, fused_head=fused)
+        loss = (torch.exp(lp) * torch.linspace(-1, 1, 36).view(6, 6) * m).sum() / m.sum()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        res[fused] = (lp.detach(), ent, grads)
+    (lp0, e0, g0), (lp1, e1, g1) = res[False], res[True]
+    assert (lp1 - lp0).abs().max() < 1e-6 and (e1 - e0).abs().max() < 1e-6
+    assert torch.allclose(g1, g0, atol=1e-6, rtol=1e-5) and g0.abs().sum() > 0
+    assert float(lp1[rattn == 0].abs().sum()) == 0.0
+
+
 def test_entropy_without_grad_adds_no_gradient_and_same_values():
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
@@ -150,6 +183,44 @@ def test_hf_engine_dropping_finished_rows_changes_no_output_and_saves_rows():
         lp, _ = response_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, (b.response_mask > 0).long(),
                                   temperature=b.temperatures)
     assert ((lp - b.rollout_logprobs).abs() * b.response_mask).max() < 1e-4
+
+
+def test_hf_engine_preallocated_kv_cache_gives_the_same_samples():
+    """The in-place KV cache (``prealloc_cache``) = transformers' default cache: same tokens, masks, texts.
+
+    Rows finish at different steps, so the dropped-row path (``batch_select_indices``) and the
+    expansion of shared prompts to their group run too; a capacity smaller than the sequence
+    exercises growing by doubling. Tolerance: 1e-6 on rollout log-probs (same keys and values;
+    only the attention kernel's reading of a strided view may differ in summation order).
+    """
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.hf import HFRolloutEngine, preallocated_cache
+
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=5)
+    prompts = [tok("What is 2+2?")["input_ids"], tok("Hi")["input_ids"], tok("Name a color")["input_ids"]] * 2
+    res = {}
+    for prealloc in (False, True):
+        eng = HFRolloutEngine(model, tok, batch_size=16, prealloc_cache=prealloc)
+        eng.eos_ids = set(range(0, model.config.vocab_size, 11))
+        res[prealloc] = eng.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.2, seed=3))
+    a, b = res[False], res[True]
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    assert a.texts == b.texts and torch.equal(a.finished, b.finished)
+    assert (a.rollout_logprobs - b.rollout_logprobs).abs().max() < 1e-6
+    lens = b.response_mask.sum(-1)
+    assert lens.min() < lens.max()
+    # the layer itself: in-place writes past a too-small capacity, then row selection
+    cache = preallocated_cache(model, capacity=2)
+    assert cache is not None and type(cache.layers[0]).__name__ == "PreallocatedLayer"
+    k = torch.arange(2 * 1 * 5 * 3, dtype=torch.float32).view(2, 1, 5, 3)
+    layer = cache.layers[0]
+    layer.update(k[:, :, :3], -k[:, :, :3])
+    keys, vals = layer.update(k[:, :, 3:], -k[:, :, 3:])
+    assert torch.equal(keys, k) and torch.equal(vals, -k) and layer.get_seq_length() == 5
+    layer.batch_select_indices(torch.tensor([1, 1, 0]))
+    assert torch.equal(layer.keys, k[[1, 1, 0]]) and layer.get_seq_length() == 5
 
 
 def test_bf16_rollout_copy_refreshes_in_place_to_the_cast_weights(compose):

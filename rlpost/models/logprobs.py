@@ -94,6 +94,66 @@ def _chunk_logprobs(
     return lp, ent
 
 
+class _LinearLogprob(torch.autograd.Function):
+    """``log softmax(h W^T + b) [target]`` per row with a backward that reuses the saved logits in place.
+
+    Autograd's graph for ``gather(z) - logsumexp(z)`` keeps the ``[n, V]`` logits and,
+    in backward, builds ``exp(z - lse)``, the scattered gradient of the gather and
+    their sum: three more ``[n, V]`` blocks, all alive while every layer's activations
+    still wait for their own backward (the update's memory peak). Here the backward
+    turns the saved logits into ``grad_z = g * (onehot(target) - softmax(z))`` in place
+    (the same formula autograd evaluates: logsumexp's backward is ``g * exp(z - lse)``),
+    then ``grad_h = grad_z W`` and ``grad_W = grad_z^T h``. One ``[n, V]`` block in all.
+    With ``recompute`` the logits are not kept: backward recomputes them from ``h``
+    (what activation checkpointing of the chunk did), so nothing ``[n, V]`` outlives the chunk.
+    The graph may be backpropagated once (the saved logits are consumed).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, inv_temp, want_entropy: bool, recompute: bool):
+        z = torch.nn.functional.linear(h, weight, bias).float()
+        if inv_temp is not None:
+            z.mul_(inv_temp[:, None])
+        lse = torch.logsumexp(z, dim=-1)
+        lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ent = torch.zeros_like(lp)
+        if want_entropy:  # H = lse - sum_v p_v z_v, in row blocks so only a slice of p exists at once
+            for s in range(0, z.shape[0], 256):
+                zs = z[s : s + 256]
+                ent[s : s + 256] = lse[s : s + 256] - (torch.softmax(zs, dim=-1) * zs).sum(-1)
+        ctx.recompute = recompute
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(h, weight, bias if bias is not None else h.new_empty(0), targets,
+                              inv_temp if inv_temp is not None else h.new_empty(0), lse,
+                              h.new_empty(0) if recompute else z)
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g, _g_ent):
+        h, weight, bias, targets, inv_temp, lse, z = ctx.saved_tensors
+        if ctx.recompute:
+            z = torch.nn.functional.linear(h, weight, bias if ctx.has_bias else None).float()
+            if inv_temp.numel():
+                z.mul_(inv_temp[:, None])
+        # grad_z = g * (onehot - exp(z - lse)), written over z
+        gz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None]).scatter_add_(-1, targets[:, None], g[:, None])
+        if inv_temp.numel():
+            gz.mul_(inv_temp[:, None])
+        gz = gz.to(h.dtype)
+        grad_h = gz @ weight if ctx.needs_input_grad[0] else None
+        grad_w = gz.t() @ h if ctx.needs_input_grad[1] else None
+        grad_b = gz.sum(0) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _fused_head_ok(head: torch.nn.Module, h: torch.Tensor, top_k: int, top_p: float, entropy_grad: bool) -> bool:
+    """Whether :class:`_LinearLogprob` computes this chunk: a plain ``nn.Linear`` head in the
+    hidden states' dtype, no autocast, no top-k/top-p truncation, no entropy gradient."""
+    return (type(head) is torch.nn.Linear and head.weight.dtype == h.dtype and not top_k and top_p >= 1.0
+            and not entropy_grad and not torch.is_autocast_enabled(h.device.type))
+
+
 def _cache_kw(base: torch.nn.Module) -> str:
     """Name of the decoder's KV-cache argument (``cache`` in transformers >= 5, ``past_key_values`` before)."""
     import inspect
@@ -160,6 +220,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     top_k: int = 0,
     top_p: float = 1.0,
+    fused_head: bool = True,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs (nats) of ``response_ids`` under ``model`` at ``temperature``.
 
@@ -198,6 +259,11 @@ def response_logprobs(
             log-probs. A token outside this model's own truncated set (possible
             once the weights moved) gets ``TRUNCATED_LOGPROB`` (-30 nats) and no
             gradient; the entropy is that of the truncated distribution.
+        fused_head: with gradients, compute each chunk's log-probs with
+            :class:`_LinearLogprob` (one ``[n, V]`` block through forward and backward
+            instead of four) when the head is a plain linear layer in the hidden
+            states' dtype, outside autocast, without truncation or entropy gradient;
+            otherwise, and with ``False`` (A/B), autograd's graph of the same formula.
     Returns:
         ``(logprobs [B, R], entropy [B, R] or None)``, float32, 0 on padding
         positions (``response_attn == 0``): the LM head and log-softmax run only
@@ -233,10 +299,17 @@ def response_logprobs(
     else:
         use_ckpt = checkpoint_chunks
     want_ent, ent_grad = with_entropy or entropy_grad, entropy_grad
+    fused = fused_head and _fused_head_ok(head, hs, top_k, top_p, ent_grad)
     lps, ents = [], []
     for s in range(0, N, rows):
         e = min(N, s + rows)
-        args = (head, hs[s:e], tgt[s:e], None if inv_temp is None else inv_temp[s:e], want_ent, ent_grad, top_k, top_p)
+        it = None if inv_temp is None else inv_temp[s:e]
+        if fused and torch.is_grad_enabled():
+            lp, ent = _LinearLogprob.apply(hs[s:e], head.weight, head.bias, tgt[s:e], it, want_ent, use_ckpt)
+            lps.append(lp)
+            ents.append(ent)
+            continue
+        args = (head, hs[s:e], tgt[s:e], it, want_ent, ent_grad, top_k, top_p)
         if use_ckpt:
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:

@@ -94,6 +94,92 @@ def row_uniforms(row_seeds: "torch.Tensor", t: int) -> torch.Tensor:
     return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))
 
 
+def _prealloc_layer_class():
+    """:class:`PreallocatedLayer`, built lazily so that importing this module does not import transformers."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose keys and values live in a buffer with room for ``capacity`` positions.
+
+        transformers' ``DynamicLayer`` grows its ``[B, H, L, D]`` keys and values by
+        ``torch.cat`` at every decode step, so step ``t`` copies the whole cache of every
+        layer (about 90 MB per step for SmolLM2-135M at 32 rows and 60 positions, next to
+        540 MB of fp32 weights). This layer allocates ``[B, H, capacity, D]`` once, writes each
+        new position in place and returns the views ``[:, :, :L]``: the same keys and values,
+        so attention sees identical numbers. Past ``capacity`` it grows by doubling (never
+        needed when the capacity is prompt + ``max_new_tokens``). Rows are dropped
+        (:meth:`batch_select_indices`) by indexing the buffer. Used only when every layer of
+        the model's cache would be a plain ``DynamicLayer`` (no sliding windows).
+        """
+
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = max(1, int(capacity))
+            self.length = 0
+
+        def _views(self) -> None:
+            self.keys = self.kbuf[:, :, : self.length]
+            self.values = self.vbuf[:, :, : self.length]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                b, h, _, dk = key_states.shape
+                self.kbuf = key_states.new_empty(b, h, self.capacity, dk)
+                self.vbuf = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+            n = key_states.shape[-2]
+            if self.length + n > self.kbuf.shape[2]:  # grow by doubling (amortised copies)
+                cap = max(2 * self.kbuf.shape[2], self.length + n)
+                for name in ("kbuf", "vbuf"):
+                    old = getattr(self, name)
+                    new = old.new_empty(*old.shape[:2], cap, old.shape[-1])
+                    new[:, :, : self.length] = old[:, :, : self.length]
+                    setattr(self, name, new)
+            self.kbuf[:, :, self.length : self.length + n] = key_states
+            self.vbuf[:, :, self.length : self.length + n] = value_states
+            self.length += n
+            self._views()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.length > 0:
+                self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+                self._views()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("PreallocatedLayer does not crop (only the HF rollout engine uses it)")
+
+    return PreallocatedLayer
+
+
+_PREALLOC_LAYER: Any = None
+
+
+def preallocated_cache(model: torch.nn.Module, capacity: int) -> Optional[Any]:
+    """A transformers ``DynamicCache`` for ``model`` whose layers preallocate ``capacity`` positions.
+
+    Returns None (the caller then lets the model build its own cache) when the
+    model's cache would hold anything but plain ``DynamicLayer`` s (sliding-window
+    or linear-attention layers), or transformers has no such cache API.
+    """
+    global _PREALLOC_LAYER
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError:  # pragma: no cover - transformers without the layer API
+        return None
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # pragma: no cover
+        return None
+    n = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers) or len(cache.layers) != n:
+        return None
+    if _PREALLOC_LAYER is None:
+        _PREALLOC_LAYER = _prealloc_layer_class()
+    cache.layers = [_PREALLOC_LAYER(capacity) for _ in cache.layers]
+    return cache
+
+
 def left_pad(seqs: List[List[int]], pad_id: int):
     """Left-pad token lists to ``[B, P]`` ids and mask (long)."""
     P = max(len(s) for s in seqs)
@@ -126,6 +212,10 @@ class HFRolloutEngine(RolloutEngine):
             soon as they finish, so the remaining steps run on the live rows only.
             Off: finished rows keep decoding padding, as a plain batched loop does
             (kept for A/B measurements; outputs are the same).
+        prealloc_cache: keep the KV cache in buffers sized prompt + ``max_new_tokens``
+            written in place (:func:`preallocated_cache`) instead of transformers'
+            default cache, which copies itself by ``torch.cat`` at every decode step.
+            Same keys and values, so the same samples; off only for A/B measurements.
     """
 
     def __init__(
@@ -137,9 +227,11 @@ class HFRolloutEngine(RolloutEngine):
         convert: Optional[Any] = None,
         device: str | torch.device = "cpu",
         compact: bool = True,
+        prealloc_cache: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.compact = compact
+        self.prealloc_cache = prealloc_cache
         # when a list: one entry per model forward of generate(), naming the rows (and, for decode
         # steps, the response position) it covers; rlpost.models.moe_replay records routes with it
         self.forward_log: Optional[list] = None
@@ -232,9 +324,10 @@ class HFRolloutEngine(RolloutEngine):
             first = torch.tensor([inverse.tolist().index(u) for u in range(len(uniq))], dtype=torch.long)
             if self.forward_log is not None:  # which rows / positions each forward covers (MoE route recording)
                 self.forward_log.append(("prefill", self._row_offset, first.clone(), inverse.clone(), ids.shape[1]))
+            cache0 = preallocated_cache(model, ids.shape[1] + params.max_new_tokens) if self.prealloc_cache else None
             out = model(
                 input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first],
-                use_cache=True, logits_to_keep=1, **{_CACHE_KW: None},
+                use_cache=True, logits_to_keep=1, **{_CACHE_KW: cache0},
             )
             past = _get_cache(out)
             logits = out.logits[:, -1, :].float()
