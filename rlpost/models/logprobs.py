@@ -2,10 +2,13 @@
 
 The backbone runs once over prompt + response (each group's prompt once); the LM
 head and log-softmax are applied only to the real response tokens, packed into
-``[N, H]`` and taken ``chunk_size * B`` at a time. With gradients and more than one
-chunk, each chunk is wrapped in activation checkpointing, so the backward pass
-recomputes that chunk's logits instead of keeping all of them: peak memory holds
-one ``[chunk_size * B, V]`` block. The entropy reuses the chunk's logits and gets
+``[N, H]`` and taken ``chunk_size * B`` at a time. With gradients, each chunk runs
+through :class:`_LinearLogprob`, whose backward turns the chunk's saved logits into
+their gradient in place (one ``[n, V]`` block instead of autograd's four); with more
+than one chunk the logits are not kept but recomputed in backward (as activation
+checkpointing of the chunk would), so peak memory holds one ``[chunk_size * B, V]``
+block. Heads it does not cover (autocast, top-k/top-p truncation, an entropy
+gradient) take autograd's graph of the same formula, checkpointed per chunk. The entropy reuses the chunk's logits and gets
 no autograd graph unless an entropy bonus needs its gradient. :func:`prompt_entropy` applies the same
 chunking to the prompt positions (HIVE's prompt entropy).
 """

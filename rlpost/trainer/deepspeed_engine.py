@@ -210,6 +210,7 @@ class DeepSpeedTrainer(TorchTrainer):
     """
 
     lockstep = True
+    fused_adamw = False  # DeepSpeed's ZeRO optimizer wraps the torch AdamW; keep its usual (foreach) form
 
     def __init__(self, policy: torch.nn.Module, cfg: Any, device: torch.device | str = "cpu",
                  run_dir: Optional[Path] = None) -> None:
