@@ -217,6 +217,7 @@ def test_p3o_on_policy_is_plain_reinforce():
     _, g, met = grad_of("p3o", x)
     assert float(met["ess"]) == pytest.approx(1.0, abs=1e-6)
     assert torch.allclose(g, torch.tensor([[-1.0, 2.0, -0.5]]), atol=1e-6)
+    assert float(met["clip_frac"]) == 0.0
 
 
 def test_p3o_ess_is_over_the_whole_mini_batch_not_the_micro_batch():
