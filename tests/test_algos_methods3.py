@@ -217,6 +217,7 @@ def test_p3o_on_policy_is_plain_reinforce():
     _, g, met = grad_of("p3o", x)
     assert float(met["ess"]) == pytest.approx(1.0, abs=1e-6)
     assert torch.allclose(g, torch.tensor([[-1.0, 2.0, -0.5]]), atol=1e-6)
+    assert float(met["clip_frac"]) == 0.0
 
 
 def test_p3o_ess_is_over_the_whole_mini_batch_not_the_micro_batch():
@@ -283,3 +284,13 @@ def test_erc_runner_supplies_the_old_policy_entropy(tmp_path):
     keys = [k for k in r if k.endswith("entropy_ratio_mean")]
     assert keys, sorted(r)
     assert r[keys[0]] != pytest.approx(1.0, abs=1e-7)  # mean over both mini-batches; the second moved
+
+
+def test_erc_with_a3po_proximal_is_a_config_error():
+    from typer.testing import CliRunner
+
+    from rlpost.cli import app
+
+    res = CliRunner().invoke(app, ["config", "model=tiny", "algo=erc", "+algo.loss_params.proximal=a3po"])
+    assert res.exit_code == 2, res.output
+    assert "proximal=recompute" in res.output and "Traceback" not in res.output

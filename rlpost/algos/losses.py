@@ -1916,7 +1916,7 @@ def p3o_loss(inp: PolicyLossInput) -> Tuple[torch.Tensor, Metrics]:
     kl = log_ratio + torch.exp((-log_ratio).clamp(-10.0, 10.0)) - 1.0
     loss = _is_weighted_pg(ratio, w, A) + (1.0 - ess) * kl
     with torch.no_grad():
-        capped = (ratio.detach() > ess).float()
+        capped = (ratio.detach() > ess + 1e-6).float()  # on-policy r = 1 and ESS = 1 - O(1e-8): not capped
         metrics = _clip_metrics(ratio, log_ratio, capped * (A < 0).float(), capped * (A > 0).float(), m)
         metrics["clip_frac"] = masked_mean(capped, m)
         metrics["ess"] = torch.tensor(ess)

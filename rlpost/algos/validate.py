@@ -168,6 +168,8 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
       ``eps_high >= 0``, ``dual_clip`` null or > 1;
     * ``ppo_epochs``, ``mini_batches``, ``n_samples_per_prompt`` >= 1,
       ``loss_agg_norm`` null or > 0, ``kl.coef >= 0``;
+    * a loss tagged ``needs_old_entropy`` (``erc``) is not combined with
+      ``algo.loss_params.proximal=a3po`` (which skips the old-policy pass);
     * a loss tagged ``needs_group`` (``tpo``) has ``algo.n_samples_per_prompt >= 2``;
       one tagged ``sequence_sum`` is not aggregated with ``seq-mean-token-mean``;
     * the ``gpg`` loss has no trust region: it needs ``ppo_epochs == 1`` and
@@ -240,6 +242,12 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
             f"algo.loss={loss} puts a sequence-level gradient on the sum of its token log-probs; "
             f"algo.loss_agg=seq-mean-token-mean would divide it by each response's length. "
             f"Use algo.loss_agg=seq-mean-token-sum (the preset's), token-mean or seq-mean-token-sum-norm."
+        )
+    if ltags.get("needs_old_entropy") and str(trainer_loss_params(algo_cfg).proximal) == "a3po":
+        raise ConfigError(
+            f"algo.loss={loss} compares each token's entropy with the old policy's, which the runner computes "
+            f"with the old log-probs; algo.loss_params.proximal=a3po skips that pass, so the ratio would always be 1. "
+            f"Use algo.loss_params.proximal=recompute with this loss."
         )
     kl_coef = float(_get(kl, "coef", 0.0) or 0.0)
     if kl_coef < 0:
