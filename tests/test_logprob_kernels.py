@@ -242,3 +242,21 @@ def test_bf16_rollout_copy_refreshes_in_place_to_the_cast_weights(compose):
     fresh = {k: v.to(torch.bfloat16) for k, v in policy.state_dict().items()}
     for k, v in eng.model.state_dict().items():
         assert v.dtype == torch.bfloat16 and torch.equal(v, fresh[k]), k
+
+
+def test_eval_mode_restores_the_mode_also_when_the_block_raises():
+    from rlpost.models.logprobs import eval_mode
+
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    m.train()
+    with eval_mode(m) as got:
+        assert got is m and not m.training and not m[1].training
+    assert m.training and m[1].training
+    with pytest.raises(RuntimeError):
+        with eval_mode(m):
+            raise RuntimeError("scoring pass failed")
+    assert m.training
+    m.eval()
+    with eval_mode(m):
+        pass
+    assert not m.training

@@ -15,11 +15,31 @@ chunking to the prompt positions (HIVE's prompt entropy).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Callable, ContextManager, List, Optional, Tuple
+from contextlib import contextmanager, nullcontext
+from typing import Callable, ContextManager, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run the block with ``model`` in eval mode (no dropout), then restore its train/eval mode.
+
+    The no-grad scoring passes (rollout generation, old/ref log-probs, SPEC-RL's
+    verification, tree and pruning features) must not change the mode the update
+    trains in, also when they raise. Gradients are not touched: pair it with
+    ``torch.no_grad()`` where the pass needs none.
+
+    Yields:
+        ``model`` itself.
+    """
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
 
 
 def backbone_and_head(model: torch.nn.Module) -> Tuple[torch.nn.Module, torch.nn.Module]:
@@ -376,10 +396,8 @@ def prompt_entropy(
         raise ValueError("prompt_entropy needs non-empty prompts")
     base, head = backbone_and_head(model)
     device = next(model.parameters()).device
-    was = model.training
-    model.eval()
     out: List[float] = []
-    try:
+    with eval_mode(model):
         for b in range(0, len(prompts), max(1, int(batch_size))):
             ids, mask = left_pad(prompts[b : b + max(1, int(batch_size))], pad_id)
             ids, mask = ids.to(device), mask.to(device)
@@ -393,6 +411,4 @@ def prompt_entropy(
                     ent = -(logp.exp() * logp).sum(-1)
                     total += (ent * mask[:, s:e]).sum(-1)
             out.extend((total / mask.sum(-1)).tolist())
-    finally:
-        model.train(was)
     return out

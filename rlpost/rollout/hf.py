@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 import torch
 
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations
+from rlpost.models.logprobs import eval_mode
 from rlpost.rollout.sampling import apply_top_k_top_p
 
 
@@ -309,9 +310,7 @@ class HFRolloutEngine(RolloutEngine):
     def _generate_batch(self, prompts: List[List[int]], params: SamplingParams,
                         row_seeds: Optional[torch.Tensor]) -> GenerationResult:
         model = self.model
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode(model):
             ids, mask = left_pad(prompts, self.pad_id)
             B = ids.shape[0]
             ids, mask = ids.to(self.device), mask.to(self.device)
@@ -417,6 +416,3 @@ class HFRolloutEngine(RolloutEngine):
                 finished=finished,
                 texts=texts,
             )
-        finally:
-            if was_training:
-                model.train()

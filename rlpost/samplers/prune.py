@@ -240,13 +240,12 @@ def prefix_features(model: torch.nn.Module, prompts: List[List[int]], prefixes: 
     hidden states of the partial rollout). Rows with an empty prefix use the last
     prompt position.
     """
+    from rlpost.models.logprobs import eval_mode
     from rlpost.rollout.hf import left_pad
 
-    was = model.training
-    model.eval()
     dev = next(model.parameters()).device
     feats = []
-    try:
+    with eval_mode(model):
         for s in range(0, len(prompts), chunk):
             seqs = [p + x for p, x in zip(prompts[s : s + chunk], prefixes[s : s + chunk])]
             ids, m = left_pad(seqs, pad)
@@ -257,9 +256,6 @@ def prefix_features(model: torch.nn.Module, prompts: List[List[int]], prefixes: 
             for b, x in enumerate(prefixes[s : s + chunk]):
                 n = max(1, len(x))
                 feats.append(h[b, T - n :].mean(0))
-    finally:
-        if was:
-            model.train()
     return torch.stack(feats)
 
 

@@ -137,17 +137,15 @@ def response_distributions(
     (0: as many as keep the logits under 2^25 floats). Rows are exact where ``response_mask`` is 1 (and at the position right after,
     which is how a continuation after the last token is verified).
     """
-    from rlpost.models.logprobs import build_inputs
+    from rlpost.models.logprobs import build_inputs, eval_mode
 
-    was_training = model.training
-    model.eval()
     dev = next(model.parameters()).device
     P, R = prompt_ids.shape[1], response_ids.shape[1]
     outs = []
     if chunk <= 0:
         V = int(getattr(getattr(model, "config", None), "vocab_size", 50000))
         chunk = max(1, 2**25 // max(1, (R + 1) * V))
-    try:
+    with eval_mode(model):
         for s in range(0, prompt_ids.shape[0], chunk):
             sl = slice(s, s + chunk)
             attn_r = torch.ones_like(response_mask[sl]).long()  # causal: later tokens never affect earlier positions
@@ -158,9 +156,6 @@ def response_distributions(
             lg = logits[:, :R].float().cpu() / float(temperature)
             lg = apply_top_k_top_p(lg.reshape(-1, lg.shape[-1]), top_k, top_p).reshape(lg.shape)
             outs.append(torch.softmax(lg, -1))
-    finally:
-        if was_training:
-            model.train()
     return torch.cat(outs)
 
 

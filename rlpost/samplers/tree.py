@@ -41,15 +41,13 @@ def token_entropy(model: torch.nn.Module, gen: GenerationResult, chunk: int = 4)
     Runs ``model`` (a causal LM) over prompt + response, ``chunk`` rows at a time.
     0 outside ``gen.response_mask``.
     """
-    from rlpost.models.logprobs import build_inputs
+    from rlpost.models.logprobs import build_inputs, eval_mode
 
-    was_training = model.training
-    model.eval()
     P = gen.prompt_ids.shape[1]
     R = gen.response_ids.shape[1]
     out = torch.zeros(gen.response_ids.shape[0], R)
     dev = next(model.parameters()).device
-    try:
+    with eval_mode(model):
         for s in range(0, gen.response_ids.shape[0], chunk):
             sl = slice(s, s + chunk)
             ids, attn, pos = build_inputs(gen.prompt_ids[sl], gen.prompt_mask[sl], gen.response_ids[sl], gen.response_mask[sl])
@@ -57,9 +55,6 @@ def token_entropy(model: torch.nn.Module, gen: GenerationResult, chunk: int = 4)
             lg = logits[:, P - 1 : P + R - 1].float().cpu()  # predicts response token t
             logp = torch.log_softmax(lg, -1)
             out[sl] = -(logp.exp() * logp).sum(-1)
-    finally:
-        if was_training:
-            model.train()
     return out * gen.response_mask
 
 

@@ -23,7 +23,7 @@ from rlpost.algos.utils import masked_mean
 from rlpost.batch import RolloutBatch
 from rlpost.errors import TrainingDiverged
 from rlpost.models.critic import ValueModel
-from rlpost.models.logprobs import response_logprobs
+from rlpost.models.logprobs import eval_mode, response_logprobs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -327,12 +327,9 @@ class TorchTrainer:
             raise ValueError(f"no {which} model (set algo.kl.coef > 0 for a reference model)")
         model = self.policy if (which == "policy" or self.ref is None) else self.ref
         base = adapters_disabled(model) if (which != "policy" and self.ref is None) else nullcontext()
-        was = model.training
-        model.eval()
         B, R = len(batch), batch.response_ids.shape[1]
         lps, ents = torch.zeros(B, R), None
-        base.__enter__()
-        try:
+        with eval_mode(model), base:
             for rows, mb in self._split(batch):
                 lp, ent = self._logprobs(model, mb, with_entropy)
                 idx = torch.tensor(rows, dtype=torch.long)
@@ -340,9 +337,6 @@ class TorchTrainer:
                 if ent is not None:
                     ents = torch.zeros(B, R) if ents is None else ents
                     ents[idx, : ent.shape[1]] = ent.float().cpu()
-        finally:
-            base.__exit__(None, None, None)
-            model.train(was)
         return lps, ents
 
     @torch.no_grad()
