@@ -172,9 +172,11 @@ class _LinearLogprob(torch.autograd.Function):
 
 def _fused_head_ok(head: torch.nn.Module, h: torch.Tensor, top_k: int, top_p: float, entropy_grad: bool) -> bool:
     """Whether :class:`_LinearLogprob` computes this chunk: a plain ``nn.Linear`` head in the
-    hidden states' dtype, no autocast, no top-k/top-p truncation, no entropy gradient."""
-    return (type(head) is torch.nn.Linear and head.weight.dtype == h.dtype and not top_k and top_p >= 1.0
-            and not entropy_grad and not torch.is_autocast_enabled(h.device.type))
+    hidden states' dtype, no autocast, no top-k/top-p truncation, no entropy gradient, and a
+    weight that is all here: a DeepSpeed ZeRO-3 parameter (``ds_id``) is a partition that only
+    the module's own forward hooks gather, so such a head keeps the module call."""
+    return (type(head) is torch.nn.Linear and not hasattr(head.weight, "ds_id") and head.weight.dtype == h.dtype
+            and not top_k and top_p >= 1.0 and not entropy_grad and not torch.is_autocast_enabled(h.device.type))
 
 
 def _cache_kw(base: torch.nn.Module) -> str:
