@@ -5,6 +5,8 @@
     python scripts/gpu_check.py --part vllm        # a GPU machine with vLLM installed
     python scripts/gpu_check.py --part agent       # multi-turn episodes through vLLM (--dry-run: hf engine on CPU)
     python scripts/gpu_check.py --part ray         # launcher=ray: 2 vLLM rollout workers as Ray actors (--dry-run: hf, CPU)
+    python scripts/gpu_check.py --part dp          # N-way data-parallel rollouts, a vLLM engine per GPU (--dry-run: 2 CPU ranks)
+    python scripts/gpu_check.py --part lora        # LoRA: update, push to vLLM's LoRA path, parity (--dry-run: hf, CPU)
 
 Part ``hf`` needs only PyTorch, transformers, safetensors, tokenizers and the small
 wheels rlpost's config needs (hydra-core, omegaconf, antlr4-python3-runtime;
@@ -45,6 +47,21 @@ process. On one GPU the workers share it (``gpus_per_worker=0.4``, weights throu
 split evenly, the workers' log-probs match the trainer's, a push moves them to the updated weights (stale
 gap >= 3 x the gap after), and a worker killed during a generate call loses no row. Prints tokens/s, push
 seconds and this process's peak GPU memory.
+
+Part ``dp`` (:func:`part_dp`) runs N ranks (``torch.multiprocessing.spawn``, ``init_process_group``; N = the
+visible GPUs, at most ``--world``), each with one vLLM engine on its own GPU, and one step's ``generate`` call
+through :class:`rlpost.distributed.ShardedEngine`: rows token-exact against one engine with the same per-row
+seeds, every group on one rank, the gathered result identical, complete and in order on every rank; prints
+tokens/s per rank and in total, step time and peak GPU memory per rank. It does no update: the
+``model=qwen3-8b`` step is part ``hf``'s. ``--dry-run``: 2 CPU ranks, the hf engine, gloo.
+
+Part ``lora`` (:func:`part_lora`) builds the policy with PEFT adapters, runs one update (only adapter
+tensors change), pushes the adapter to the vLLM engine's LoRA path and checks vLLM's log-probs of a fixed
+batch against the trainer's merged-weight log-probs (part ``vllm``'s tolerance) and the KL reference
+(adapters disabled) against the base model; prints step time, tokens/s, peak memory. ``--dry-run``: the hf
+engine with merged weights on CPU.
+
+Parts ``dp`` and ``lora`` have only been run as ``--dry-run``; no GPU was available when they were written.
 """
 
 from __future__ import annotations
