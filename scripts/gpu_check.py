@@ -48,8 +48,8 @@ split evenly, the workers' log-probs match the trainer's, a push moves them to t
 gap >= 3 x the gap after), and a worker killed during a generate call loses no row. Prints tokens/s, push
 seconds and this process's peak GPU memory.
 
-Part ``dp`` (:func:`part_dp`) runs N ranks (``torch.multiprocessing.spawn``, ``init_process_group``; N = the
-visible GPUs, at most ``--world``), each with one vLLM engine on its own GPU, and one step's ``generate`` call
+Part ``dp`` (:func:`part_dp`) runs N ranks (``python -m torch.distributed.run``, as ``trainer.num_procs=N`` does; N =
+the visible GPUs, at most ``--world``), each with one vLLM engine on its own GPU, and one step's ``generate`` call
 through :class:`rlpost.distributed.ShardedEngine`: rows token-exact against one engine with the same per-row
 seeds, every group on one rank, the gathered result identical, complete and in order on every rank; prints
 tokens/s per rank and in total, step time and peak GPU memory per rank. It does no update: the
@@ -672,23 +672,44 @@ def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool,
 
 
 # --------------------------------------------------------------------------- part dp
-def _dp_worker(r: int, world: int, port: int, shape: str, layers: Optional[int], dry: bool, tmp: str) -> None:
-    """One rank of part dp (started by ``torch.multiprocessing.spawn``): its own engine, a ShardedEngine call.
+class TimedEngine:
+    """Passes ``generate`` to a real engine and adds up this rank's own generation seconds (no gather wait)."""
 
-    Writes ``tmp/rank{r}.pt``: this rank's gathered result, its rows, timings, peak memory and (rank 0)
-    the single-engine result of the same call with the same seeds.
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.seconds, self.calls = inner, 0.0, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def generate(self, prompts, params):
+        t0 = time.perf_counter()
+        out = self.inner.generate(prompts, params)
+        self.seconds += time.perf_counter() - t0
+        self.calls.append((int(params.row_offset), int(params.row_offset) + len(prompts)))  # rows this engine made
+        return out
+
+
+def dp_worker(shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
+    """One rank of part dp, started by ``torch.distributed.run`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set).
+
+    Mirrors a ``trainer.num_procs=N`` run's rank: ``init_process_group`` (gloo on CPU, nccl on GPU, as
+    DeepSpeed's ``init_distributed`` picks), :func:`rlpost.trainer.launch.local_device`, the engine from
+    :func:`rlpost.rollout.build_engine` (vLLM: ``world_size=N``, vLLM's external launcher, one engine per rank
+    on its current device), wrapped in :class:`rlpost.distributed.ShardedEngine`. Writes ``tmp/rank{r}.pt``:
+    the gathered result, this rank's rows, timings, peak memory and (rank 0) one engine's result of the
+    whole call with the same seeds.
     """
     import torch.distributed as dist
 
-    if not dry:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(r)  # before the first CUDA call: one GPU per rank
-    from rlpost.distributed import ShardedEngine
+    from rlpost.distributed import ShardedEngine, local_run_rows
+    from rlpost.rollout import build_engine
     from rlpost.rollout.base import SamplingParams
+    from rlpost.trainer.launch import local_device
 
-    # gloo carries the pickled results (CPU tensors) on GPU too: no NCCL device binding needed for objects
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=world)
+    dist.init_process_group("gloo" if dry else "nccl")
+    r, world = dist.get_rank(), dist.get_world_size()
     try:
-        device = torch.device("cpu" if dry else "cuda:0")
+        device = local_device("cpu" if dry else "cuda")
         V = int(SHAPES[shape]["vocab_size"])
         tok = word_tokenizer(V)
         B, P, R, G = (8, 8, 8, 2) if dry else (256, 128, 128, 8)
@@ -696,46 +717,39 @@ def _dp_worker(r: int, world: int, port: int, shape: str, layers: Optional[int],
         uniq = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B // G)]
         prompts = [p for p in uniq for _ in range(G)]
         sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
-        policy = build_model(shape, layers, torch.float32 if dry else torch.bfloat16, device, seed=1)  # same on every rank
-        if dry:
-            from rlpost.rollout.hf import HFRolloutEngine
-
-            inner = HFRolloutEngine(policy, tok, B, share_weights=True, device=device)
-        else:
-            from rlpost.rollout.vllm import VLLMRolloutEngine
-
-            cfg = rl_config(["precision=bf16", "rollout=vllm", "rollout.gpu_memory_utilization=0.5",
-                             f"rollout.batch_size={B}", f"model.cache_dir={tmp}/rank{r}"])
-            inner = VLLMRolloutEngine(cfg, policy, tok)
+        # per-rank cache_dir: each rank writes its engine's start weights to its own directory
+        over = [f"rollout.batch_size={B}", f"model.cache_dir={tmp}/rank{r}", "model.name=gpu_check_dp"]
+        over += ["precision=fp32"] if dry else ["precision=bf16", "rollout=vllm", "rollout.gpu_memory_utilization=0.5"]
+        cfg = rl_config(over)
+        policy = build_model(shape, layers, torch.float32 if dry else torch.bfloat16, device, seed=1)  # same everywhere
+        inner = TimedEngine(build_engine(cfg, policy, tok, device))
+        if not dry:
             policy = None
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_peak(device)
         eng = ShardedEngine(inner)
-        eng.generate(prompts[: 2 * G], dataclasses_replace(sp, max_new_tokens=4))  # warm-up, both ranks
+        eng.generate(prompts[: 2 * G], dataclasses_replace(sp, max_new_tokens=4))  # warm-up
+        inner.seconds, inner.calls = 0.0, []
         dist.barrier()
         t0 = time.perf_counter()
         gen = eng.generate(prompts, sp)
         dt = time.perf_counter() - t0
-        local = eng.rows_generated - min(2 * G, eng.rows_generated)  # this call's share (warm-up rows excluded)
-        from rlpost.distributed import local_run_rows
-
-        a, b = local_run_rows([tuple(p) for p in prompts], r, world)
-        local_tokens = int(gen.response_mask[a:b].sum())
-        single = inner.generate(prompts, sp) if r == 0 else None  # 1-engine reference call, same seeds
-        out = dict(rows=(a, b), local_rows=local, seconds=dt, local_tokens=local_tokens, total_tokens=gen.num_tokens,
-                   response_ids=gen.response_ids, response_mask=gen.response_mask, logprobs=gen.rollout_logprobs,
-                   peak_gib=torch.cuda.max_memory_allocated(device) / GiB if not dry else float("nan"),
-                   B=B, G=G)
-        if single is not None:
+        a, b = inner.calls[0] if inner.calls else local_run_rows([tuple(p) for p in prompts], r, world)  # (x, x): none
+        out = dict(rows=(a, b), engine_calls=len(inner.calls), seconds=dt, gen_seconds=inner.seconds, local_tokens=int(gen.response_mask[a:b].sum()),
+                   total_tokens=gen.num_tokens, response_ids=gen.response_ids, response_mask=gen.response_mask,
+                   peak_gib=peak_gib(device), B=B, G=G)
+        if r == 0:  # one engine generating the whole call, same seeds: the reference rows
+            single = inner.inner.generate(prompts, sp)
             out.update(single_ids=single.response_ids, single_mask=single.response_mask)
-        torch.save(out, Path(tmp) / f"rank{r}.pt")
-        if hasattr(inner, "close"):
-            inner.close()
+        torch.save(out, tmp / f"rank{r}.pt")
         dist.barrier()
+        if hasattr(inner.inner, "close"):
+            inner.inner.close()
     finally:
         dist.destroy_process_group()
 
 
 def dataclasses_replace(obj: Any, **kw: Any) -> Any:
+    """``dataclasses.replace`` (kept importable for the workers)."""
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
@@ -744,16 +758,17 @@ def dataclasses_replace(obj: Any, **kw: Any) -> Any:
 def part_dp(shape: str, layers: Optional[int], dry: bool, world: Optional[int], tmp: Path) -> None:
     """N-way data-parallel rollouts through :class:`rlpost.distributed.ShardedEngine` (see module doc).
 
-    ``torch.multiprocessing.spawn`` starts N ranks (``init_process_group`` over gloo, TCP rendezvous on
-    localhost); each builds the same random model and its own engine (vLLM on GPU ``rank``; the hf engine
-    on CPU in ``--dry-run``) and makes one sharded ``generate`` call of a step's groups. Checks: every row
-    token-exact against one engine generating the whole call with the same seeds (per-row seed
-    ``seed + row_offset + i``), every group generated by exactly one rank, the gathered result complete and
-    in order on every rank. The qwen3-8b update step is part hf's (one GPU; this part does no update).
+    Starts N ranks of :func:`dp_worker` with PyTorch's launcher (``python -m torch.distributed.run
+    --nproc_per_node=N``, as :mod:`rlpost.trainer.launch` does for ``trainer.num_procs=N``); each builds the
+    same random model and its own engine (vLLM on its GPU; the hf engine on CPU in ``--dry-run``) and makes
+    one sharded ``generate`` call of a step's groups. Checks: every row token-exact against one engine
+    generating the whole call with the same seeds (per-row seed ``seed + row_offset + i``), every group
+    generated by exactly one rank, the gathered result identical on every rank, complete and in order.
+    Prints tokens/s per rank (its own generation time) and in total (the step), the step time and peak GPU
+    memory per rank. The ``model=qwen3-8b`` update step is part ``hf``'s: this part does no update.
     """
     import socket
-
-    import torch.multiprocessing as mp
+    import subprocess
 
     n = 2 if dry else torch.cuda.device_count()
     if world:
@@ -761,37 +776,39 @@ def part_dp(shape: str, layers: Optional[int], dry: bool, world: Optional[int], 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    print(f"\n== data-parallel rollouts: {n} ranks ({'hf engine, CPU' if dry else 'one vLLM engine per GPU'}), "
-          f"{shape}{'' if layers is None else f' with {layers} layers'}")
+    print(f"\n== data-parallel rollouts: {n} ranks ({'hf engine, CPU, gloo' if dry else 'one vLLM engine per GPU'}), "
+          f"{shape}{'' if layers is None else f' with {layers} layers'}", flush=True)
     with guard("dp_rollouts"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
+               f"--master_port={port}", str(Path(__file__).resolve()), "--dp-worker", str(tmp), "--shape", shape]
+        cmd += ["--dry-run"] if dry else ["--vllm-layers", str(layers)]
         t0 = time.perf_counter()
-        mp.spawn(_dp_worker, args=(n, port, shape, layers, dry, str(tmp)), nprocs=n, join=True)
+        rc = subprocess.run(cmd, cwd=str(REPO)).returncode
         wall = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"torch.distributed.run exited with status {rc} (the ranks' output is above)")
         outs = [torch.load(tmp / f"rank{r}.pt") for r in range(n)]
         o0 = outs[0]
         B, G = o0["B"], o0["G"]
-        # every rank holds the same gathered result
         same_everywhere = all(torch.equal(o["response_ids"], o0["response_ids"]) for o in outs)
-        # groups: contiguous row ranges, no group split, all rows covered once, in rank order
         spans = [o["rows"] for o in outs]
         covered = [i for a, b in spans for i in range(a, b)]
-        whole_groups = all(a % G == 0 and b % G == 0 for a, b in spans)
+        # the rows each rank's engine was actually asked for (row_offset, count): groups are G consecutive rows
+        whole_groups = all(a % G == 0 and b % G == 0 for a, b in spans) and all(o["engine_calls"] <= 1 for o in outs)
         complete = covered == list(range(B)) and o0["response_ids"].shape[0] == B
-        # token exactness vs one engine, same seeds
-        ids, m = o0["response_ids"], o0["response_mask"]
-        sids, sm = o0["single_ids"], o0["single_mask"]
+        ids, m, sids, sm = o0["response_ids"], o0["response_mask"], o0["single_ids"], o0["single_mask"]
         w = min(ids.shape[1], sids.shape[1])
-        rows_equal = int(sum(bool(torch.equal(ids[i, :w] * m[i, :w], sids[i, :w] * sm[i, :w])
-                                  and int(m[i].sum()) == int(sm[i].sum())) for i in range(B)))
+        rows_equal = int(sum(int(m[i].sum()) == int(sm[i].sum()) and torch.equal(ids[i, :w] * m[i, :w], sids[i, :w] * sm[i, :w])
+                             for i in range(B)))
         step_s = max(o["seconds"] for o in outs)
-        per_rank = [o["local_tokens"] / o["seconds"] for o in outs]
+        per_rank = [o["local_tokens"] / o["gen_seconds"] if o["gen_seconds"] > 0 else 0.0 for o in outs]
         total_tps = o0["total_tokens"] / step_s
         peaks = [o["peak_gib"] for o in outs]
         report("dp_rollouts", same_everywhere and whole_groups and complete and rows_equal == B,
                f"{n} ranks, {B} rows ({B // G} groups of {G}); rows per rank {[b - a for a, b in spans]}; step "
                f"{step_s:.2f} s ({wall:.1f} s with start-up); tokens/s per rank "
                f"{', '.join(f'{x:,.0f}' for x in per_rank)}, total {total_tps:,.0f}; peak GPU memory per rank "
-               f"{', '.join(f'{p:.1f}' for p in peaks)} GiB (torch allocator; vLLM's pool is reserved up front); "
+               f"{', '.join(f'{p:.1f}' for p in peaks)} GiB (torch's allocator; vLLM's KV pool is reserved up front); "
                f"rows token-exact vs one engine, same seeds: {rows_equal}/{B} (threshold: all rows equal, groups "
                "whole and each on one rank, gathered result identical on every rank, complete and in order)",
                ranks=n, step_s=step_s, tokens_per_s_per_rank=per_rank, tokens_per_s=total_tps, peak_gib=peaks,
@@ -949,7 +966,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--vllm-layers", type=int, default=8, help="layers of --shape for the vLLM part")
     ap.add_argument("--json", default=None, help="write the PASS/FAIL records here")
+    ap.add_argument("--dp-worker", default=None, help=argparse.SUPPRESS)  # part dp: one torch.distributed.run rank
     a = ap.parse_args(argv)
+    if a.dp_worker:
+        dp_worker("qwen3-tiny" if a.dry_run else a.shape, None if a.dry_run else a.vllm_layers, a.dry_run,
+                  Path(a.dp_worker))
+        return 0
     if a.dry_run:
         device, shape = torch.device("cpu"), "qwen3-tiny"
         print("gpu_check --dry-run: CPU, Qwen3 architecture at toy size; estimates below are for a 141 GiB device.")
@@ -975,7 +997,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             part_ray(device, shape, None, True, Path(tempfile.mkdtemp(prefix="rlpost_ray_")))
         elif a.part == "dp":
-            print("Plan (GPU part dp): N ranks (torch.multiprocessing.spawn), one vLLM engine per GPU, one sharded "
+            print("Plan (GPU part dp): N ranks (torch.distributed.run), one vLLM engine per GPU, one sharded "
                   "generate call: rows token-exact vs one engine, groups whole per rank, tokens/s per rank, peak memory.")
             import tempfile
 
