@@ -11,7 +11,7 @@ from conftest import REPO
 def test_gpu_check_dp_and_lora_dry_runs_pass_on_cpu(tmp_path):
     """Both parts run in subprocesses; every check PASSes with real figures behind it.
 
-    dp: 2 spawned ranks, rows token-exact against one engine with the same per-row seeds, 4 rows per rank.
+    dp: 2 torch.distributed.run ranks, rows token-exact against one engine with the same per-row seeds, 4 rows per rank.
     lora: only lora_B moved (base exactly frozen), the pushed engine matches the merged weights, and the
     KL reference with adapters disabled equals a separately built base model.
     """
