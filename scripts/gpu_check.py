@@ -5,6 +5,8 @@
     python scripts/gpu_check.py --part vllm        # a GPU machine with vLLM installed
     python scripts/gpu_check.py --part agent       # multi-turn episodes through vLLM (--dry-run: hf engine on CPU)
     python scripts/gpu_check.py --part ray         # launcher=ray: 2 vLLM rollout workers as Ray actors (--dry-run: hf, CPU)
+    python scripts/gpu_check.py --part dp          # N-way data-parallel rollouts, a vLLM engine per GPU (--dry-run: 2 CPU ranks)
+    python scripts/gpu_check.py --part lora        # LoRA: update, push to vLLM's LoRA path, parity (--dry-run: hf, CPU)
 
 Part ``hf`` needs only PyTorch, transformers, safetensors, tokenizers and the small
 wheels rlpost's config needs (hydra-core, omegaconf, antlr4-python3-runtime;
@@ -45,6 +47,21 @@ process. On one GPU the workers share it (``gpus_per_worker=0.4``, weights throu
 split evenly, the workers' log-probs match the trainer's, a push moves them to the updated weights (stale
 gap >= 3 x the gap after), and a worker killed during a generate call loses no row. Prints tokens/s, push
 seconds and this process's peak GPU memory.
+
+Part ``dp`` (:func:`part_dp`) runs N ranks (``python -m torch.distributed.run``, as ``trainer.num_procs=N`` does; N =
+the visible GPUs, at most ``--world``), each with one vLLM engine on its own GPU, and one step's ``generate`` call
+through :class:`rlpost.distributed.ShardedEngine`: rows token-exact against one engine with the same per-row
+seeds, every group on one rank, the gathered result identical, complete and in order on every rank; prints
+tokens/s per rank and in total, step time and peak GPU memory per rank. It does no update: the
+``model=qwen3-8b`` step is part ``hf``'s. ``--dry-run``: 2 CPU ranks, the hf engine, gloo.
+
+Part ``lora`` (:func:`part_lora`) builds the policy with PEFT adapters, runs one update (only adapter
+tensors change), pushes the adapter to the vLLM engine's LoRA path and checks vLLM's log-probs of a fixed
+batch against the trainer's merged-weight log-probs (part ``vllm``'s tolerance) and the KL reference
+(adapters disabled) against the base model; prints step time, tokens/s, peak memory. ``--dry-run``: the hf
+engine with merged weights on CPU.
+
+Parts ``dp`` and ``lora`` have only been run as ``--dry-run``; no GPU was available when they were written.
 """
 
 from __future__ import annotations
@@ -654,15 +671,307 @@ def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool,
             ray.shutdown()
 
 
+# --------------------------------------------------------------------------- part dp
+class TimedEngine:
+    """Passes ``generate`` to a real engine and adds up this rank's own generation seconds (no gather wait)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.seconds, self.calls = inner, 0.0, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def generate(self, prompts, params):
+        t0 = time.perf_counter()
+        out = self.inner.generate(prompts, params)
+        self.seconds += time.perf_counter() - t0
+        self.calls.append((int(params.row_offset), int(params.row_offset) + len(prompts)))  # rows this engine made
+        return out
+
+
+def dp_worker(shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
+    """One rank of part dp, started by ``torch.distributed.run`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set).
+
+    Mirrors a ``trainer.num_procs=N`` run's rank: ``init_process_group`` (gloo on CPU, nccl on GPU, as
+    DeepSpeed's ``init_distributed`` picks), :func:`rlpost.trainer.launch.local_device`, the engine from
+    :func:`rlpost.rollout.build_engine` (vLLM: ``world_size=N``, vLLM's external launcher, one engine per rank
+    on its current device), wrapped in :class:`rlpost.distributed.ShardedEngine`. Writes ``tmp/rank{r}.pt``:
+    the gathered result, this rank's rows, timings, peak memory and (rank 0) one engine's result of the
+    whole call with the same seeds.
+    """
+    import torch.distributed as dist
+
+    from rlpost.distributed import ShardedEngine, local_run_rows
+    from rlpost.rollout import build_engine
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.trainer.launch import local_device
+
+    dist.init_process_group("gloo" if dry else "nccl")
+    r, world = dist.get_rank(), dist.get_world_size()
+    try:
+        device = local_device("cpu" if dry else "cuda")
+        V = int(SHAPES[shape]["vocab_size"])
+        tok = word_tokenizer(V)
+        B, P, R, G = (8, 8, 8, 2) if dry else (256, 128, 128, 8)
+        g = torch.Generator().manual_seed(0)
+        uniq = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B // G)]
+        prompts = [p for p in uniq for _ in range(G)]
+        sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+        # per-rank cache_dir: each rank writes its engine's start weights to its own directory
+        over = [f"rollout.batch_size={B}", f"model.cache_dir={tmp}/rank{r}", "model.name=gpu_check_dp"]
+        over += ["precision=fp32"] if dry else ["precision=bf16", "rollout=vllm", "rollout.gpu_memory_utilization=0.5"]
+        cfg = rl_config(over)
+        policy = build_model(shape, layers, torch.float32 if dry else torch.bfloat16, device, seed=1)  # same everywhere
+        inner = TimedEngine(build_engine(cfg, policy, tok, device))
+        if not dry:
+            policy = None
+            reset_peak(device)
+        eng = ShardedEngine(inner)
+        eng.generate(prompts[: 2 * G], dataclasses_replace(sp, max_new_tokens=4))  # warm-up
+        inner.seconds, inner.calls = 0.0, []
+        dist.barrier()
+        t0 = time.perf_counter()
+        gen = eng.generate(prompts, sp)
+        dt = time.perf_counter() - t0
+        a, b = inner.calls[0] if inner.calls else local_run_rows([tuple(p) for p in prompts], r, world)  # (x, x): none
+        out = dict(rows=(a, b), engine_calls=len(inner.calls), seconds=dt, gen_seconds=inner.seconds, local_tokens=int(gen.response_mask[a:b].sum()),
+                   total_tokens=gen.num_tokens, response_ids=gen.response_ids, response_mask=gen.response_mask,
+                   peak_gib=peak_gib(device), B=B, G=G)
+        if r == 0:  # one engine generating the whole call, same seeds: the reference rows
+            single = inner.inner.generate(prompts, sp)
+            out.update(single_ids=single.response_ids, single_mask=single.response_mask)
+        torch.save(out, tmp / f"rank{r}.pt")
+        dist.barrier()
+        if hasattr(inner.inner, "close"):
+            inner.inner.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def dataclasses_replace(obj: Any, **kw: Any) -> Any:
+    """``dataclasses.replace`` (kept importable for the workers)."""
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def part_dp(shape: str, layers: Optional[int], dry: bool, world: Optional[int], tmp: Path) -> None:
+    """N-way data-parallel rollouts through :class:`rlpost.distributed.ShardedEngine` (see module doc).
+
+    Starts N ranks of :func:`dp_worker` with PyTorch's launcher (``python -m torch.distributed.run
+    --nproc_per_node=N``, as :mod:`rlpost.trainer.launch` does for ``trainer.num_procs=N``); each builds the
+    same random model and its own engine (vLLM on its GPU; the hf engine on CPU in ``--dry-run``) and makes
+    one sharded ``generate`` call of a step's groups. Checks: every row token-exact against one engine
+    generating the whole call with the same seeds (per-row seed ``seed + row_offset + i``), every group
+    generated by exactly one rank, the gathered result identical on every rank, complete and in order.
+    Prints tokens/s per rank (its own generation time) and in total (the step), the step time and peak GPU
+    memory per rank. The ``model=qwen3-8b`` update step is part ``hf``'s: this part does no update.
+    """
+    import socket
+    import subprocess
+
+    n = 2 if dry else torch.cuda.device_count()
+    if world:
+        n = min(n, int(world))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"\n== data-parallel rollouts: {n} ranks ({'hf engine, CPU, gloo' if dry else 'one vLLM engine per GPU'}), "
+          f"{shape}{'' if layers is None else f' with {layers} layers'}", flush=True)
+    with guard("dp_rollouts"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
+               f"--master_port={port}", str(Path(__file__).resolve()), "--dp-worker", str(tmp), "--shape", shape]
+        cmd += ["--dry-run"] if dry else ["--vllm-layers", str(layers)]
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=str(REPO)).returncode
+        wall = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"torch.distributed.run exited with status {rc} (the ranks' output is above)")
+        outs = [torch.load(tmp / f"rank{r}.pt") for r in range(n)]
+        o0 = outs[0]
+        B, G = o0["B"], o0["G"]
+        same_everywhere = all(torch.equal(o["response_ids"], o0["response_ids"]) for o in outs)
+        spans = [o["rows"] for o in outs]
+        covered = [i for a, b in spans for i in range(a, b)]
+        # the rows each rank's engine was actually asked for (row_offset, count): groups are G consecutive rows
+        whole_groups = all(a % G == 0 and b % G == 0 for a, b in spans) and all(o["engine_calls"] <= 1 for o in outs)
+        complete = covered == list(range(B)) and o0["response_ids"].shape[0] == B
+        ids, m, sids, sm = o0["response_ids"], o0["response_mask"], o0["single_ids"], o0["single_mask"]
+        w = min(ids.shape[1], sids.shape[1])
+        rows_equal = int(sum(int(m[i].sum()) == int(sm[i].sum()) and torch.equal(ids[i, :w] * m[i, :w], sids[i, :w] * sm[i, :w])
+                             for i in range(B)))
+        step_s = max(o["seconds"] for o in outs)
+        per_rank = [o["local_tokens"] / o["gen_seconds"] if o["gen_seconds"] > 0 else 0.0 for o in outs]
+        total_tps = o0["total_tokens"] / step_s
+        peaks = [o["peak_gib"] for o in outs]
+        report("dp_rollouts", same_everywhere and whole_groups and complete and rows_equal == B,
+               f"{n} ranks, {B} rows ({B // G} groups of {G}); rows per rank {[b - a for a, b in spans]}; step "
+               f"{step_s:.2f} s ({wall:.1f} s with start-up); tokens/s per rank "
+               f"{', '.join(f'{x:,.0f}' for x in per_rank)}, total {total_tps:,.0f}; peak GPU memory per rank "
+               f"{', '.join(f'{p:.1f}' for p in peaks)} GiB (torch's allocator; vLLM's KV pool is reserved up front); "
+               f"rows token-exact vs one engine, same seeds: {rows_equal}/{B} (threshold: all rows equal, groups "
+               "whole and each on one rank, gathered result identical on every rank, complete and in order)",
+               ranks=n, step_s=step_s, tokens_per_s_per_rank=per_rank, tokens_per_s=total_tps, peak_gib=peaks,
+               rows_equal=rows_equal, rows=B)
+
+
+# --------------------------------------------------------------------------- part lora
+def part_lora(device: torch.device, shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
+    """LoRA (PEFT adapters, :mod:`rlpost.models.lora`): update, push to the engine, log-prob parity.
+
+    Builds the policy, injects adapters (rank 8, q/k/v/o), one update step (only adapter parameters may
+    change), pushes to the engine (vLLM with ``model.lora.rank > 0``: the adapter as a ``LoRARequest``;
+    ``--dry-run``: the hf engine with merged weights) and checks, on a fixed batch, the engine's log-probs
+    under the adapter against the trainer's merged-weight log-probs (:func:`merged_model`), and the KL
+    reference (adapters disabled) against a separately built base model.
+    """
+    from rlpost.models.logprobs import response_logprobs
+    from rlpost.models.lora import adapters_disabled, apply_lora, merged_model
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    V = int(SHAPES[shape]["vocab_size"])
+    tok = word_tokenizer(V)
+    B, P, R, G = (8, 8, 8, 4) if dry else (64, 128, 128, 4)
+    g = torch.Generator().manual_seed(0)
+    uniq = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B // G)]
+    prompts = [p for p in uniq for _ in range(G)]
+    sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+    over = ["precision=fp32" if dry else "precision=bf16", "model.lora.rank=8", "model.lora.alpha=16",
+            "model.lora.dropout=0", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "trainer.lr=1e-2",
+            "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={B}", "algo.kl.coef=0.01",
+            f"model.cache_dir={tmp}", "model.name=gpu_check_lora"]
+    if not dry:
+        over += ["rollout=vllm", "rollout.gpu_memory_utilization=0.35"]
+    cfg = rl_config(over)
+    tol = 1e-3 if dry else 0.05  # part vllm's bf16 tolerance on the GPU; fp32 on CPU
+    print(f"\n== LoRA: {shape}{'' if layers is None else f' with {layers} layers'}, rank 8 on q/k/v/o, engine "
+          f"{'hf (merged weights, dry run)' if dry else 'vLLM (LoRARequest per push)'}")
+
+    def lp_of(model, batch) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=not dry):
+            lp = response_logprobs(model, batch.prompt_ids.to(device), batch.prompt_mask.to(device),
+                                   batch.response_ids.to(device), (batch.response_mask > 0).long().to(device), 1.0)
+        return (lp[0] if isinstance(lp, tuple) else lp).float().cpu()
+
+    eng = None
+    with guard("lora_update"):
+        base = build_model(shape, layers, torch.float32, device, seed=1)  # the base model, kept for the KL check
+        policy = build_model(shape, layers, torch.float32, device, seed=1)
+        policy = apply_lora(policy, cfg.model.lora)
+        trainer = TorchTrainer(policy, cfg, device)
+        if dry:
+            from rlpost.rollout.hf import HFRolloutEngine
+
+            eng = HFRolloutEngine(trainer.policy, tok, B, share_weights=False, device=device)
+        else:
+            from rlpost.rollout.vllm import VLLMRolloutEngine
+
+            eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
+        gen = eng.generate(prompts, sp)
+        batch = batch_from(gen, G)
+        tokens = int(gen.prompt_mask.sum() + gen.response_mask.sum())
+        before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        m = trainer.policy_update(batch, torch.Generator().manual_seed(0))
+        sync(device)
+        dt = time.perf_counter() - t0
+        after = dict(trainer.policy.named_parameters())
+        moved = {n: float((after[n].detach() - w).abs().max()) for n, w in before.items()}
+        ad_moved = [v for n, v in moved.items() if ".lora_" in n]
+        base_moved = [v for n, v in moved.items() if ".lora_" not in n]
+        n_train = sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)
+        report("lora_update", math.isfinite(float(m.get("actor/grad_norm", float("nan")))) and max(ad_moved) > 0
+               and max(base_moved) == 0.0,
+               f"update {dt:.2f} s ({tokens / dt:,.0f} tokens/s), {n_train:,} trainable parameters; adapter "
+               "(lora_B; lora_A gets no gradient while B = 0) "
+               f"tensors changed {sum(v > 0 for v in ad_moved)}/{len(ad_moved)}, base max change {max(base_moved):.1e}, "
+               f"peak {peak_gib(device):.1f} GiB (threshold: adapters move, base exactly unchanged)",
+               seconds=dt, tokens_per_s=tokens / dt, peak_gib=peak_gib(device))
+    with guard("lora_push_parity"):
+        merged = merged_model(trainer.policy).to(device)
+        lp_merged = lp_of(merged, batch)
+        lp_trainer, _ = trainer.compute_logprobs(batch)
+        mask = batch.response_mask
+        stale = masked_abs_mean(lp_of(eng.model, batch) if dry else vllm_prompt_logprobs(eng, batch, lora=True),
+                                lp_merged, mask)  # before the push: the engine still has B = 0 (the base model)
+        t1 = time.perf_counter()
+        eng.sync_weights(trainer.policy)
+        push_s = time.perf_counter() - t1
+        lp_eng = lp_of(eng.model, batch) if dry else vllm_prompt_logprobs(eng, batch, lora=True)
+        d = masked_abs_mean(lp_eng, lp_merged, mask)
+        d_tm = masked_abs_mean(lp_trainer, lp_merged, mask)
+        t1 = time.perf_counter()
+        gen2 = eng.generate(prompts, sp)
+        gdt = time.perf_counter() - t1
+        report("lora_push_parity", d <= tol and d_tm <= tol and stale >= 3 * d,
+               f"push {push_s:.2f} s; |engine - trainer merged weights| per token: stale {stale:.4f}, after push {d:.4f}; "
+               f"|trainer PEFT - merged| {d_tm:.4f}; generate with the adapter {gen2.num_tokens / gdt:,.0f} tokens/s "
+               f"(threshold: after and PEFT-vs-merged <= {tol}, stale >= 3 x after)",
+               gap=d, stale=stale, trainer_vs_merged=d_tm, push_s=push_s, tokens_per_s=gen2.num_tokens / gdt, tol=tol)
+        merged = None
+    with guard("lora_kl_reference"):
+        lp_ref, _ = trainer.compute_logprobs(batch, which="ref")
+        lp_base = lp_of(base, batch) if dry else None
+        if not dry:  # the trainer's pass runs under its own autocast: compare like with like
+            lp_base, _ = TorchTrainer(base, rl_config(over + ["model.lora.rank=0", "algo.kl.coef=0"]),
+                                      device).compute_logprobs(batch)
+        with adapters_disabled(trainer.policy):
+            lp_off = lp_of(trainer.policy, batch)
+        d_ref = masked_abs_mean(lp_ref, lp_base, batch.response_mask)
+        d_off = masked_abs_mean(lp_off, lp_of(base, batch), batch.response_mask)
+        d_pol = masked_abs_mean(lp_trainer, lp_ref, batch.response_mask)
+        rtol = 1e-5 if dry else 1e-3
+        report("lora_kl_reference", d_ref <= rtol and d_off <= rtol and d_pol > 10 * rtol,
+               f"|reference (adapters disabled) - base model| per token {d_ref:.2e} (trainer pass), {d_off:.2e} "
+               f"(direct); policy vs reference {d_pol:.4f} (threshold: reference = base within {rtol}, the adapter "
+               "moved the policy)", ref_vs_base=d_ref, policy_vs_ref=d_pol)
+    if eng is not None and hasattr(eng, "close"):
+        eng.close()
+    reset_peak(device)
+
+
+def vllm_prompt_logprobs(eng, batch, lora: bool = False) -> torch.Tensor:
+    """``[B, R]`` vLLM log-probs of the batch's response tokens, scored as prompt tokens (with the pushed adapter)."""
+    from vllm import SamplingParams as VSP
+
+    eng._wake("weights")
+    eng._wake("kv_cache")
+    inputs = []
+    for i in range(len(batch)):
+        p = batch.prompt_ids[i][batch.prompt_mask[i] > 0].tolist()
+        r = batch.response_ids[i][batch.response_mask[i] > 0].tolist()
+        inputs.append({"prompt_token_ids": p + r})
+    extra = {"lora_request": eng.lora_request} if lora and eng.lora_request is not None else {}
+    outs = eng.llm.generate(inputs, VSP(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False, **extra)
+    eng.sleep()
+    lp = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+    for i, o in enumerate(outs):
+        plen = int(batch.prompt_mask[i].sum())
+        r = batch.response_ids[i][batch.response_mask[i] > 0].tolist()
+        for j, t in enumerate(r):
+            v = o.prompt_logprobs[plen + j][t]
+            lp[i, j] = float(getattr(v, "logprob", v))
+    return lp
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray"], default="hf")
+    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray", "dp", "lora"], default="hf")
+    ap.add_argument("--world", type=int, default=None, help="part dp: at most this many ranks (default: every GPU)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: plan, memory estimates, every hf check on a toy Qwen3")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--vllm-layers", type=int, default=8, help="layers of --shape for the vLLM part")
     ap.add_argument("--json", default=None, help="write the PASS/FAIL records here")
+    ap.add_argument("--dp-worker", default=None, help=argparse.SUPPRESS)  # part dp: one torch.distributed.run rank
     a = ap.parse_args(argv)
+    if a.dp_worker:
+        dp_worker("qwen3-tiny" if a.dry_run else a.shape, None if a.dry_run else a.vllm_layers, a.dry_run,
+                  Path(a.dp_worker))
+        return 0
     if a.dry_run:
         device, shape = torch.device("cpu"), "qwen3-tiny"
         print("gpu_check --dry-run: CPU, Qwen3 architecture at toy size; estimates below are for a 141 GiB device.")
@@ -687,6 +996,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_ray(device, shape, None, True, Path(tempfile.mkdtemp(prefix="rlpost_ray_")))
+        elif a.part == "dp":
+            print("Plan (GPU part dp): N ranks (torch.distributed.run), one vLLM engine per GPU, one sharded "
+                  "generate call: rows token-exact vs one engine, groups whole per rank, tokens/s per rank, peak memory.")
+            import tempfile
+
+            part_dp(shape, None, True, a.world, Path(tempfile.mkdtemp(prefix="rlpost_dp_")))
+        elif a.part == "lora":
+            print("Plan (GPU part lora): PEFT adapters, one update (base frozen), push to vLLM's LoRA path, vLLM "
+                  "log-probs vs the trainer's merged weights, KL reference = base model.")
+            import tempfile
+
+            part_lora(device, shape, None, True, Path(tempfile.mkdtemp(prefix="rlpost_lora_")))
         else:
             part_hf(device, shape, dry=True)
     else:
@@ -708,6 +1029,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_ray(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_ray_")))
+        elif a.part == "dp":
+            import tempfile
+
+            part_dp(a.shape, a.vllm_layers, False, a.world, Path(tempfile.mkdtemp(prefix="rlpost_dp_")))
+        elif a.part == "lora":
+            import tempfile
+
+            part_lora(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_lora_")))
         else:
             import tempfile
 

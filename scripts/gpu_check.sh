@@ -7,6 +7,10 @@
 #   bash scripts/gpu_check.sh --part agent  # multi-turn episodes through vLLM (add --dry-run: hf engine on CPU)
 #   bash scripts/gpu_check.sh --part ray    # launcher=ray: 2 vLLM rollout workers (Ray actors) on this GPU node:
 #                                           # generate, weight push, a killed worker (add --dry-run: hf engine on CPU)
+#   bash scripts/gpu_check.sh --part dp     # N-way data-parallel rollouts, one vLLM engine per GPU (--world N caps
+#                                           # the ranks): token-exact rows, tokens/s per rank (--dry-run: 2 CPU ranks)
+#   bash scripts/gpu_check.sh --part lora   # LoRA: PEFT update, adapter push to vLLM's LoRA path, log-prob parity,
+#                                           # KL reference = base (add --dry-run: hf engine, merged weights, CPU)
 #
 # Every check prints PASS/FAIL with its threshold; the exit status is 1 if any failed.
 # docs/ENGINES.md ("GPU check") has the figures measured on an H200 and how to run it offline.
