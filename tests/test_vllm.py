@@ -307,3 +307,23 @@ def test_multi_turn_episode_through_vllm_keeps_the_engine_awake_and_sends_exact_
     assert g.response_mask[0].tolist() == [1, 1] + [0] * len(ins) + [1, 1] + [0] * len(ins) + [1, 1]
     eng.generate([[1]], SamplingParams(max_new_tokens=2))  # outside a session: asleep again after the call
     assert _kinds(calls[-4:]) == ["wake('weights',)", "wake('kv_cache',)", "generate", "sleep"]
+
+
+def test_init_dir_is_renamed_into_place_and_a_lost_race_keeps_the_winner(compose, tmp_path):
+    """Ranks sharing a cache: the vLLM start directory appears whole or not at all."""
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout.vllm import VLLMRolloutEngine
+
+    cfg = compose(tiny_overrides(f"model.cache_dir={tmp_path}"))
+    model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
+    half = tmp_path / "vllm_init" / "tiny"
+    half.mkdir(parents=True)
+    (half / "model.safetensors").write_text("killed mid-write")  # no config.json: not a finished directory
+    path = VLLMRolloutEngine._init_dir(cfg, model, tok)
+    assert path == half and (path / "config.json").exists()
+    assert (path / "model.safetensors").stat().st_size > 1000
+    assert [p.name for p in path.parent.iterdir()] == ["tiny"]  # no temporary directory left
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert VLLMRolloutEngine._init_dir(cfg, model, tok) == path  # written once
+    assert (path / "config.json").stat().st_mtime_ns == stamp

@@ -414,15 +414,33 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @staticmethod
     def _init_dir(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Path:
+        """The HF directory vLLM starts from: ``<cache>/vllm_init/<model.name>``, written once.
+
+        Every data-parallel rank (and every Ray worker) may reach this at the same time on a
+        shared cache: each writes into its own temporary directory and renames it into place,
+        so no engine ever reads a half-written directory; a rank that loses the race drops its
+        copy and uses the winner's.
+        """
+        import shutil
+        import socket
+
         root = Path(cfg.model.cache_dir or os.environ.get("RLPOST_CACHE", Path.home() / ".cache" / "rlpost"))
         path = root / "vllm_init" / str(cfg.model.name)
         if not (path / "config.json").exists():
             from rlpost.models.lora import is_lora, merged_model
 
-            path.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
             # LoRA: the frozen base weights (plain HF names); the adapter travels per request
-            (merged_model(policy, with_adapters=False) if is_lora(policy) else policy).save_pretrained(path)
-            tokenizer.save_pretrained(path)
+            (merged_model(policy, with_adapters=False) if is_lora(policy) else policy).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if path.exists() and not (path / "config.json").exists():
+                shutil.rmtree(path, ignore_errors=True)  # left half-written by an older version or a killed run
+            try:
+                os.rename(tmp, path)  # atomic; fails when another process renamed its copy first
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
         return path
 
     def _wake(self, tag: str) -> None:
