@@ -165,11 +165,25 @@ def _machine_key(flags: set) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+def _busy() -> bool:
+    """Whether more processes wait to run than this machine has cores (1-minute load average)."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:  # no load average on this platform
+        return False
+
+
 def cached_measure(flags: set, path: Optional[Path] = None) -> Callable[[], Dict[str, float]]:
     """A ``measure`` for :func:`choose_precision` that reads/writes this machine's cached rates.
 
     The cache file (``precision_auto.json``) maps a machine key (CPU model, flags,
-    torch version, threads) to the rates; an unreadable file is re-measured.
+    torch version, threads) to the rates; an unreadable file is re-measured. A
+    measurement taken while the machine is busy (1-minute load average above its
+    core count: other processes took part of the second) is used for this run but
+    not cached, so the next run on a quieter machine measures again: contention
+    slows fp32 and bf16 kernels by different factors, so a busy measurement can pick
+    the slower dtype (on a 2-core Xeon with avx512_bf16: 301 fp32 / 163 bf16 GFLOP/s
+    idle, 30 / 26 beside a package install).
     """
     path = path or cache_dir() / "precision_auto.json"
 
@@ -182,6 +196,8 @@ def cached_measure(flags: set, path: Optional[Path] = None) -> Callable[[], Dict
         if key in data and isinstance(data[key], dict):
             return data[key]
         rates = measure_matmul_gflops()
+        if _busy():
+            return rates
         data[key] = rates
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,7 @@ def test_cache_measures_once_per_machine(tmp_path, monkeypatch):
         return {"train_fp32": 1.0, "train_bf16": 2.0, "decode_fp32": 3.0, "decode_bf16": 4.0}
 
     monkeypatch.setattr("rlpost.autoprecision.measure_matmul_gflops", fake)
+    monkeypatch.setattr("rlpost.autoprecision.os.getloadavg", lambda: (0.5, 0.5, 0.5))
     path = tmp_path / "precision_auto.json"
     m = cached_measure({"avx512_bf16"}, path)
     assert m() == fake() and len(calls) == 2  # one measured, one direct call above
@@ -84,3 +85,24 @@ def test_resolve_replaces_auto_and_leaves_concrete_alone(monkeypatch, capsys):
     assert capsys.readouterr().err == ""  # printed once
     fixed = compose_config(["model=tiny", "precision=bf16"])
     assert resolve_precision(fixed, torch.device("cpu")) is None and fixed.precision.trainer_dtype == "bf16"
+
+
+def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(monkeypatch, tmp_path):
+    calls = []
+
+    def fake():
+        calls.append(1)
+        return {"train_fp32": 30.0, "train_bf16": 26.0, "decode_fp32": 8.0, "decode_bf16": 49.0}
+
+    monkeypatch.setattr("rlpost.autoprecision.measure_matmul_gflops", fake)
+    monkeypatch.setattr("rlpost.autoprecision.os.cpu_count", lambda: 2)
+    monkeypatch.setattr("rlpost.autoprecision.os.getloadavg", lambda: (7.5, 6.0, 4.0))
+    path = tmp_path / "precision_auto.json"
+    m = cached_measure({"avx512_bf16"}, path)
+    assert m()["train_fp32"] == 30.0 and not path.exists()
+    m()
+    assert len(calls) == 2  # measured again: nothing was cached
+    monkeypatch.setattr("rlpost.autoprecision.os.getloadavg", lambda: (1.0, 1.0, 1.0))  # only this process runs
+    m()
+    m()
+    assert len(calls) == 3 and path.exists()
