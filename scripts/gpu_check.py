@@ -158,6 +158,14 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", pad_token="t0", unk_token="t1")
 
 
+def grouped_prompts(B: int, P: int, G: int, V: int) -> List[List[int]]:
+    """``B`` prompt rows in ``B // G`` groups of ``G`` identical random prompts of ``P`` ids in
+    ``[2, V)`` (0 and 1 are EOS/pad and unk), the same on every call and every rank (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    uniq = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B // G)]
+    return [p for p in uniq for _ in range(G)]
+
+
 def rl_config(overrides: List[str]):
     from rlpost.config.compose import compose_config
 
@@ -610,9 +618,7 @@ def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool,
         over += ["rollout=vllm", "rollout.gpu_memory_utilization=0.25"]
     cfg = rl_config(over)
     tol = 1e-3 if dry else 0.05
-    g = torch.Generator().manual_seed(0)
-    uniq = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B // G)]
-    prompts = [p for p in uniq for _ in range(G)]
+    prompts = grouped_prompts(B, P, G, V)
     sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
     print(f"\n== launcher=ray: 2 {'hf (dry run)' if dry else 'vLLM'} rollout workers, {shape}"
           f"{'' if layers is None else f' with {layers} layers'}, {B} rows ({B // G} groups), weights via {sync_mode}")
@@ -713,9 +719,7 @@ def dp_worker(shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
         V = int(SHAPES[shape]["vocab_size"])
         tok = word_tokenizer(V)
         B, P, R, G = (8, 8, 8, 2) if dry else (256, 128, 128, 8)
-        g = torch.Generator().manual_seed(0)
-        uniq = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B // G)]
-        prompts = [p for p in uniq for _ in range(G)]
+        prompts = grouped_prompts(B, P, G, V)
         sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
         # per-rank cache_dir: each rank writes its engine's start weights to its own directory
         over = [f"rollout.batch_size={B}", f"model.cache_dir={tmp}/rank{r}", "model.name=gpu_check_dp"]
@@ -833,9 +837,7 @@ def part_lora(device: torch.device, shape: str, layers: Optional[int], dry: bool
     V = int(SHAPES[shape]["vocab_size"])
     tok = word_tokenizer(V)
     B, P, R, G = (8, 8, 8, 4) if dry else (64, 128, 128, 4)
-    g = torch.Generator().manual_seed(0)
-    uniq = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B // G)]
-    prompts = [p for p in uniq for _ in range(G)]
+    prompts = grouped_prompts(B, P, G, V)
     sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
     over = ["precision=fp32" if dry else "precision=bf16", "model.lora.rank=8", "model.lora.alpha=16",
             "model.lora.dropout=0", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "trainer.lr=1e-2",
