@@ -231,6 +231,56 @@ def _shared_prefix_hidden(
     return torch.cat([h_last_prompt, out_r.last_hidden_state[:, :-1]], dim=1)
 
 
+def packed_response_states(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_attn: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    share_prefix: bool = True,
+) -> Tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The final hidden states that predict real response tokens, packed, ready for the LM head.
+
+    One backbone forward (each group's prompt once when ``share_prefix`` and the model
+    allows it, see :func:`_shared_prefix_hidden`); the LM head then runs only where a
+    label exists. Shared by :func:`response_logprobs` and
+    :func:`rlpost.models.teacher.support_logprobs`.
+
+    Args:
+        prompt_ids, prompt_mask: ``[B, P]`` left-padded.
+        response_ids, response_attn: ``[B, R]`` right-padded ids; 1 on real tokens.
+        temperature: scalar or ``[B, R]`` (0 entries count as 1).
+    Returns:
+        ``(head, flat_idx [N], hs [N, H], targets [N], inv_temp [N] or None)``: the LM
+        head module, the indices of the N real tokens in the flattened ``[B * R]``
+        grid, their hidden states and token ids, and 1 / temperature per token
+        (None when every temperature is 1, so the head skips a ``[N, V]`` pass).
+    """
+    base, head = backbone_and_head(model)
+    P, R = prompt_ids.shape[1], response_ids.shape[1]
+    h = None
+    if share_prefix and not getattr(base, "gradient_checkpointing", False):
+        h = _shared_prefix_hidden(base, prompt_ids, prompt_mask, response_ids, response_attn)
+    if h is None:
+        ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
+        hidden = base(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+        h = hidden[:, P - 1 : P + R - 1]
+    B = response_ids.shape[0]
+    flat_idx = (response_attn > 0).to(h.device).reshape(-1).nonzero().squeeze(-1)
+    hs = h.reshape(B * R, -1).index_select(0, flat_idx)
+    tgt = response_ids.to(h.device).reshape(-1).index_select(0, flat_idx)
+    inv_temp = None
+    if isinstance(temperature, torch.Tensor):
+        T = temperature.float().to(h.device).reshape(-1).index_select(0, flat_idx)
+        T = torch.where(T > 0, T, torch.ones_like(T))
+        if not bool((T == 1).all()):  # x * 1.0 == x: skip a [N, V] pass when every temperature is 1
+            inv_temp = 1.0 / T
+    elif float(temperature) != 1.0:
+        inv_temp = torch.full((hs.shape[0],), 1.0 / float(temperature), device=h.device)
+    return head, flat_idx, hs, tgt, inv_temp
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -294,29 +344,9 @@ def response_logprobs(
         positions (``response_attn == 0``): the LM head and log-softmax run only
         on real response tokens, packed.
     """
-    base, head = backbone_and_head(model)
-    P, R = prompt_ids.shape[1], response_ids.shape[1]
-    h = None
-    if share_prefix and not getattr(base, "gradient_checkpointing", False):
-        h = _shared_prefix_hidden(base, prompt_ids, prompt_mask, response_ids, response_attn)
-    if h is None:
-        ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
-        hidden = base(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-        h = hidden[:, P - 1 : P + R - 1]
-    B = response_ids.shape[0]
-    # The LM head runs only where a label exists: real response tokens, packed to [N, H].
-    sel = (response_attn > 0).to(h.device).reshape(-1)
-    flat_idx = sel.nonzero().squeeze(-1)
-    hs = h.reshape(B * R, -1).index_select(0, flat_idx)
-    tgt = response_ids.to(h.device).reshape(-1).index_select(0, flat_idx)
-    inv_temp = None
-    if isinstance(temperature, torch.Tensor):
-        T = temperature.float().to(h.device).reshape(-1).index_select(0, flat_idx)
-        T = torch.where(T > 0, T, torch.ones_like(T))
-        if not bool((T == 1).all()):  # x * 1.0 == x: skip a [N, V] pass when every temperature is 1
-            inv_temp = 1.0 / T
-    elif float(temperature) != 1.0:
-        inv_temp = torch.full((hs.shape[0],), 1.0 / float(temperature), device=h.device)
+    head, flat_idx, hs, tgt, inv_temp = packed_response_states(
+        model, prompt_ids, prompt_mask, response_ids, response_attn, temperature, share_prefix)
+    B, R = response_ids.shape
     rows = max(1, chunk_size * B)  # same peak as chunk_size positions of all B rows
     N = hs.shape[0]
     if checkpoint_chunks is None:
@@ -346,7 +376,7 @@ def response_logprobs(
         # no real token (an empty micro-batch): an empty view of ``hs`` keeps the result on the
         # autograd graph, so a loss built from it still backpropagates (zero gradients)
         flat = torch.cat(parts) if parts else hs.float().sum(-1)
-        return torch.zeros(B * R, dtype=torch.float32, device=h.device).index_copy(0, flat_idx, flat).view(B, R)
+        return torch.zeros(B * R, dtype=torch.float32, device=hs.device).index_copy(0, flat_idx, flat).view(B, R)
 
     logprobs = unpack(lps)
     entropy = unpack(ents) if want_ent else None

@@ -18,7 +18,6 @@ log-prob and, from the same logits, either the top-K of the distribution
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -195,33 +194,16 @@ def support_logprobs(
         whole vocabulary; 0 (ids 0) on padding positions. ``K`` is 0 when neither
         ``support_ids`` nor ``k_top`` is given.
     """
-    from rlpost.models.logprobs import _shared_prefix_hidden, backbone_and_head, build_inputs
+    from rlpost.models.logprobs import packed_response_states
 
-    base, head = backbone_and_head(model)
-    P, R = prompt_ids.shape[1], response_ids.shape[1]
-    B = response_ids.shape[0]
-    h = None
-    if not getattr(base, "gradient_checkpointing", False):
-        h = _shared_prefix_hidden(base, prompt_ids, prompt_mask, response_ids, response_attn)
-    if h is None:
-        ids, attn, pos = build_inputs(prompt_ids, prompt_mask, response_ids, response_attn)
-        h = base(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state[:, P - 1 : P + R - 1]
-    flat_idx = (response_attn > 0).to(h.device).reshape(-1).nonzero().squeeze(-1)
-    hs = h.reshape(B * R, -1).index_select(0, flat_idx)
-    tgt = response_ids.to(h.device).reshape(-1).index_select(0, flat_idx)
+    head, flat_idx, hs, tgt, inv_temp = packed_response_states(
+        model, prompt_ids, prompt_mask, response_ids, response_attn, temperature)
+    B, R = response_ids.shape
     sup_in = None
     K = int(k_top)
     if support_ids is not None:
         K = support_ids.shape[-1]
-        sup_in = support_ids[:, :R].to(h.device).reshape(B * R, K).index_select(0, flat_idx)
-    inv_temp = None
-    if isinstance(temperature, torch.Tensor):
-        T = temperature.float().to(h.device).reshape(-1).index_select(0, flat_idx)
-        T = torch.where(T > 0, T, torch.ones_like(T))
-        if not bool((T == 1).all()):
-            inv_temp = 1.0 / T
-    elif float(temperature) != 1.0:
-        inv_temp = torch.full((hs.shape[0],), 1.0 / float(temperature), device=h.device)
+        sup_in = support_ids[:, :R].to(hs.device).reshape(B * R, K).index_select(0, flat_idx)
     rows = max(1, chunk_size * B)
     N = hs.shape[0]
     use_ckpt = torch.is_grad_enabled() and N > rows
@@ -242,13 +224,13 @@ def support_logprobs(
             flat = flat[:, None].expand(0, width) if width else flat
             flat = flat.to(dtype)
         shape = (B * R, width) if width else (B * R,)
-        out = torch.zeros(shape, dtype=dtype, device=h.device).index_copy(0, flat_idx, flat.to(dtype))
+        out = torch.zeros(shape, dtype=dtype, device=hs.device).index_copy(0, flat_idx, flat.to(dtype))
         return out.view(B, R, width) if width else out.view(B, R)
 
     lp = unpack(parts[0])
     ent = unpack(parts[1]) if with_entropy else None
-    sup = unpack(parts[2], K) if K else torch.zeros(B, R, 0, device=h.device)
-    sids = unpack(parts[3], K, torch.long) if K else torch.zeros(B, R, 0, dtype=torch.long, device=h.device)
+    sup = unpack(parts[2], K) if K else torch.zeros(B, R, 0, device=hs.device)
+    sids = unpack(parts[3], K, torch.long) if K else torch.zeros(B, R, 0, dtype=torch.long, device=hs.device)
     return lp, ent, sup, sids
 
 
