@@ -44,3 +44,24 @@ def compose():
     from rlpost.config.compose import compose_config
 
     return compose_config
+
+
+def update_with_gradient(trainer, batch):
+    """Run ``trainer.policy_update(batch)`` with the optimizer step replaced by a capture.
+
+    Returns ``(metrics, g)``: the update's metrics and the flat gradient ``[n_params]`` (all
+    parameters that received one, concatenated in order) it would have stepped on. The weights
+    are not changed, so a test can compare gradients of several configurations on one model.
+    """
+    import torch
+
+    grads = {}
+
+    def capture(params):
+        grads["g"] = torch.cat([p.grad.flatten() for p in params if p.grad is not None]).clone()
+        trainer.opt.zero_grad(set_to_none=True)
+        return float(grads["g"].norm())
+
+    trainer._policy_step = capture
+    metrics = trainer.policy_update(batch)
+    return metrics, grads["g"]

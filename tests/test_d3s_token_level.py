@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import tiny_overrides  # noqa: E402
+from conftest import tiny_overrides, update_with_gradient  # noqa: E402
 from ds_worker import make_batch  # noqa: E402
 
 from rlpost.samplers.base import SAMPLERS  # noqa: E402
@@ -73,16 +73,7 @@ def _grad(compose, batch):
 
     cfg = compose(tiny_overrides("trainer.grad_clip=0", "algo.kl.coef=0", "algo.entropy_coef=0"))
     t = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
-    out = {}
-
-    def capture(params):
-        out["g"] = torch.cat([p.grad.flatten() for p in params if p.grad is not None]).clone()
-        t.opt.zero_grad(set_to_none=True)
-        return float(out["g"].norm())
-
-    t._policy_step = capture
-    t.policy_update(copy.deepcopy(batch))
-    return out["g"]
+    return update_with_gradient(t, copy.deepcopy(batch))[1]
 
 
 def test_dropped_tokens_get_no_gradient(compose):

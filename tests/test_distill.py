@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import tiny_overrides  # noqa: E402
+from conftest import tiny_overrides, update_with_gradient  # noqa: E402
 from ds_worker import make_batch  # noqa: E402
 
 from rlpost.algos.aggregation import aggregate  # noqa: E402
@@ -132,15 +132,7 @@ def _opd_trainer(compose, mb: int):
 
 def _update(t, teacher, b):
     b.extras.update(teacher.score(b, t, top_k=4))
-    grads = {}
-
-    def capture(params):
-        grads["g"] = torch.cat([p.grad.flatten() for p in params if p.grad is not None]).clone()
-        t.opt.zero_grad(set_to_none=True)
-        return float(grads["g"].norm())
-
-    t._policy_step = capture
-    return t.policy_update(b), grads["g"]
+    return update_with_gradient(t, b)
 
 
 def test_teacher_equal_to_student_gives_zero_loss_and_zero_gradient(compose):

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import tiny_overrides  # noqa: E402
+from conftest import tiny_overrides, update_with_gradient  # noqa: E402
 from ds_worker import make_batch  # noqa: E402
 
 from rlpost.algos.registries import LOSS_AGGS, POLICY_LOSSES  # noqa: E402
@@ -50,17 +50,8 @@ def _run(compose, loss: str, agg: str, mb: int):
         b.extras["teacher_topk_ids"] = torch.randint(0, 1000, (*lp.shape, K), generator=g)
         b.extras["teacher_topk_logprobs"] = -torch.rand(*lp.shape, K, generator=g) * 8
         b.extras["teacher_logprobs"] = -torch.rand(lp.shape, generator=g) * b.response_mask
-    grads = {}
-
-    def capture(params):
-        grads["g"] = torch.cat([p.grad.flatten() for p in params if p.grad is not None]).clone()
-        t.opt.zero_grad(set_to_none=True)
-        return float(grads["g"].norm())
-
-    t._policy_step = capture
     torch.manual_seed(0)  # losses that draw tokens at random (clip_cov) draw the same ones
-    m = t.policy_update(b)
-    return m, grads["g"]
+    return update_with_gradient(t, b)
 
 
 def _cases():

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from conftest import tiny_overrides, update_with_gradient
 
 from rlpost.algos.registries import LOSS_AGGS
 from rlpost.batch import RolloutBatch
@@ -78,17 +78,9 @@ def _update(compose, agg: str, loss: str = "ppo_clip", **tcfg):
     g = torch.Generator().manual_seed(1)
     b.extras["old_logprobs"] = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * b.response_mask
     b.rollout_logprobs = (lp + 0.2 * torch.randn(lp.shape, generator=g)) * b.response_mask
-    grads = {}
-
-    def capture(params):
-        grads["g"] = torch.cat([p.grad.flatten() for p in params if p.grad is not None]).clone()
-        t.opt.zero_grad(set_to_none=True)
-        return float(grads["g"].norm())
-
-    t._policy_step = capture
     torch.manual_seed(0)
-    m = t.policy_update(b)
-    return m, grads["g"], lp
+    m, g = update_with_gradient(t, b)
+    return m, g, lp
 
 
 @pytest.mark.parametrize("agg", LOSS_AGGS.names())
