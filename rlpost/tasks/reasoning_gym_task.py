@@ -7,7 +7,9 @@ scores answers with its own ``score_answer``.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import ast
+import functools
+from typing import Any, List, Optional, Tuple
 
 from rlpost.errors import ConfigError
 from rlpost.tasks.answer_tags import extract_answer
@@ -34,7 +36,8 @@ class ReasoningGymTask(Task):
         import reasoning_gym
 
         self._rg = reasoning_gym
-        params = _plain(cfg.params or {})
+        plain = _plain(cfg.params or {})
+        params = dict(plain)
         if cfg.dataset == "composite":
             params["datasets"] = _dataset_specs(params.get("datasets"))
         # reasoning-gym seeds item i with (seed + i), so datasets built from nearby
@@ -42,7 +45,7 @@ class ReasoningGymTask(Task):
         # first eval_size of them: the splits are disjoint by construction.
         pool_size = 2 * (cfg.train_size + cfg.eval_size)
         try:
-            self._pool = reasoning_gym.create_dataset(cfg.dataset, size=pool_size, seed=cfg.data_seed, **params)
+            self._pool, distinct = _distinct_pool(cfg.dataset, repr(plain), pool_size, int(cfg.data_seed))
         except (KeyError, ValueError, TypeError, AssertionError) as e:
             names = ", ".join(sorted(reasoning_gym.factory.DATASETS)[:20])
             if cfg.dataset == "composite":
@@ -56,12 +59,6 @@ class ReasoningGymTask(Task):
                 f"task.dataset={cfg.dataset!r} with task.params={params} is not a valid reasoning-gym dataset "
                 f"({type(e).__name__}: {e}). Some valid datasets: {names}, ..."
             ) from None
-        distinct: List[dict] = []
-        seen = set()
-        for e in self._pool:
-            if e["question"] not in seen:
-                seen.add(e["question"])
-                distinct.append(e)
         n_eval = min(cfg.eval_size, len(distinct) // 2)
         self._eval_examples = [self._example(i, e) for i, e in enumerate(distinct[:n_eval])]
         rest = distinct[n_eval : n_eval + cfg.train_size]
@@ -115,6 +112,35 @@ class ReasoningGymTask(Task):
         if reward_cfg is not None and getattr(reward_cfg, "binarize", False):
             return 1.0 if s >= 1.0 else 0.0
         return s
+
+
+@functools.lru_cache(maxsize=8)
+def _distinct_pool(dataset: str, params_repr: str, size: int, seed: int) -> Tuple[Any, Tuple[dict, ...]]:
+    """The reasoning-gym dataset and its items with distinct questions, first occurrence kept.
+
+    Generation is deterministic in (dataset, params, size, seed) and takes seconds for the
+    default task's 4,400-item pool, so a process that builds the same task again (a sweep, a
+    ``reproduce`` run's two arms, the test suite) draws it once. ``params_repr`` is the
+    ``repr`` of the plain parameter dict (the cache key; a composite task's dataset list is
+    turned into reasoning-gym specs here); the items are shared, so callers copy
+    an entry before changing it (as :meth:`ReasoningGymTask.with_answer` does).
+
+    Raises:
+        KeyError, ValueError, TypeError, AssertionError: as ``reasoning_gym.create_dataset``.
+    """
+    import reasoning_gym
+
+    params = ast.literal_eval(params_repr) if params_repr else {}
+    if dataset == "composite":  # validated by the caller (ConfigError on a malformed list)
+        params["datasets"] = _dataset_specs(params.get("datasets"))
+    pool = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **params)
+    distinct: List[dict] = []
+    seen = set()
+    for e in pool:
+        if e["question"] not in seen:
+            seen.add(e["question"])
+            distinct.append(e)
+    return pool, tuple(distinct)
 
 
 def _plain(params: Any) -> dict:
