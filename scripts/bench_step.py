@@ -7,6 +7,8 @@ the update processed), for each precision given.
 
     python scripts/bench_step.py                       # fp32 and bf16, default config
     python scripts/bench_step.py --precisions fp32 --steps 2 model=tiny
+    python scripts/bench_step.py --decode --precisions fp32    # decode steps vs the per-token floor
+    python scripts/bench_step.py --compile-decode              # eager vs torch.compile'd decoding
 
 Extra arguments are Hydra overrides applied to every run. The first step
 includes warm-up effects; with --steps N the figures of the last step are shown
@@ -149,16 +151,79 @@ def decode_floor(rows: int = 32, new_tokens: int = 32, overrides: list | None = 
     return out
 
 
+def decode_compile_ab(rows: int = 32, new_tokens: int = 32, overrides: list | None = None, reps: int = 2) -> dict:
+    """The HF engine's generation with the decoder eager against ``torch.compile``-d, real model.
+
+    The engine's model is wrapped in ``torch.compile(dynamic=True)`` (inductor; on CPU it emits
+    C++/OpenMP kernels that fuse the element-wise work around the matmuls). The batch shrinks as
+    rows finish and the KV cache grows by a position per step, so the shapes are marked dynamic
+    rather than recompiled per step. The compiled arm runs with transformers' own KV cache (the
+    in-place cache's views of one buffer make inductor fail in torch 2.13). Reports the compile (first generation) seconds, the median
+    of ``reps`` interleaved generations each way, and whether the sampled tokens are identical
+    and the largest rollout log-prob difference (same seeds).
+    """
+    import time
+
+    import torch._dynamo
+
+    from rlpost.config.compose import compose_config
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.tasks import build_task
+
+    cfg = compose_config(["logger=none", *(overrides or [])])
+    policy, tok = load_policy(cfg.model, torch.float32, seed=0)
+    eng = build_engine(cfg, policy, tok, torch.device("cpu"))
+    task = build_task(cfg.task)
+    prompts = [task.render_prompt(e, tok) for e in task.train_examples()[:rows]]
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
+    eager = eng.model
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    compiled = torch.compile(eager, dynamic=True)
+
+    def gen(model):
+        eng.model = model
+        # inductor's AOT autograd fails on the in-place cache's views of one buffer as graph inputs
+        # (torch 2.13: "Expected !size_bytes_is_heap_allocated_"), so the compiled arm decodes with
+        # transformers' own cache; the eager arm keeps the engine's default (in-place) cache
+        eng.prealloc_cache = model is eager
+        t = time.perf_counter()
+        g = eng.generate(prompts, sp)
+        return time.perf_counter() - t, g
+
+    eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))  # eager warm-up
+    compile_s, _ = gen(compiled)
+    times: dict = {"eager": [], "compiled": []}
+    outs = {}
+    for _ in range(reps):
+        for name, model in (("eager", eager), ("compiled", compiled)):
+            dt, outs[name] = gen(model)
+            times[name].append(dt)
+    eng.model = eager
+    e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    return {"rows": rows, "tokens": outs["eager"].num_tokens, "compile_first_s": compile_s, "eager_s": e,
+            "compiled_s": c, "eager_over_compiled": e / c,
+            "same_tokens": bool(torch.equal(outs["eager"].response_ids, outs["compiled"].response_ids)),
+            "max_logprob_diff": float((outs["eager"].rollout_logprobs - outs["compiled"].rollout_logprobs).abs().max())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--matmul", action="store_true", help="only the 2048^2 matmul GFLOP/s in fp32 and bf16")
     ap.add_argument("--decode", action="store_true", help="HF engine decode steps vs the per-token floor")
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="HF engine generation, eager vs torch.compile(dynamic=True), interleaved")
     args, overrides = ap.parse_known_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     if args.matmul:
         print(" ".join(f"{k}: {v:.0f} GFLOP/s" for k, v in matmul_gflops().items()))
+        return
+    if args.compile_decode:
+        r = decode_compile_ab(overrides=overrides)
+        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         return
     if args.decode:
         for p in args.precisions.split(","):
