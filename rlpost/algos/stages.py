@@ -49,6 +49,7 @@ class AlgoRequirements:
         segments: subsentence index of every response token (SSPO).
         reference_rewards: N > 0: rewards of N reference-policy samples of each
             row's prompt (A*-PO's V*; N is the estimator's ``num_value_samples``).
+        skill: the hindsight-skill log-prob shift of every response token (SEED).
     """
 
     entropy: bool = False
@@ -58,6 +59,7 @@ class AlgoRequirements:
     answers: bool = False
     segments: bool = False
     reference_rewards: int = 0
+    skill: bool = False
 
 
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
@@ -71,6 +73,7 @@ def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
         answers=bool(ADV_ESTIMATORS.tag(adv, "needs_answers", False)),
         segments=bool(POLICY_LOSSES.tag(loss, "needs_segments", False)),
         reference_rewards=_reference_samples(algo_cfg),
+        skill=bool(ADV_ESTIMATORS.tag(adv, "needs_skill", False)),
     )
 
 
@@ -236,6 +239,7 @@ def prepare_algo_inputs(
     *,
     greedy_rewards: Optional[Callable[[], torch.Tensor]] = None,
     reference_rewards: Optional[Callable[[int], torch.Tensor]] = None,
+    skill_shift: Optional[Callable[[], Any]] = None,
     tokenizer: Any = None,
     answer_format: str = "tags",
     max_len: int = 64,
@@ -250,6 +254,9 @@ def prepare_algo_inputs(
             each row's prompt (ReMax), or None.
         reference_rewards: callable ``n -> [B, n]`` rewards of n reference-policy
             samples of each row's prompt (A*-PO), or None.
+        skill_shift: callable returning ``([B, R] shift, skills)``: the per-token
+            log-prob shift of the responses under a hindsight skill (SEED,
+            :func:`rlpost.algos.seed.batch_skill_shift`), or None.
         tokenizer, answer_format, max_len: for SFT's reference answers.
     Effects:
         for SFT, replaces the batch's responses by the reference answers
@@ -296,6 +303,15 @@ def prepare_algo_inputs(
         rr = reference_rewards(req.reference_rewards).float()
         batch.extras["reference_rewards"] = rr
         m["adv/reference_reward_mean"] = float(rr.mean())
+    if req.skill:
+        if skill_shift is None:
+            raise ValueError("this estimator needs the hindsight-skill log-prob shift but the runner gave none")
+        d, skills = skill_shift()
+        batch.extras["skill_shift"] = d.float()
+        mk = batch.response_mask
+        m["seed/skill_shift_mean"] = float((d * mk).sum() / mk.sum().clamp(min=1))
+        m["seed/skill_shift_abs_mean"] = float((d.abs() * mk).sum() / mk.sum().clamp(min=1))
+        m["seed/skill_chars_mean"] = float(sum(len(s) for s in skills) / max(1, len(skills)))
     if state.tracker is not None:
         pidx = [int(i) for i in batch.prompt_index]
         batch.extras["baseline_rewards"] = state.tracker.baseline(pidx)
