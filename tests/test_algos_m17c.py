@@ -200,7 +200,7 @@ def test_hdl_verdict_follows_the_root_reward():
     root = roots.generation.response_ids[0][roots.generation.response_mask[0] > 0].tolist()
     d1 = SAMPLERS.get("hdl")(2, n_roots=1, feedback="z{verdict}").hindsight_shift(eng, [[1, 9]], roots)
     assert torch.allclose(d1[0, : len(root)], torch.tensor(expected_shift(root)), atol=1e-6)
-    assert d1.abs().sum() > 1.0  # the root holds a 7 before its last token: a non-zero shift
+    assert d1.abs().sum() >= abs(LN40_78) - 1e-6  # the root holds a 7 before its last token: a non-zero shift
     assert torch.equal(s.hindsight_shift(eng, [[1, 9]], roots), torch.zeros_like(d))  # "correct" has no marker
 
 
