@@ -146,7 +146,7 @@ def test_hdl_branch_points_are_the_largest_hindsight_shift_and_only_suffixes_car
     prompts = [[1, 9]]
     params = _root_with_seven(eng, prompts)
     # "xx{verdict}" tokenises to marker ids (x = 27) for the fake tokenizer
-    s = SAMPLERS.get("hdl")(4, n_roots=1, n_branch_points=1, feedback="xx{verdict}")
+    s = SAMPLERS.get("hdl")(4, n_roots=1, n_branch_points=1, feedback="xx{verdict}", reflection_tokens=0)
     calls = []
     ctx = SamplerContext(score=scorer(calls=calls), seed=0, prompt_indices=[0])
     r = s.sample(eng, prompts, params, ctx)
@@ -184,10 +184,10 @@ def test_hdl_spreads_continuations_round_robin_over_branch_points_and_needs_a_mo
 
 
 def test_hdl_verdict_follows_the_root_reward():
-    # only the "correct" feedback carries a marker ('z' = 29 > 24; 'c','o','r','e','t' < 24): an incorrect
-    # root's hindsight context equals its plain one, so its shift is exactly 0
+    # only a feedback with 'z' (id 29 >= 24) carries a marker ("Correct"/"Incorrect" map below 24): the
+    # marker-free hindsight context leaves the root's log-probs unchanged, so its shift is exactly 0
     eng = FakeEngine({1: 0.0}, resp_len=6, model=HindsightModel())
-    s = SAMPLERS.get("hdl")(2, n_roots=1, feedback="{verdict}")
+    s = SAMPLERS.get("hdl")(2, n_roots=1, feedback="{verdict}", reflection_tokens=0)
     roots = generate_groups(eng, [[1, 9]], [1], _root_with_seven(eng, [[1, 9]]))
     score_rows(SamplerContext(score=scorer()), roots)
     assert roots.rewards.tolist() == [0.0]
@@ -198,7 +198,7 @@ def test_hdl_verdict_follows_the_root_reward():
     # the same root judged correct under a feedback that carries a marker: the hand-computed shift
     roots.rewards = torch.tensor([1.0])
     root = roots.generation.response_ids[0][roots.generation.response_mask[0] > 0].tolist()
-    d1 = SAMPLERS.get("hdl")(2, n_roots=1, feedback="z{verdict}").hindsight_shift(eng, [[1, 9]], roots)
+    d1 = SAMPLERS.get("hdl")(2, n_roots=1, feedback="z{verdict}", reflection_tokens=0).hindsight_shift(eng, [[1, 9]], roots)
     assert torch.allclose(d1[0, : len(root)], torch.tensor(expected_shift(root)), atol=1e-6)
     assert d1.abs().sum() >= abs(LN40_78) - 1e-6  # the root holds a 7 before its last token: a non-zero shift
     assert torch.equal(s.hindsight_shift(eng, [[1, 9]], roots), torch.zeros_like(d))  # "correct" has no marker
@@ -269,3 +269,22 @@ def test_seed_stage_fills_skill_shift_and_requirements():
     assert m["seed/skill_chars_mean"] == 2.0
     with pytest.raises(ValueError, match="skill"):
         prepare_algo_inputs(AlgoState(req), B(), None)
+
+
+def test_hdl_hindsight_context_is_feedback_then_the_policys_reflection():
+    eng = FakeEngine({1: 0.0}, resp_len=5, model=HindsightModel())
+    s = SAMPLERS.get("hdl")(4, n_roots=1, reflection_tokens=4)
+    roots = generate_groups(eng, [[1, 9]], [1], PARAMS)
+    score_rows(SamplerContext(score=scorer()), roots)
+    s._params = PARAMS
+    n_calls = len(eng.calls)
+    (h,) = s.hindsight_contexts(eng, [[1, 9]], roots)
+    assert len(eng.calls) == n_calls + 1 and len(eng.calls[-1]) == 1  # one reflection per root, one engine call
+    ask = eng.tokenizer.decode(eng.calls[-1][0])
+    # (the fake tokenizer drops ']', its id being the pad id 0)
+    assert "[A completed attempt" in ask and roots.generation.texts[0] in ask and "Incorrect." in ask
+    text = eng.tokenizer.decode(h)
+    assert text.startswith("[Record\nIncorrect.\n\n") and text.endswith("\n")  # h = [f; r]
+    assert len(text) > len("[Record\nIncorrect.\n\n\n")  # the reflection is there
+    with pytest.raises(ValueError, match="reflection_tokens"):
+        SAMPLERS.get("hdl")(4, reflection_tokens=-1)

@@ -1,22 +1,22 @@
-"""``sampler=hdl``: branch points where the outcome feedback shifts the root's token log-likelihoods most (HDL).
+"""``sampler=hdl``: branch points where hindsight shifts the root's token log-likelihoods most (HDL).
 
-Hindsight-Divergence Localization (HDL, "Hindsight-Divergence Localization"
-branch-point rollouts for group-relative RLVR; the abstract is the only text we
-could read: no arXiv full text or code was found, see
-:class:`HindsightDivergenceSampler` for what was chosen). HDL generates a few
-complete *root* trajectories, gets their outcome feedback, and re-scores each
-root with the feedback in context. The positions whose token log-likelihoods
-shift most in hindsight become branch points; the rest of the training group
-is filled with continuations sampled from those prefixes under the *original*
-task context. A continuation reuses its root's prefix and contributes policy
-updates only through its newly generated suffix.
+"Where the Model Changes Its Mind: Hindsight-Divergence Localization for Efficient
+Reinforcement Learning with Verifiable Rewards" (Chen, Fu, Venkataraman, Jiao,
+arXiv:2609.36864; no code released). HDL generates a few complete *root*
+trajectories per problem, gets their verifier feedback ``f``, lets the rollout
+policy write a hindsight reflection ``r`` on each, and re-scores each root's
+sampled tokens with and without the hindsight context ``h = [f; r]`` (eq. 1):
+``s_i = |log pi_old(y_i | x, h, y_<i) - log pi_old(y_i | x, y_<i)|`` (eq. 2). The
+highest-scoring positions of a root are its branch points; the rest of the
+group is filled with continuations sampled under the *original* context
+``x, y_<i`` (eq. 3). A continuation's loss covers only its new suffix; roots and
+continuations form one GRPO group.
 
 The shared-prefix machinery is :class:`rlpost.samplers.tree.TreeSampler`'s: a
 continuation is prompted with prompt + root prefix, its response (and so its
 ``response_mask``, the loss mask) is only the suffix it generated, its text is
 prefix + suffix for the verifier, and ``extras['shared_prefix_len']`` records the
-prefix length. Only the fork-point score and the number of continuations per
-point differ.
+prefix length. Only the fork-point score and the allocation differ.
 """
 
 from __future__ import annotations
@@ -28,10 +28,18 @@ import torch
 
 from rlpost.registry import param
 from rlpost.samplers.base import SAMPLERS, SampleResult, pad_id_of, score_rows, select_rows
-from rlpost.samplers.tree import TreeSampler, default_roots
+from rlpost.samplers.tree import TreeSampler
 
-#: the default hindsight feedback, put in front of the task context (``{verdict}``: correct / incorrect)
-DEFAULT_FEEDBACK = "Feedback on the answer below: it is {verdict}.\n"
+#: the verifier feedback ``f`` of a root (``{verdict}``: Correct / Incorrect); the paper's math feedback is the verdict
+#: plus, for a wrong root, the predicted and reference answers, which a sampler does not see
+DEFAULT_FEEDBACK = "[Record]\n{verdict}.\n"
+#: the reflection request (our wording of the fields of the paper's Appendix B.1 prompt)
+REFLECTION_TEMPLATE = (
+    "{problem}\n\n[A completed attempt]\n{root}\n\n{feedback}\n"
+    "In your own words, summarise the approach this attempt took and why, given the record, it ended as it did; "
+    "if it went wrong, say what the right approach would have been. Do not quote the attempt. "
+    "Answer as: OUTCOME: SUCCESS or FAILURE, then SUMMARY: <summary>."
+)
 
 
 @torch.no_grad()
@@ -87,21 +95,22 @@ def context_logprobs(model: torch.nn.Module, prompts: Sequence[List[int]], respo
 
 @dataclass(frozen=True)
 class HdlSamplerParams:
-    """Parameters of :class:`HindsightDivergenceSampler` (HDL branch-point rollouts)."""
+    """Parameters of :class:`HindsightDivergenceSampler` (HDL, arXiv:2609.36864; defaults from its Sec. 4.1)."""
 
-    n_roots: Optional[int] = param(None, "complete root trajectories per prompt (default: ``n_samples // 4``, at least 2 when ``n_samples >= 4``).")
-    n_branch_points: int = param(2, "branch points per root: its positions of largest hindsight shift.")
+    n_roots: int = param(2, "complete root trajectories per prompt (paper: M = 2 of G = 16).")
+    n_branch_points: int = param(2, "branch points per root: its positions of largest hindsight-divergence score (paper: 2).")
     min_prefix: int = param(1, "earliest branch position (tokens of shared prefix).")
-    feedback: str = param(DEFAULT_FEEDBACK, "hindsight text put in front of the task context when re-scoring a root; {verdict} becomes 'correct' or 'incorrect'.")
-    threshold: float = param(0.5, "reward at or above which a root's verdict is 'correct'.")
+    reflection_tokens: int = param(96, "length budget of the policy's hindsight reflection (paper: a 60-120 token summary); 0 = feedback only.")
+    feedback: str = param(DEFAULT_FEEDBACK, "verifier feedback f of a root; {verdict} becomes 'Correct' or 'Incorrect'.")
+    threshold: float = param(0.5, "reward at or above which a root's verdict is 'Correct'.")
 
 
 @SAMPLERS.register(
     "hdl",
-    paper="Hindsight-Divergence Localization (HDL) branch-point rollouts for group-relative RLVR (abstract only; "
-    "no arXiv id or code found)",
-    description="Root rollouts re-scored with their outcome feedback in context; continuations branch from the "
-    "positions of largest hindsight log-likelihood shift, loss on the new suffix only.",
+    paper="Where the Model Changes Its Mind: Hindsight-Divergence Localization for Efficient Reinforcement Learning "
+    "with Verifiable Rewards (HDL, arXiv:2609.36864)",
+    description="Root rollouts re-scored with their feedback and a hindsight reflection in context; continuations "
+    "branch from the positions of largest |log-likelihood shift|, loss on the new suffix only.",
     params=HdlSamplerParams,
 )
 class HindsightDivergenceSampler(TreeSampler):
@@ -109,73 +118,115 @@ class HindsightDivergenceSampler(TreeSampler):
 
     1. ``n_roots`` complete roots per prompt are sampled and scored (the step's
        scorer, once per row).
-    2. Each root's response ``y`` is re-scored under the rollout engine's model
-       twice, at temperature 1: with the plain context ``x`` and with the hindsight
-       context ``f + x``, ``f`` = ``feedback`` with ``{verdict}`` = ``correct`` when
-       the root's reward is ``>= threshold`` else ``incorrect``. The shift is
-       ``d_t = log p(y_t | f, x, y_<t) - log p(y_t | x, y_<t)``.
-    3. The ``n_branch_points`` positions ``t >= min_prefix`` with the largest
-       ``|d_t|`` (ties: earlier first) are the root's branch points.
-    4. The ``n_samples - n_roots`` continuations of the group are spread evenly
-       over the roots and, within a root, round-robin over its branch points
-       (so ``(n_samples - n_roots) / (n_roots * n_branch_points)``
-       continuations per point when it divides). A continuation is prompted with
-       ``x + y_<t`` (the original context, no feedback), generates ``y'_t...``
-       with budget ``max_new_tokens - t``, is scored as ``y_<t + y'`` and carries
-       loss only on ``y'`` (its ``response_mask`` covers the suffix alone).
+    2. Hindsight context ``h = [f; r]`` per root: ``f`` = ``feedback`` with
+       ``{verdict}`` = ``Correct`` when the root's reward is ``>= threshold`` else
+       ``Incorrect``; ``r`` = a reflection the rollout engine (the policy that
+       sampled the roots) writes from :data:`REFLECTION_TEMPLATE` (problem = the
+       decoded prompt, root, ``f``), ``reflection_tokens`` tokens at the step's
+       sampling settings (``reflection_tokens=0``: ``h = f``).
+    3. Each root's response ``y`` is re-scored by the engine's model at
+       temperature 1 with context ``x`` and with ``x, h`` (the paper's eq. 1
+       order: the hindsight text after the task, before the response). The
+       hindsight-divergence score is ``s_i = |log p(y_i | x, h, y_<i) - log p(y_i
+       | x, y_<i)|`` (eq. 2).
+    4. The ``n_branch_points`` positions ``i >= min_prefix`` with the largest
+       ``s_i`` (ties: earlier first) are the root's branch points.
+    5. The ``n_samples - n_roots`` continuations are spread evenly over the
+       roots and, within a root, round-robin over its branch points, the best
+       point first (the paper's default 2 roots x 2 points at G = 16 gives 7 per
+       root, 4 + 3; which point gets 4 the paper does not say: here the
+       best). A continuation is prompted with ``x + y_<i`` (original context, no
+       ``h``), samples ``y'_i...`` with budget ``max_new_tokens - i``, is scored
+       as ``y_<i + y'`` and carries loss only on ``y'`` (its ``response_mask``
+       covers the suffix alone).
 
     Rows: the roots first, then the continuations; ``extras['shared_prefix_len']``
-    is 0 for roots and ``t`` for a continuation. The sampler scores every row
-    itself (``SampleResult.rewards`` set), the roots before branching.
+    is 0 for roots and ``i`` for a continuation. The sampler scores every row
+    itself (``SampleResult.rewards`` set), the roots before branching. Metrics:
+    ``sampler/hindsight_shift_abs_mean`` (mean ``s_i`` over root tokens),
+    ``sampler/branch_score_mean`` (mean ``s_i`` at the chosen points).
 
-    Where the paper leaves it open (we had the abstract only): the feedback text
-    and where it goes (here a line in front of the rendered prompt, so it works
-    with any chat template; the verdict only, no reference answer), the size of
-    the shift (absolute value, so a token made likelier or less likely in
-    hindsight both count), the number of branch points and how continuations are
-    spread over them, and the default root count (the ``tree`` sampler's).
+    Where the paper is silent or we simplify: with a chat template, ``h``
+    follows the rendered prompt and so opens the assistant turn; the feedback
+    is the verdict only (the paper's math feedback adds the predicted and
+    reference answers of a wrong root, which the sampler does not see); the
+    reflection prompt is our wording of the paper's Appendix B.1 fields; the
+    paper trains with Dr. GRPO (no std normalisation), token-mean loss and clip
+    0.2 / 0.28, which the recipe sets and the sampler does not impose.
 
     Args:
         n_samples: rows per prompt (roots + continuations), the group size.
-        n_roots, n_branch_points, min_prefix, feedback, threshold: see the params.
+        n_roots, n_branch_points, min_prefix, reflection_tokens, feedback,
+        threshold: see :class:`HdlSamplerParams`.
 
     Raises:
-        ValueError: ``n_branch_points < 1``, ``feedback`` without ``{verdict}``,
-            ``n_roots >= n_samples``, or (in :meth:`sample`) an engine without a
-            torch model (``rollout=vllm``) or a tokenizer.
+        ValueError: ``n_branch_points < 1``, ``reflection_tokens < 0``, ``feedback``
+            without ``{verdict}``, ``n_roots >= n_samples``, or (in :meth:`sample`)
+            an engine without a torch model (``rollout=vllm``) or a tokenizer.
     """
 
-    def __init__(self, n_samples: int, *, n_roots: Optional[int] = None, n_branch_points: int = 2, min_prefix: int = 1,
-                 feedback: str = DEFAULT_FEEDBACK, threshold: float = 0.5) -> None:
-        super().__init__(n_samples, n_roots=n_roots if n_roots else default_roots(n_samples), fork_unit="token",
-                         min_prefix=min_prefix, prune_lookahead=0, entropy="model")
+    def __init__(self, n_samples: int, *, n_roots: int = 2, n_branch_points: int = 2, min_prefix: int = 1,
+                 reflection_tokens: int = 96, feedback: str = DEFAULT_FEEDBACK, threshold: float = 0.5) -> None:
+        super().__init__(n_samples, n_roots=n_roots, fork_unit="token", min_prefix=min_prefix, prune_lookahead=0,
+                         entropy="model")
         if int(n_branch_points) < 1:
             raise ValueError(f"hdl: n_branch_points={n_branch_points} must be >= 1")
+        if int(reflection_tokens) < 0:
+            raise ValueError(f"hdl: reflection_tokens={reflection_tokens} must be >= 0")
         if "{verdict}" not in feedback:
-            raise ValueError("hdl: feedback must contain '{verdict}' (where 'correct' / 'incorrect' goes)")
+            raise ValueError("hdl: feedback must contain '{verdict}' (where 'Correct' / 'Incorrect' goes)")
         self.n_branch_points = int(n_branch_points)
+        self.reflection_tokens = int(reflection_tokens)
         self.feedback = str(feedback)
         self.threshold = float(threshold)
         self._root_scored: Optional[SampleResult] = None
+        self._params: Any = None
+        self._forks: List[float] = []
+
+    def hindsight_contexts(self, engine, prompts: List[List[int]], roots: SampleResult) -> List[List[int]]:
+        """Token ids of ``h = [f; r]`` for each root (``roots.rewards`` must be set).
+
+        The reflections come from one engine call over all roots (skipped when
+        ``reflection_tokens == 0``).
+        """
+        import dataclasses
+
+        tok = engine.tokenizer
+        g = roots.generation
+        fb = [self.feedback.format(verdict="Correct" if float(roots.rewards[r]) >= self.threshold else "Incorrect")
+              for r in range(g.response_ids.shape[0])]
+        if self.reflection_tokens <= 0 or self._params is None:
+            return [list(tok.encode(f, add_special_tokens=False)) for f in fb]
+        asks = []
+        for r in range(g.response_ids.shape[0]):
+            problem = tok.decode(list(prompts[int(roots.group_index[r])]), skip_special_tokens=True)
+            text = REFLECTION_TEMPLATE.format(problem=problem, root=g.texts[r], feedback=fb[r])
+            if getattr(tok, "chat_template", None):
+                asks.append(list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False)))
+            else:
+                asks.append(list(tok.encode(text + "\n", add_special_tokens=False)))
+        p = dataclasses.replace(self._params, max_new_tokens=self.reflection_tokens, temperature_hook=None)
+        refl = engine.generate(asks, p).texts
+        return [list(tok.encode(f + "\n" + t.strip() + "\n", add_special_tokens=False)) for f, t in zip(fb, refl)]
 
     def hindsight_shift(self, engine, prompts: List[List[int]], roots: SampleResult) -> torch.Tensor:
-        """``[B_roots, R]`` shift ``log p(y_t | f, x, y_<t) - log p(y_t | x, y_<t)`` (0 on padding).
+        """``[B_roots, R]`` signed shift ``log p(y_t | x, h, y_<t) - log p(y_t | x, y_<t)`` (0 on padding).
 
-        ``roots.rewards`` must be set (the verdict of each root).
+        ``roots.rewards`` must be set (the verdict of each root); the score of eq. 2 is its absolute value.
         """
         model, tok = getattr(engine, "model", None), getattr(engine, "tokenizer", None)
         if not isinstance(model, torch.nn.Module) or tok is None:
             raise ValueError("sampler=hdl re-scores roots with the policy model: it needs an engine with a torch model "
                              "and a tokenizer (rollout=hf)")
         g = roots.generation
-        fb = {v: list(tok.encode(self.feedback.format(verdict=v), add_special_tokens=False))
-              for v in ("correct", "incorrect")}
+        hs = self.hindsight_contexts(engine, prompts, roots)
         resp, plain, hind = [], [], []
         for r in range(g.response_ids.shape[0]):
             x = list(prompts[int(roots.group_index[r])])
             resp.append(g.response_ids[r][g.response_mask[r] > 0].tolist())
             plain.append(x)
-            hind.append(fb["correct" if float(roots.rewards[r]) >= self.threshold else "incorrect"] + x)
+            hind.append(x + hs[r])
         pad = pad_id_of(engine)
         lp0 = context_logprobs(model, plain, resp, pad)
         lp1 = context_logprobs(model, hind, resp, pad)
@@ -199,10 +250,11 @@ class HindsightDivergenceSampler(TreeSampler):
         any yields ``[]`` (its continuations become fresh samples).
         """
         top = super().fork_points(engine, ids, ent, self.n_branch_points)
+        self._forks.extend(float(ent[t]) for t in top)
         return [top[j % len(top)] for j in range(k)] if top else []
 
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
-        self._root_scored = None
+        self._root_scored, self._params, self._forks = None, params, []
         res = super().sample(engine, prompts, params, ctx)
         roots = self._root_scored
         if roots is None:  # no continuations (n_samples == n_roots): tree returned the roots unscored
@@ -225,4 +277,5 @@ class HindsightDivergenceSampler(TreeSampler):
         d = self._last_shift
         m = roots.generation.response_mask
         res.metrics["sampler/hindsight_shift_abs_mean"] = float((d.abs() * m).sum() / m.sum().clamp(min=1))
+        res.metrics["sampler/branch_score_mean"] = float(sum(self._forks) / len(self._forks)) if self._forks else 0.0
         return res
