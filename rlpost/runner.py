@@ -90,7 +90,7 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
                                ("answer clusters", req.answers), ("subsentence ids", req.segments),
                                (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
                                 req.reference_rewards),
-                               ("hindsight skills and their log-prob shift (SEED)", req.skill)) if on]
+                               (f"hindsight skills (up to {req.skill} tokens) and the responses' log-probs with them (SEED)", req.skill)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -659,21 +659,18 @@ class Run:
                     self._reference_rewards[i] = [float(x) for x in r[k * n:(k + 1) * n]]
             return torch.tensor([self._reference_rewards[int(i)] for i in batch.prompt_index], dtype=torch.float32)
 
-        def skill_shift():
-            # SEED: the policy (engine, current weights) writes a hindsight skill per response; the trainer's
-            # policy scores each response with and without it (rlpost.algos.seed)
-            from rlpost.algos.registries import ADV_ESTIMATORS
-            from rlpost.algos.seed import batch_skill_shift
-            from rlpost.algos.validate import adv_overrides
+        def skill_logprobs(n: int):
+            # SEED: the policy that sampled the batch (the engine) writes a hindsight skill per response; the
+            # trainer's policy scores each response with its skill in context (rlpost.algos.seed)
+            from rlpost.algos.seed import batch_skill_logprobs
 
-            kw = ADV_ESTIMATORS.kwargs(self.cfg.algo.adv_estimator, adv_overrides(self.cfg.algo), "algo.adv_params")
             qs = [self.task.user_message(self.train_examples[int(i)]) for i in batch.prompt_index]
-            return batch_skill_shift(batch, qs, self.engine, self.trainer.policy, self.tokenizer,
-                                     self.sampling_params(step), kw["skill_tokens"])
+            return batch_skill_logprobs(batch, qs, self.engine, self.trainer, self.tokenizer,
+                                        self.sampling_params(step), n)
 
         ctx.metrics.update(prepare_algo_inputs(
             self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, reference_rewards=reference_rewards,
-            skill_shift=skill_shift,
+            skill_logprobs=skill_logprobs,
             tokenizer=self.tokenizer,
             answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
         ))
@@ -737,8 +734,7 @@ class Run:
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs,
                            answer_ids=batch.extras.get("answer_ids"),
                            teacher_logprobs=batch.extras.get("teacher_logprobs"),
-                           reference_rewards=batch.extras.get("reference_rewards"),
-                           skill_shift=batch.extras.get("skill_shift")),
+                           reference_rewards=batch.extras.get("reference_rewards")),
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages

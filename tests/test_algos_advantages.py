@@ -23,7 +23,6 @@ def inp(rewards, lengths, groups, R=None, **kw):
     kw.setdefault("teacher_logprobs", torch.zeros(len(lengths), R))
     kw.setdefault("rollout_logprobs", torch.zeros(len(lengths), R))
     kw.setdefault("reference_rewards", torch.zeros(len(lengths), 8))  # a_star: 8 reference samples, reward 0
-    kw.setdefault("skill_shift", torch.zeros(len(lengths), R))  # seed: a skill that shifts no log-prob
     return AdvantageInput(
         rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
         group_index=torch.tensor(groups), **kw,

@@ -3,7 +3,7 @@
 POPE: which prompts get an oracle prefix, how long it is, and that only the sampled
 suffix is a response token (carries loss). HDL: the hindsight shift of a root, the
 branch points at its largest |shift|, suffix-only loss, one scoring per row. SEED:
-the advantage ``A^GRPO + c * shift`` and the two-context log-prob shift.
+the loss ``PPO-clip + lambda * sigmoid(beta * Delta) * (l_skill - l_theta)``, its gradient, and the skill context.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fake_engine import CharTok, FakeEngine, scorer
-from rlpost.algos.advantages import AdvantageInput, compute_advantages
+from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
 from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS
 from rlpost.samplers.base import SamplerContext, SampleResult, generate_groups, score_rows
@@ -205,26 +205,36 @@ def test_hdl_verdict_follows_the_root_reward():
 
 
 # ------------------------------------------------------------------------------------------ SEED
-def _seed_inp(rewards, mask, shift, groups):
-    return AdvantageInput(rewards=torch.tensor(rewards), response_mask=torch.tensor(mask),
-                          group_index=torch.tensor(groups), skill_shift=torch.tensor(shift))
+def _seed_inp(lp, skill, adv, mask):
+    lp = torch.tensor(lp, requires_grad=True)
+    return lp, PolicyLossInput(logprobs=lp, old_logprobs=lp.detach().clone(), advantages=torch.tensor(adv),
+                               response_mask=torch.tensor(mask), teacher_logprobs=torch.tensor(skill))
 
 
-def test_seed_advantage_is_grpo_plus_coef_times_shift_hand_values():
-    x = _seed_inp([1.0, 0.0], [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], [[0.5, -1.0, 9.0], [0.2, 0.0, 0.3]], [0, 0])
-    a = compute_advantages("seed", x, distill_coef=0.5).advantages
-    g = 0.5 / (math.sqrt(0.5) + 1e-6)  # GRPO: (r - 0.5) / (Bessel std sqrt(0.5) + eps)
-    want = torch.tensor([[g + 0.25, g - 0.5, 0.0], [-g + 0.1, -g, -g + 0.15]])
-    assert torch.allclose(a, want, atol=1e-6)
-    # a group whose rewards are equal learns from the skill alone: A = c * shift
-    y = _seed_inp([1.0, 1.0], [[1.0, 1.0], [1.0, 0.0]], [[0.4, -0.2], [1.0, 5.0]], [0, 0])
-    assert torch.allclose(compute_advantages("seed", y, distill_coef=2.0).advantages,
-                          torch.tensor([[0.8, -0.4], [2.0, 0.0]]))
-    # coefficient 0 is GRPO exactly
-    assert torch.equal(compute_advantages("seed", x, distill_coef=0.0).advantages,
-                       compute_advantages("grpo", x).advantages)
+def test_seed_loss_is_ppo_clip_plus_gated_distillation_hand_values():
+    # on-policy (ratio 1): PPO clip's value is -A; the OPD term is lambda * g * Delta, g = sigmoid(beta * Delta)
+    lp, x = _seed_inp([[-1.0, -2.0, -0.5]], [[-0.8, -2.4, -9.0]], [[0.5, 0.5, 0.5]], [[1.0, 1.0, 0.0]])
+    loss, m = compute_policy_loss("seed", x, opd_coef=0.1, gate_beta=5.0)
+    g = [1 / (1 + math.exp(-5 * 0.2)), 1 / (1 + math.exp(-5 * -0.4))]  # Delta = +0.2, -0.4
+    # (padding keeps PPO's unmasked -A, as ppo_clip's own matrix does; the OPD term is 0 there; aggregation masks it)
+    want = torch.tensor([[-0.5 + 0.1 * g[0] * 0.2, -0.5 + 0.1 * g[1] * -0.4, -0.5]])
+    assert torch.allclose(loss.detach(), want, atol=1e-6)
+    assert float(m["seed/gate_mean"]) == pytest.approx((g[0] + g[1]) / 2, abs=1e-6)
+    assert float(m["seed/skill_shift_mean"]) == pytest.approx(-0.1, abs=1e-6)
+    # gradient per token: -A (PPO, ratio 1) - lambda * g (the gated NLL); nothing on padding
+    (loss * x.response_mask).sum().backward()
+    assert torch.allclose(lp.grad, torch.tensor([[-0.5 - 0.1 * g[0], -0.5 - 0.1 * g[1], 0.0]]), atol=1e-6)
+
+
+def test_seed_loss_with_opd_coef_zero_is_ppo_clip_and_equal_contexts_give_gate_one_half():
+    lp, x = _seed_inp([[-1.0, -2.0]], [[-1.0, -2.0]], [[1.0, -1.0]], [[1.0, 1.0]])
+    a, _ = compute_policy_loss("seed", x, opd_coef=0.0)
+    b, _ = compute_policy_loss("ppo_clip", x)
+    assert torch.equal(a, b)
+    _, m = compute_policy_loss("seed", x)
+    assert float(m["seed/gate_mean"]) == 0.5 and float(m["seed/opd_term"]) == 0.0
     with pytest.raises(ValueError, match="skill"):
-        compute_advantages("seed", dataclasses.replace(x, skill_shift=None))
+        compute_policy_loss("seed", dataclasses.replace(x, teacher_logprobs=None))
 
 
 class MarkerTok:
@@ -234,39 +244,42 @@ class MarkerTok:
         return [30] if text else []
 
 
-def test_skill_shift_two_context_hand_values_and_empty_skill_gives_zero():
-    from rlpost.algos.seed import skill_shift
+def test_skill_contexts_put_the_skill_in_front_and_leave_empty_skills_out():
+    from rlpost.algos.seed import skill_contexts
 
+    assert skill_contexts(MarkerTok(), [[1, 9], [2]], ["use the rule", ""]) == [[30, 1, 9], [2]]
+    # scored by the same kernel, an empty skill changes nothing and a marker gives the hand-computed shift
     m = HindsightModel()
-    resp = [[7, 6, 5], [7, 5]]
-    d = skill_shift(m, MarkerTok(), [[1, 9], [2]], resp, ["use the rule", ""])
-    assert d.shape == (2, 3)
-    assert torch.allclose(d[0], torch.tensor([0.0, LN20, 0.0]), atol=1e-6)
-    assert torch.equal(d[1], torch.zeros(3))  # no skill: identical contexts, exactly 0
+    ctx = skill_contexts(MarkerTok(), [[1, 9], [2]], ["rule", ""])
+    lp1 = context_logprobs(m, ctx, [[7, 6, 5], [7, 5]])
+    lp0 = context_logprobs(m, [[1, 9], [2]], [[7, 6, 5], [7, 5]])
+    assert torch.allclose(lp1[0] - lp0[0], torch.tensor([0.0, LN20, 0.0]), atol=1e-6)
+    assert torch.equal(lp1[1], lp0[1])
     with pytest.raises(ValueError, match="skills"):
-        skill_shift(m, MarkerTok(), [[1]], [[2]], [])
+        skill_contexts(MarkerTok(), [[1]], [])
 
 
-def test_seed_stage_fills_skill_shift_and_requirements():
+def test_seed_stage_writes_the_skill_logprobs_as_the_self_teacher():
     from omegaconf import OmegaConf
 
     from rlpost.algos.stages import AlgoState, algo_requirements, prepare_algo_inputs
     from rlpost.config.schema import AlgoConfig
 
     c = OmegaConf.structured(AlgoConfig)
-    OmegaConf.update(c, "adv_estimator", "seed", merge=True)
+    OmegaConf.update(c, "loss", "seed", merge=True)
+    OmegaConf.update(c, "loss_params", {"skill_tokens": 12}, merge=True)
     req = algo_requirements(c)
-    assert req.skill and not algo_requirements(OmegaConf.structured(AlgoConfig)).skill
+    assert req.skill == 12 and algo_requirements(OmegaConf.structured(AlgoConfig)).skill == 0
 
     class B:
         response_mask = torch.tensor([[1.0, 1.0, 0.0]])
         extras: dict = {}
 
-    b = B()
-    m = prepare_algo_inputs(AlgoState(req), b, None, skill_shift=lambda: (torch.tensor([[0.5, -1.5, 0.0]]), ["ab"]))
-    assert torch.equal(b.extras["skill_shift"], torch.tensor([[0.5, -1.5, 0.0]]))
-    assert m["seed/skill_shift_mean"] == pytest.approx(-0.5) and m["seed/skill_shift_abs_mean"] == pytest.approx(1.0)
-    assert m["seed/skill_chars_mean"] == 2.0
+    b, asked = B(), []
+    m = prepare_algo_inputs(AlgoState(req), b, None,
+                            skill_logprobs=lambda n: (asked.append(n), (torch.tensor([[-0.5, -1.5, 0.0]]), ["ab", ""]))[1])
+    assert asked == [12] and torch.equal(b.extras["teacher_logprobs"], torch.tensor([[-0.5, -1.5, 0.0]]))
+    assert m["seed/skill_chars_mean"] == 1.0 and m["seed/skill_empty_frac"] == 0.5
     with pytest.raises(ValueError, match="skill"):
         prepare_algo_inputs(AlgoState(req), B(), None)
 

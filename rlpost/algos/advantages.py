@@ -73,9 +73,6 @@ class AdvantageInput:
         reference_rewards: ``[B, N]`` rewards of N responses of each row's prompt
             sampled from the frozen reference policy, or None; estimators tagged
             ``needs_reference_rewards`` (``a_star``: the optimal value V*) read it.
-        skill_shift: ``[B, R]`` per-token log-prob shift of the sampled tokens when
-            a hindsight skill is added to the context (nats), or None; estimators
-            tagged ``needs_skill`` (``seed``) read it.
     """
 
     rewards: torch.Tensor
@@ -90,7 +87,6 @@ class AdvantageInput:
     answer_ids: Optional[torch.Tensor] = None
     teacher_logprobs: Optional[torch.Tensor] = None
     reference_rewards: Optional[torch.Tensor] = None
-    skill_shift: Optional[torch.Tensor] = None
 
 
 class Baseline(Choice):

@@ -1,48 +1,50 @@
-"""SEED: self-evolving on-policy distillation from hindsight skills (``algo=seed``).
+"""SEED: self-evolving on-policy distillation from the policy's own hindsight skills (``algo=seed``).
 
-"SEED: SElf-Evolving On-Policy Distillation" (Jinyang Wu et al.; code announced
-at https://github.com/jinyangwu/SEED; no arXiv id or code could be read here, the
-abstract is our source). The policy reads its own finished trajectories and writes
-natural-language *hindsight skills* (reusable workflows, decisive observations,
-failure-avoidance rules). Each sampled response is then scored twice by the
-policy, with the ordinary context and with the skill added; the per-token
-log-prob shift is a dense on-policy distillation signal, optimised jointly with
-the outcome-reward RL loss.
+"SEED: Self-Evolving On-Policy Distillation for Agentic Reinforcement Learning"
+(Wu, Yang, Lu, Zhang, Shen, Feng, Luo, Lian, Zhang, Wen, Tao; arXiv:2607.14777;
+code https://github.com/jinyangwu/SEED). During RL the frozen policy ``pi_old``
+both samples the trajectories and, as *analyzer*, reads each finished trajectory
+and writes a natural-language hindsight skill ``s``. The sampled tokens are
+re-scored under the ordinary context and under the skill-augmented one; with
+``l_skill`` / ``l_theta`` their log-probs, the skill-induced shift
+``Delta = sg[l_skill - l_theta]`` gates a distillation term
 
-Here the joint objective is an advantage sum, the form the authors' follow-up
-OPID ("OPID: On-Policy Skill Distillation for Agentic Reinforcement Learning",
-Yang, Wu et al., arXiv:2606.26790) states: the token-level skill advantage is
-added to the group-relative outcome advantage. With a policy-gradient loss
-(``ppo_clip``) the gradient is the outcome term plus ``distill_coef`` times the
-sampled-token distillation term toward the skill-conditioned policy (the
-reverse-KL signal of on-policy distillation, with the skill-conditioned policy
-as teacher).
+    L_opd = E[ m * sigma(beta * Delta) * (sg[l_skill] - l_theta) ],
 
-The runner's ``algo_inputs`` stage (:func:`rlpost.algos.stages.prepare_algo_inputs`)
-calls :func:`skill_shift` when the estimator is tagged ``needs_skill``: one sampled
-analyzer generation per response with the rollout engine (the current weights),
-then two no-grad scoring passes of the trainer's policy.
+whose gradient is a gate-weighted NLL of the sampled tokens: tokens the skill
+makes likelier are pushed up harder. It is trained next to the outcome RL loss:
+``L_SEED = L_rl + lambda_opd * L_opd`` (GRPO with PPO clip 0.2, KL 0.01,
+``beta = 5``, ``lambda_opd = 0.01``, group size 8 in the paper's runs).
+
+Here ``L_rl`` is :func:`rlpost.algos.losses.ppo_clip_loss` on the estimator's
+advantages (``algo.adv_estimator``, GRPO in the preset), and the skill-context
+log-probs ride on the batch as ``extras['teacher_logprobs']`` (the
+skill-conditioned policy is SEED's self-teacher), written by the runner's
+``algo_inputs`` stage through :func:`batch_skill_logprobs` for losses tagged
+``needs_skill``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, grpo_advantage
-from rlpost.algos.registries import ADV_ESTIMATORS
+from rlpost.algos.losses import PolicyLossInput, ppo_clip_loss
+from rlpost.algos.registries import POLICY_LOSSES
+from rlpost.algos.utils import masked_mean
 from rlpost.registry import param
 
-#: the analyzer's instruction (our wording; the paper fine-tunes its analyzer on its own template first)
+#: the analyzer's instruction (our wording; the paper first fine-tunes its analyzer on skills an external model wrote)
 ANALYZER_TEMPLATE = (
     "Here is a problem, an attempt at it and the verdict on the attempt.\n\n"
     "Problem: {question}\n\nAttempt: {response}\n\nVerdict: the attempt is {verdict}.\n\n"
     "Write one short, reusable rule (a workflow, a key observation or a mistake to avoid) "
     "that would help solve problems like this one. Reply with the rule only."
 )
-#: how a skill enters the context: a line in front of the rendered prompt (our choice, template-agnostic)
+#: how a skill enters the context: a line in front of the rendered prompt (our choice of H(h, s), template-agnostic)
 SKILL_TEMPLATE = "Skill from earlier attempts: {skill}\n"
 
 
@@ -63,53 +65,38 @@ def analyzer_prompt_ids(tokenizer: Any, question: str, response: str, verdict: s
     return list(tokenizer(text + "\n")["input_ids"])
 
 
-def skill_shift(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[List[int]], responses: Sequence[List[int]],
-                skills: Sequence[str], pad_id: int = 0) -> torch.Tensor:
-    """``[B, R]`` per-token shift ``log pi(y_t | s, x, y_<t) - log pi(y_t | x, y_<t)`` (nats; 0 on padding).
-
-    ``s`` = :data:`SKILL_TEMPLATE` with ``skills[b]``, tokenised and put in front
-    of the row's context ``prompts[b]``; both passes by
-    :func:`rlpost.samplers.hdl.context_logprobs` (same kernel, temperature 1), so
-    an empty skill gives exactly 0. ``R`` = the longest response.
+def skill_contexts(tokenizer: Any, prompts: Sequence[List[int]], skills: Sequence[str]) -> List[List[int]]:
+    """Each row's skill-augmented context: :data:`SKILL_TEMPLATE` tokens, then the row's prompt (unchanged for an empty skill).
 
     Raises:
-        ValueError: lengths of ``prompts``, ``responses``, ``skills`` differ.
+        ValueError: ``prompts`` and ``skills`` differ in length.
     """
-    from rlpost.samplers.hdl import context_logprobs
-
-    if not len(prompts) == len(responses) == len(skills):
-        raise ValueError(f"skill_shift: {len(prompts)} prompts, {len(responses)} responses, {len(skills)} skills")
-    aug = [(list(tokenizer.encode(SKILL_TEMPLATE.format(skill=s), add_special_tokens=False)) if s else []) + list(p)
-           for p, s in zip(prompts, skills)]
-    lp0 = context_logprobs(model, prompts, responses, pad_id)
-    lp1 = context_logprobs(model, aug, responses, pad_id)
-    R = max([len(r) for r in responses] + [0])
-    out = torch.zeros(len(responses), R)
-    for b, r in enumerate(responses):
-        out[b, : len(r)] = lp1[b] - lp0[b]
-    return out
+    if len(prompts) != len(skills):
+        raise ValueError(f"skill_contexts: {len(prompts)} prompts but {len(skills)} skills")
+    return [(list(tokenizer.encode(SKILL_TEMPLATE.format(skill=s), add_special_tokens=False)) if s else []) + list(p)
+            for p, s in zip(prompts, skills)]
 
 
-def batch_skill_shift(batch: Any, questions: Sequence[str], engine: Any, model: torch.nn.Module, tokenizer: Any,
-                      sampling: Any, skill_tokens: int, threshold: float = 0.5) -> Tuple[torch.Tensor, List[str]]:
-    """SEED's two steps on a rollout batch: write a hindsight skill per response, then :func:`skill_shift`.
+def batch_skill_logprobs(batch: Any, questions: Sequence[str], engine: Any, trainer: Any, tokenizer: Any,
+                         sampling: Any, skill_tokens: int, threshold: float = 0.5) -> Tuple[torch.Tensor, List[str]]:
+    """SEED's hindsight pass on a rollout batch: the policy writes a skill per response, then scores it in that context.
 
     Args:
         batch: a :class:`rlpost.batch.RolloutBatch` with ``rewards`` and ``response_texts``.
         questions: the task text of each row.
-        engine: the rollout engine (current weights): the policy as analyzer.
-        model: the trainer's policy module (scores the two contexts).
+        engine: the rollout engine (the weights that sampled the batch: ``pi_old`` as analyzer).
+        trainer: has ``compute_logprobs(batch)`` (the same no-grad kernel as the old log-probs).
         tokenizer: the policy's tokenizer.
-        sampling: :class:`rlpost.rollout.base.SamplingParams` of the step; the
-            analyzer samples with them (same temperature / top-p / seed) and
-            ``max_new_tokens = skill_tokens`` (sampling rather than greedy is our
+        sampling: the step's :class:`rlpost.rollout.base.SamplingParams`; the analyzer samples
+            with them and ``max_new_tokens = skill_tokens`` (sampling rather than greedy is our
             choice: greedy decoding of a weak policy repeats one token).
         skill_tokens: length budget of a skill.
         threshold: reward at or above which the verdict is ``correct``.
     Returns:
-        ``(shift [B, R] aligned with batch.response_ids, skills)``.
+        ``(l_skill [B, R], skills)``: log-probs of the batch's response tokens with the
+        skill in context (0 on padding), and the skill texts.
     """
-    import dataclasses
+    from rlpost.rollout.hf import left_pad
 
     rows = []
     for b in range(len(batch)):
@@ -118,62 +105,75 @@ def batch_skill_shift(batch: Any, questions: Sequence[str], engine: Any, model: 
     sp = dataclasses.replace(sampling, max_new_tokens=int(skill_tokens), temperature_hook=None)
     skills = [t.strip() for t in engine.generate(rows, sp).texts]
     prompts = [batch.prompt_ids[b][batch.prompt_mask[b] > 0].tolist() for b in range(len(batch))]
-    responses = [batch.response_ids[b][batch.response_mask[b] > 0].tolist() for b in range(len(batch))]
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
-    d = skill_shift(model, tokenizer, prompts, responses, skills, pad)
-    out = torch.zeros(batch.response_ids.shape)
-    for b in range(len(batch)):
-        idx = (batch.response_mask[b] > 0).nonzero().flatten()
-        out[b, idx] = d[b, : len(idx)]
-    return out, skills
+    ids, mask = left_pad(skill_contexts(tokenizer, prompts, skills), pad)
+    aug = dataclasses.replace(batch, prompt_ids=ids, prompt_mask=mask.to(batch.prompt_mask.dtype), extras={})
+    lp = trainer.compute_logprobs(aug)[0]
+    return lp * batch.response_mask, skills
 
 
 @dataclass(frozen=True)
-class SeedParams:
-    """SEED's skill-shift distillation next to GRPO's outcome advantage."""
+class SeedLossParams:
+    """SEED (arXiv:2607.14777): PPO clip next to the gated skill-distillation term; defaults are the paper's."""
 
-    distill_coef: float = param(1.0, "weight of the per-token skill shift added to the outcome advantage (the paper's knob; value not given, ours)")
-    skill_tokens: int = param(48, "length budget (tokens) of a hindsight skill the analyzer writes (our choice)")
-    norm_by_std: bool = param(True, "divide the outcome advantage by the group std (GRPO)")
-    eps: float = param(1e-6, "added to the group std")
+    opd_coef: float = param(0.01, "lambda_opd, weight of the distillation term (paper: 0.01)")
+    gate_beta: float = param(5.0, "beta_opd, sharpness of the gate sigmoid(beta * Delta) (paper: 5.0)")
+    skill_tokens: int = param(48, "length budget of a hindsight skill the analyzer writes (ours; read by the algo_inputs stage)")
+    eps_low: float = param(0.2, "PPO lower clip (paper: 0.2)")
+    eps_high: float = param(0.2, "PPO upper clip (paper: 0.2)")
+    dual_clip: Optional[float] = param(None, "dual-clip constant, or null (off)")
 
 
-@ADV_ESTIMATORS.register(
+@POLICY_LOSSES.register(
     "seed",
-    paper="SEED: SElf-Evolving On-Policy Distillation (code https://github.com/jinyangwu/SEED); joint form as in "
-    "OPID: On-Policy Skill Distillation for Agentic Reinforcement Learning (arXiv:2606.26790)",
-    params=SeedParams,
-    needs_group=True,
-    needs_skill=True,
+    paper="SEED: Self-Evolving On-Policy Distillation for Agentic Reinforcement Learning (arXiv:2607.14777); "
+    "code https://github.com/jinyangwu/SEED",
+    params=SeedLossParams,
+    needs_skill="skill_tokens",
 )
-def seed_advantage(inp: AdvantageInput, *, distill_coef: float, skill_tokens: int, norm_by_std: bool,
-                   eps: float) -> AdvantageOutput:
-    """Outcome advantage plus the hindsight-skill log-prob shift: ``A_t = A^GRPO_i + c * d_t``.
+def seed_loss(inp: PolicyLossInput, *, opd_coef: float, gate_beta: float, skill_tokens: int, eps_low: float,
+              eps_high: float, dual_clip: Optional[float]) -> Tuple[torch.Tensor, dict]:
+    """PPO-clip outcome loss plus SEED's gated on-policy distillation toward the skill-conditioned policy.
 
-    ``A^GRPO_i`` is :func:`rlpost.algos.advantages.grpo_advantage` (group mean,
-    Bessel std) broadcast over sequence ``i``; ``d_t = log pi_old(y_t | skill, x,
-    y_<t) - log pi_old(y_t | x, y_<t)`` is ``inp.skill_shift`` (computed before the
-    update, so no gradient flows through it); ``c`` = ``distill_coef``. A token the
-    skill makes likelier is pushed up, one it makes less likely is pushed down,
-    even in a group whose rewards are all equal (there ``A^GRPO`` is 0 and the
-    update is pure distillation). ``skill_tokens`` is read by the runner's stage,
-    not here.
+    Per token: ``L_t = L^clip_t + lambda * g_t * (l_skill_t - l_theta_t)`` with
+    ``Delta_t = sg[l_skill_t - l_theta_t]`` and ``g_t = sigmoid(beta * Delta_t)``;
+    ``l_theta = inp.logprobs`` (with grad), ``l_skill = inp.teacher_logprobs``
+    (no grad). The gradient of the second term is ``-lambda * g_t * grad
+    l_theta_t``: a gate-weighted NLL of the sampled token, strongest (``g -> 1``)
+    where the skill raised the token's probability and fading (``g -> 0``) where it
+    lowered it. The term's value is ``lambda * g * Delta`` (0 when the two
+    contexts agree, then the gate is 1/2 and the gradient ``-lambda/2 * grad
+    l_theta``).
 
-    Shapes: ``skill_shift``, ``response_mask`` ``[B, R]``; ``rewards``,
-    ``group_index`` ``[B]`` -> advantages ``[B, R]``, 0 outside the mask.
+    Where we simplify: ``l_skill`` is scored once per step by the pre-update
+    policy (the paper re-scores with the trainable policy; identical on the
+    first on-policy mini-batch, stale by the update's drift afterwards);
+    ``Delta`` uses the current ``l_theta`` as the paper writes it.
 
+    Args:
+        inp: ``logprobs``, ``old_logprobs``, ``advantages``, ``response_mask``
+            ``[B, R]`` and ``teacher_logprobs`` ``[B, R]`` (the skill-context log-probs).
+        opd_coef, gate_beta: ``lambda_opd``, ``beta_opd``.
+        skill_tokens: read by the runner's stage, not here.
+        eps_low, eps_high, dual_clip: of :func:`rlpost.algos.losses.ppo_clip_loss`.
+    Returns:
+        ``(loss_mat [B, R], metrics)``; metrics of ``ppo_clip`` plus ``seed/gate_mean``,
+        ``seed/skill_shift_mean`` (mean ``Delta``), ``seed/opd_term`` (token mean of
+        ``g * Delta``).
     Raises:
-        ValueError: ``inp.skill_shift`` is missing (the runner's ``algo_inputs``
-            stage fills it for estimators tagged ``needs_skill``) or its shape
-            differs from the mask's.
+        ValueError: ``inp.teacher_logprobs`` is missing (the ``algo_inputs`` stage
+            writes it for losses tagged ``needs_skill``).
     """
-    if inp.skill_shift is None:
-        raise ValueError("seed needs the skill log-prob shift (batch.extras['skill_shift']); the runner's algo_inputs "
-                         "stage computes it for estimators tagged needs_skill")
-    if inp.skill_shift.shape != inp.response_mask.shape:
-        raise ValueError(f"seed: skill_shift {tuple(inp.skill_shift.shape)} vs response_mask "
-                         f"{tuple(inp.response_mask.shape)}")
-    base = grpo_advantage(inp, norm_by_std=norm_by_std, eps=eps, baseline="mean", unbiased_std=True).advantages
+    if inp.teacher_logprobs is None:
+        raise ValueError("seed needs the skill-context log-probs (batch.extras['teacher_logprobs']); the runner's "
+                         "algo_inputs stage writes them for losses tagged needs_skill")
+    loss, metrics = ppo_clip_loss(inp, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
     m = inp.response_mask
-    adv = base.double() + float(distill_coef) * inp.skill_shift.double() * m.double()
-    return AdvantageOutput(advantages=(adv * m.double()).float())
+    l_skill = inp.teacher_logprobs.to(inp.logprobs.device, inp.logprobs.dtype).detach()
+    delta = (l_skill - inp.logprobs).detach()
+    gate = torch.sigmoid(gate_beta * delta)
+    opd = gate * (l_skill - inp.logprobs) * m
+    with torch.no_grad():
+        metrics.update({"seed/gate_mean": masked_mean(gate, m), "seed/skill_shift_mean": masked_mean(delta, m),
+                        "seed/opd_term": masked_mean(opd.detach(), m)})
+    return loss + opd_coef * opd, metrics
