@@ -89,7 +89,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
                                ("per-prompt Beta baseline", req.beta_baseline),
                                ("answer clusters", req.answers), ("subsentence ids", req.segments),
                                (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
-                                req.reference_rewards)) if on]
+                                req.reference_rewards),
+                               (f"hindsight skills (up to {req.skill} tokens) and the responses' log-probs with them (SEED)", req.skill)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -658,8 +659,18 @@ class Run:
                     self._reference_rewards[i] = [float(x) for x in r[k * n:(k + 1) * n]]
             return torch.tensor([self._reference_rewards[int(i)] for i in batch.prompt_index], dtype=torch.float32)
 
+        def skill_logprobs(n: int):
+            # SEED: the policy that sampled the batch (the engine) writes a hindsight skill per response; the
+            # trainer's policy scores each response with its skill in context (rlpost.algos.seed)
+            from rlpost.algos.seed import batch_skill_logprobs
+
+            qs = [self.task.user_message(self.train_examples[int(i)]) for i in batch.prompt_index]
+            return batch_skill_logprobs(batch, qs, self.engine, self.trainer, self.tokenizer,
+                                        self.sampling_params(step), n)
+
         ctx.metrics.update(prepare_algo_inputs(
             self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, reference_rewards=reference_rewards,
+            skill_logprobs=skill_logprobs,
             tokenizer=self.tokenizer,
             answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
         ))

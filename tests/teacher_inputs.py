@@ -18,6 +18,8 @@ def teacher_inputs(loss: str, lp: torch.Tensor, seed: int = 0) -> Dict[str, torc
     g = torch.Generator().manual_seed(seed)
     if POLICY_LOSSES.tag(loss, "needs_ref", False):  # EXO, A*-PO: the reference policy's log-probs
         return {"ref_logprobs": lp.detach() + 0.2 * torch.randn(lp.shape, generator=g)}
+    if POLICY_LOSSES.tag(loss, "needs_skill", None):  # SEED: the skill-context log-probs, its self-teacher
+        return {"teacher_logprobs": lp.detach() + 0.3 * torch.randn(lp.shape, generator=g)}
     if not key and not POLICY_LOSSES.tag(loss, "needs_teacher", False):
         return {}
     K = int(POLICY_LOSSES.kwargs(loss, {}, "algo.loss_params")[key]) if key else 0
