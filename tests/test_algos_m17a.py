@@ -97,6 +97,22 @@ def test_r2vpo_trainer_runs_dual_ascent_between_mini_batches(tmp_path):
     assert r["actor/ratio_var"] > 0  # the second mini-batch saw the moved policy
 
 
+
+def test_r2vpo_multiplier_survives_a_checkpoint(compose):
+    from conftest import tiny_overrides
+
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    cfg = compose(tiny_overrides("algo=r2vpo"))
+    t = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
+    t.loss_state["r2vpo_lambda"] = 3.25
+    t2 = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
+    assert t2.loss_state == {}
+    t2.load_state_dict(t.state_dict())
+    assert t2.loss_state == {"r2vpo_lambda": 3.25}
+
 # --- XRPO, novelty-aware advantage sharpening and the rollout allocator (arXiv:2510.06672) ------
 
 def xrpo_input(rewards, seq_logliks, group=None):
