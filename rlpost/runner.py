@@ -90,7 +90,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
                                ("answer clusters", req.answers), ("subsentence ids", req.segments),
                                (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
                                 req.reference_rewards),
-                               (f"hindsight skills (up to {req.skill} tokens) and the responses' log-probs with them (SEED)", req.skill)) if on]
+                               (f"hindsight skills (up to {req.skill} tokens) and the responses' log-probs with them (SEED)", req.skill),
+                               ("privileged-context log-prob shifts (CSCR)", req.privileged_shifts)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -734,7 +735,8 @@ class Run:
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs,
                            answer_ids=batch.extras.get("answer_ids"),
                            teacher_logprobs=batch.extras.get("teacher_logprobs"),
-                           reference_rewards=batch.extras.get("reference_rewards")),
+                           reference_rewards=batch.extras.get("reference_rewards"),
+                           privileged_shifts=batch.extras.pop("privileged_shifts", None)),  # [B, R, 2]: not kept
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages

@@ -73,6 +73,9 @@ class AdvantageInput:
         reference_rewards: ``[B, N]`` rewards of N responses of each row's prompt
             sampled from the frozen reference policy, or None; estimators tagged
             ``needs_reference_rewards`` (``a_star``: the optimal value V*) read it.
+        privileged_shifts: ``[B, R, 2]`` each response token's log-prob shift under two
+            privileged prompt contexts (correct / wrong answer asserted), or None;
+            estimators tagged ``needs_privileged_shifts`` (``cscr``) read it.
     """
 
     rewards: torch.Tensor
@@ -87,6 +90,7 @@ class AdvantageInput:
     answer_ids: Optional[torch.Tensor] = None
     teacher_logprobs: Optional[torch.Tensor] = None
     reference_rewards: Optional[torch.Tensor] = None
+    privileged_shifts: Optional[torch.Tensor] = None
 
 
 class Baseline(Choice):

@@ -90,6 +90,10 @@ class PolicyLossInput:
             ids (full-vocabulary normalised), or None; no grad.
         ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
             losses tagged ``needs_ref`` (``exo``) read it; no grad.
+        loss_state: the trainer's running state of losses that carry some across
+            optimizer steps (``r2vpo``'s Lagrange multiplier), read-only here, or
+            None; a loss tagged ``after_step=fn`` has ``fn(state, metrics, **params)``
+            update it after each optimizer step (saved with a checkpoint).
     """
 
     logprobs: torch.Tensor
@@ -109,6 +113,7 @@ class PolicyLossInput:
     support_logprobs: Optional[torch.Tensor] = None
     teacher_support_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    loss_state: Optional[Dict[str, float]] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:

@@ -51,6 +51,8 @@ class AlgoRequirements:
             row's prompt (A*-PO's V*; N is the estimator's ``num_value_samples``).
         skill: N > 0: the log-probs of every response token with a hindsight skill
             of at most N tokens in context (SEED; N is the loss's ``skill_tokens``).
+        privileged_shifts: each response token's log-prob shift under two
+            privileged prompt contexts (CSCR; :func:`rlpost.algos.cscr.privileged_shifts`).
     """
 
     entropy: bool = False
@@ -61,6 +63,7 @@ class AlgoRequirements:
     segments: bool = False
     reference_rewards: int = 0
     skill: int = 0
+    privileged_shifts: bool = False
 
 
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
@@ -75,6 +78,7 @@ def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
         segments=bool(POLICY_LOSSES.tag(loss, "needs_segments", False)),
         reference_rewards=_reference_samples(algo_cfg),
         skill=_skill_tokens(algo_cfg),
+        privileged_shifts=bool(ADV_ESTIMATORS.tag(adv, "needs_privileged_shifts", False)),
     )
 
 
@@ -300,6 +304,14 @@ def prepare_algo_inputs(
         seg = subsentence_ids(batch.response_ids, batch.response_mask, tokenizer)
         batch.extras["segment_ids"] = seg
         m["sspo/subsentences_mean"] = float(((seg * batch.response_mask.long()).amax(-1) + 1).float().mean())
+    if req.privileged_shifts:  # CSCR: three no-grad passes (plain, correct-asserted, wrong-asserted prompts)
+        from rlpost.algos.cscr import privileged_shifts
+
+        if tokenizer is None:
+            raise ValueError("CSCR needs the tokenizer to write the privileged contexts")
+        sh = privileged_shifts(batch, trainer, tokenizer)
+        batch.extras["privileged_shifts"] = sh
+        m["adv/privileged_shift_abs_mean"] = float(sh.abs().mean(-1).sum() / batch.response_mask.sum().clamp(min=1))
     if req.entropy:
         _, ent = trainer.compute_logprobs(batch, with_entropy=True)
         batch.extras["entropy"] = ent

@@ -201,6 +201,7 @@ class TorchTrainer:
         self.bad_steps = 0
         self.version = 0  # number of policy optimizer steps taken
         self.updates = 0  # number of policy_update calls (the entropy metric's interval counts these)
+        self.loss_state: Dict[str, float] = {}  # losses' cross-step state (r2vpo's multiplier; tag after_step)
 
     # ----------------------------------------------------------------- helpers
     #: torch's fused AdamW kernel (CPU and CUDA): one pass over each parameter's weight, gradient and
@@ -561,6 +562,7 @@ class TorchTrainer:
                         step=self.updates - 1,
                         old_entropy=mb.extras["old_entropy"].to(self.device) if "old_entropy" in mb.extras else None,
                         ref_logprobs=mb.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mb.extras else None,
+                        loss_state=self.loss_state,
                         **teacher_in,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
@@ -632,6 +634,9 @@ class TorchTrainer:
                     self.bad_steps = 0
                     self.version += 1
                     acc.add({"actor/grad_norm": gn, "actor/skipped_steps": 0.0}, 1.0)
+                    after = POLICY_LOSSES.tag(a.loss, "after_step", None)
+                    if after is not None:  # e.g. r2vpo's dual ascent on its multiplier (mini-batch statistics)
+                        after(self.loss_state, lm, **loss_params)
                 self.sched.step()
         out = self._reduce_metrics(acc).means()
         real, padded = (sum(x) for x in zip(*self._gather([torch.tensor(pad_acc)])))
@@ -676,6 +681,7 @@ class TorchTrainer:
             "bad_steps": self.bad_steps,
             "version": self.version,
             "updates": self.updates,
+            "loss_state": dict(self.loss_state),
         }
         if self.critic is not None:
             sd["critic"] = self.critic.state_dict()
@@ -691,6 +697,7 @@ class TorchTrainer:
         self.bad_steps = int(sd.get("bad_steps", 0))
         self.version = int(sd.get("version", 0))
         self.updates = int(sd.get("updates", 0))
+        self.loss_state = {k: float(v) for k, v in sd.get("loss_state", {}).items()}
         if self.critic is not None and "critic" in sd:
             self.critic.load_state_dict(sd["critic"])
             self.critic_opt.load_state_dict(sd["critic_opt"])
