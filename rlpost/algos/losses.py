@@ -90,6 +90,9 @@ class PolicyLossInput:
             ids (full-vocabulary normalised), or None; no grad.
         ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
             losses tagged ``needs_ref`` (``exo``) read it; no grad.
+        first_log_normaliser: ``[B]`` ``logsumexp`` of the current policy's logits at the
+            first response position (with grad), or None; losses tagged
+            ``needs_first_log_normaliser`` (``tbrm``: its ``V(s_1)``) read it.
     """
 
     logprobs: torch.Tensor
@@ -109,6 +112,7 @@ class PolicyLossInput:
     support_logprobs: Optional[torch.Tensor] = None
     teacher_support_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    first_log_normaliser: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:

@@ -296,6 +296,14 @@ class TorchTrainer:
                 attn.to(self.device),
             )
 
+    def _first_log_normaliser(self, batch: RolloutBatch) -> torch.Tensor:
+        """``[B]`` log-normaliser of the first response position's logits (TBRM's ``V(s_1) / beta``), with grad."""
+        from rlpost.algos.tbrm import first_position_log_normaliser
+
+        with self.autocast():
+            return first_position_log_normaliser(self.train_module, batch.prompt_ids.to(self.device),
+                                                 batch.prompt_mask.to(self.device), self._temperature(batch))
+
     @property
     def wants_ref(self) -> bool:
         """A reference policy is needed: KL to it (``algo.kl.coef > 0``), a loss tagged ``needs_ref`` (EXO,
@@ -507,6 +515,7 @@ class TorchTrainer:
         need_entropy, entropy_grad = self._entropy_need()
         self.updates += 1
         batch_stats = bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False))
+        first_lognorm = bool(POLICY_LOSSES.tag(a.loss, "needs_first_log_normaliser", False))
         mm_rows: List[List[torch.Tensor]] = [[], [], []]  # rollout lp, old lp, mask (first epoch)
         pad_acc = [0.0, 0.0]  # real and padded tokens of this process's micro-batches (first epoch)
         for epoch in range(a.ppo_epochs):
@@ -561,6 +570,7 @@ class TorchTrainer:
                         step=self.updates - 1,
                         old_entropy=mb.extras["old_entropy"].to(self.device) if "old_entropy" in mb.extras else None,
                         ref_logprobs=mb.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mb.extras else None,
+                        first_log_normaliser=self._first_log_normaliser(mb) if first_lognorm else None,
                         **teacher_in,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
