@@ -216,6 +216,9 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
         raise ConfigError(f"algo.loss_agg_norm must be null or > 0, got {norm}.")
 
     tags = ADV_ESTIMATORS.entry(adv).tags
+    if int(_get(critic, "supervised_states", 0) or 0) < 0:
+        raise ConfigError(f"algo.critic.supervised_states={_get(critic, 'supervised_states')} must be >= 0 "
+                          "(0: the value loss on every response token; n > 0: SP3O's n sparse states)")
     if tags.get("needs_critic") and not bool(_get(critic, "enabled", False)):
         raise ConfigError(
             f"algo.adv_estimator={adv} needs a critic (value model) but algo.critic.enabled is false. "
