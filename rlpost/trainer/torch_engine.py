@@ -296,6 +296,32 @@ class TorchTrainer:
                 attn.to(self.device),
             )
 
+    def _region_support_pass(self, mb: RolloutBatch, with_entropy: bool, entropy_grad: bool):
+        """Sampled log-probs (with grad) and the current policy's log-probs on the anchor's recorded top-K support.
+
+        Returns ``(logprobs [b, R], entropy or None, loss-input fields)``; the fields are
+        ``region_support_logprobs`` (detached) and ``region_anchor_logprobs`` for
+        :func:`rlpost.algos.losses.dppo_loss`'s predictive direction.
+        Raises:
+            ConfigError: an entropy bonus with gradient (not differentiated on this path).
+        """
+        from rlpost.errors import ConfigError
+        from rlpost.models.teacher import support_logprobs
+
+        if entropy_grad:
+            raise ConfigError("algo.entropy_coef != 0 with dppo direction=predictive: the entropy bonus's gradient is "
+                              "not computed on this path. Fix: algo.entropy_coef=0.")
+        attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
+        dev = self.device
+        with self.autocast():
+            lp, ent, sup, _ = support_logprobs(
+                self.train_module, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
+                temperature=self._temperature(mb), support_ids=mb.extras["old_topk_ids"],
+                chunk_size=self.tcfg.logprob_chunk_size, with_entropy=with_entropy, **self._truncation())
+        R = lp.shape[1]
+        return lp, ent, {"region_support_logprobs": sup.detach().float(),
+                         "region_anchor_logprobs": mb.extras["old_topk_logprobs"][:, :R].to(dev).float()}
+
     def _first_log_normaliser(self, batch: RolloutBatch) -> torch.Tensor:
         """``[B]`` log-normaliser of the first response position's logits (TBRM's ``V(s_1) / beta``), with grad."""
         from rlpost.algos.tbrm import first_position_log_normaliser
@@ -544,6 +570,8 @@ class TorchTrainer:
                         from rlpost.models.teacher import student_support_pass
 
                         lp, ent, teacher_in = student_support_pass(self, self.train_module, mb, need_entropy, entropy_grad)
+                    elif "old_topk_ids" in mb.extras:  # DPPO's predictive direction (rlpost.algos.predictive_mask)
+                        lp, ent, teacher_in = self._region_support_pass(mb, need_entropy, entropy_grad)
                     else:
                         lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
                         teacher_in = {"teacher_logprobs": mb.extras["teacher_logprobs"].to(self.device)
