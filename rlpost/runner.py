@@ -747,6 +747,8 @@ class Run:
             ctx.metrics.update(apply_loss_token_mask(self.sampler, batch, ent, ctx.c.step))
         if out.returns is not None:
             batch.extras["returns"] = out.returns
+        if out.value_mask is not None:  # the critic regresses only there (sapo_ar: turn starts)
+            batch.extras["value_mask"] = out.value_mask
 
     def _critic_update(self, ctx: "LearnContext") -> None:
         ctx.metrics.update(self.trainer.critic_update(ctx.batch))

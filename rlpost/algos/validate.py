@@ -225,6 +225,9 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
                                   "the behaviour policy's top-K). Fix: add anchor: old, or use direction=ratio.")
             if int(dk["topk"]) < 2:
                 raise ConfigError(f"algo.loss_params.topk={dk['topk']} must be >= 2 (the sampled token and one other)")
+    if bool(_get(critic, "shared_backbone", False)) and int(_get(critic, "warmup_steps", 0) or 0) > 0:
+        raise ConfigError("algo.critic.shared_backbone=true with algo.critic.warmup_steps > 0: the critic's updates move "
+                          "the shared backbone, so the policy would not be frozen during warm-up. Fix: warmup_steps=0.")
     if int(_get(critic, "supervised_states", 0) or 0) < 0:
         raise ConfigError(f"algo.critic.supervised_states={_get(critic, 'supervised_states')} must be >= 0 "
                           "(0: the value loss on every response token; n > 0: SP3O's n sparse states)")

@@ -149,6 +149,9 @@ class CriticConfig:
             response token (PPO).
         state_spacing: ``even`` (first, last and evenly between) or ``stratified`` (one
             random position per equal stratum) for ``supervised_states > 0``.
+        shared_backbone: the value head reads the policy's own backbone instead of a copy
+            (``algo=sapo_ar``); the critic's optimizer then also moves the policy's weights.
+            Needs ``trainer.engine=torch``, no LoRA and ``warmup_steps=0``.
     """
 
     enabled: bool = False
@@ -159,6 +162,7 @@ class CriticConfig:
     epochs: int = 1
     supervised_states: int = 0
     state_spacing: StateSpacing = StateSpacing.even
+    shared_backbone: bool = False
 
 
 @dataclass

@@ -359,7 +359,8 @@ class DeepSpeedTrainer(TorchTrainer):
         # per critic update for the whole batch so every micro-batch (and process) uses the same positions
         batch = batch.select(list(range(len(batch))))
         batch.extras["_critic_mask"] = critic_loss_mask(batch.response_mask, a.critic,
-                                                        int(self.cfg.seed) * 1_000_003 + self.version)
+                                                        int(self.cfg.seed) * 1_000_003 + self.version,
+                                                        batch.extras.get("value_mask"))
         for _ in range(max(1, a.critic.epochs)):
             denom = float(batch.extras["_critic_mask"].sum())
             for mb in self._micro_batches(batch):

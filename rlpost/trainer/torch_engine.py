@@ -194,7 +194,13 @@ class TorchTrainer:
         self.critic: Optional[ValueModel] = None
         self.critic_opt = None
         if self.algo.critic.enabled:
-            self.critic = ValueModel(self.policy).to(self.device)
+            shared = bool(self.algo.critic.get("shared_backbone", False))
+            if shared and (self.lora or type(self).__name__ != "TorchTrainer"):
+                from rlpost.errors import ConfigError
+
+                raise ConfigError("algo.critic.shared_backbone=true needs trainer.engine=torch without LoRA (the critic's "
+                                  "optimizer updates the policy's own backbone). Fix: algo.critic.shared_backbone=false.")
+            self.critic = ValueModel(self.policy, shared=shared).to(self.device)
             self.critic_opt = self._make_optimizer(self.critic.parameters(), self.algo.critic.lr)
         # MoE routing replay (model.routing_replay; rlpost.models.moe_replay.attach_routing sets it)
         self.routing: Optional[Any] = None
@@ -694,7 +700,8 @@ class TorchTrainer:
         # per critic update for the whole batch so every micro-batch (and process) uses the same positions
         batch = batch.select(list(range(len(batch))))
         batch.extras["_critic_mask"] = critic_loss_mask(batch.response_mask, a.critic,
-                                                        int(self.cfg.seed) * 1_000_003 + self.version)
+                                                        int(self.cfg.seed) * 1_000_003 + self.version,
+                                                        batch.extras.get("value_mask"))
         for _ in range(max(1, a.critic.epochs)):
             denom = float(batch.extras["_critic_mask"].sum())
             for mb in self._micro_batches(batch):
