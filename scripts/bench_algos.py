@@ -35,7 +35,7 @@ NAMED = [
     "bnpo", "maxrl", "f_grpo", "dgpo", "max_at_k", "rec", "opmd", "asymre", "dppo",
     "tpo", "cpgd", "cfpo", "kpo", "sspo", "egsw", "seed_grpo", "nat",
     "fipo", "holderpo", "p3o", "erc",
-    "tbrm", "sp3o", "dppo_predictive",
+    "tbrm", "sp3o", "dppo_predictive", "sapo_ar",
 ]
 
 
