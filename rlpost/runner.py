@@ -170,7 +170,11 @@ def needs_old_logprobs(a: Any) -> bool:
     a3po = str(trainer_loss_params(a).proximal) == "a3po"
     baseline = ADV_ESTIMATORS.kwargs(a.adv_estimator, adv_overrides(a), "algo.adv_params").get("baseline")
     min_var = str(baseline) == "min_variance"  # estimators without a baseline parameter never need it
-    return (a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward) or min_var
+    from rlpost.algos.predictive_mask import predictive_topk
+
+    # DPPO's predictive direction reads the pre-update policy's top-K, recorded in this pass
+    return ((a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward) or min_var
+            or predictive_topk(a) > 0)
 
 
 @dataclass
@@ -695,6 +699,11 @@ class Run:
         from rlpost.algos.registries import POLICY_LOSSES
 
         ctx.batch.extras["old_logprobs"] = self._rows_pass(ctx.batch, lambda b: self.trainer.compute_logprobs(b)[0])
+        from rlpost.algos.predictive_mask import anchor_topk_record, predictive_topk
+
+        k = predictive_topk(self.cfg.algo)
+        if k:  # DPPO's predictive direction: the pre-update policy's top-K support (one more no-grad pass)
+            ctx.batch.extras.update(anchor_topk_record(self.trainer, ctx.batch, k))
         if POLICY_LOSSES.tag(self.cfg.algo.loss, "needs_old_entropy", False):  # ERC's entropy ratio (one more pass)
             ctx.batch.extras["old_entropy"] = self._rows_pass(
                 ctx.batch, lambda b: self.trainer.compute_logprobs(b, with_entropy=True)[1])
@@ -751,6 +760,8 @@ class Run:
             ctx.metrics.update(apply_loss_token_mask(self.sampler, batch, ent, ctx.c.step))
         if out.returns is not None:
             batch.extras["returns"] = out.returns
+        if out.value_mask is not None:  # the critic regresses only there (sapo_ar: turn starts)
+            batch.extras["value_mask"] = out.value_mask
 
     def _critic_update(self, ctx: "LearnContext") -> None:
         ctx.metrics.update(self.trainer.critic_update(ctx.batch))

@@ -36,6 +36,7 @@ NAMED = [
     "tpo", "cpgd", "cfpo", "kpo", "sspo", "egsw", "seed_grpo", "nat",
     "fipo", "holderpo", "p3o", "erc",
     "r2vpo", "xrpo", "rapid",
+    "tbrm", "sp3o", "dppo_predictive", "sapo_ar",
 ]
 
 

@@ -17,7 +17,10 @@ def teacher_inputs(loss: str, lp: torch.Tensor, seed: int = 0) -> Dict[str, torc
     key = POLICY_LOSSES.tag(loss, "teacher_topk", None)
     g = torch.Generator().manual_seed(seed)
     if POLICY_LOSSES.tag(loss, "needs_ref", False):  # EXO, A*-PO: the reference policy's log-probs
-        return {"ref_logprobs": lp.detach() + 0.2 * torch.randn(lp.shape, generator=g)}
+        out = {"ref_logprobs": lp.detach() + 0.2 * torch.randn(lp.shape, generator=g)}
+        if POLICY_LOSSES.tag(loss, "needs_first_log_normaliser", False):  # TBRM's V(s_1) / beta
+            out["first_log_normaliser"] = (5.0 + torch.randn(lp.shape[0], generator=g)).requires_grad_(True)
+        return out
     if POLICY_LOSSES.tag(loss, "needs_skill", None):  # SEED: the skill-context log-probs, its self-teacher
         return {"teacher_logprobs": lp.detach() + 0.3 * torch.randn(lp.shape, generator=g)}
     if not key and not POLICY_LOSSES.tag(loss, "needs_teacher", False):

@@ -234,11 +234,14 @@ class AdvantageOutput:
         loss_mask: ``[B, R]`` 0/1 mask that the trainer multiplies into the
             response mask (sequences an estimator excludes from the update, such
             as MC-GRPO's median pivot), or None to keep every token.
+        value_mask: ``[B, R]`` 0/1 positions where the critic regresses on ``returns``
+            (``sapo_ar``: turn starts), or None for every response token.
     """
 
     advantages: torch.Tensor
     returns: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
+    value_mask: Optional[torch.Tensor] = None
 
 
 def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:

@@ -34,6 +34,13 @@ class KLEstimator(Choice):
     k3 = "k3"
 
 
+class StateSpacing(Choice):
+    """algo.critic.state_spacing: where SP3O's supervised states sit (rlpost.algos.sp3o)."""
+
+    even = "even"
+    stratified = "stratified"
+
+
 class Dtype(Choice):
     """precision.trainer_dtype."""
 
@@ -137,6 +144,14 @@ class CriticConfig:
         clip_range: value clip around the rollout-time values, or null.
         coef: weight of the value loss (separate optimizer, so only a scale).
         epochs: critic passes over each step's batch.
+        supervised_states: SP3O's sparse critic supervision (:mod:`rlpost.algos.sp3o`): the
+            value loss only at this many well-separated states of each response; 0 = every
+            response token (PPO).
+        state_spacing: ``even`` (first, last and evenly between) or ``stratified`` (one
+            random position per equal stratum) for ``supervised_states > 0``.
+        shared_backbone: the value head reads the policy's own backbone instead of a copy
+            (``algo=sapo_ar``); the critic's optimizer then also moves the policy's weights.
+            Needs ``trainer.engine=torch``, no LoRA and ``warmup_steps=0``.
     """
 
     enabled: bool = False
@@ -145,6 +160,9 @@ class CriticConfig:
     clip_range: Optional[float] = 0.2
     coef: float = 1.0
     epochs: int = 1
+    supervised_states: int = 0
+    state_spacing: StateSpacing = StateSpacing.even
+    shared_backbone: bool = False
 
 
 @dataclass
