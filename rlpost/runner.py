@@ -785,6 +785,9 @@ class Run:
             m["partial/token_staleness_mean"] = float(st.mean()) if st.numel() else 0.0
             m["partial/token_staleness_max"] = float(st.max()) if st.numel() else 0.0
         m["bench/update_tokens"] = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+        pop = getattr(self.local_engine, "pop_metrics", None)  # engine counters (rollout.speculative: spec/...)
+        if pop is not None:
+            m.update(pop())
         m["time/step_s"] = time.perf_counter() - c.t_start
         cpu = [(c.cpu_rollout, ctx.cpu_learn)]
         if self.shard:  # every rank runs this step's learn stages in step: add up the work of all ranks

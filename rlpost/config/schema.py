@@ -381,6 +381,9 @@ class RolloutConfig:
         max_model_len: vLLM's longest sequence (prompt + response) in tokens;
             null: the model's own context (40k tokens for Qwen3-8B, whose KV
             cache for one sequence then has to fit in vLLM's share).
+        speculative: null, or self-speculative decoding settings (``drafter``,
+            ``switch_batch``, ``draft_len``, ``min_draft_len``, ``max_draft_len``,
+            ``adaptive``), checked by :func:`rlpost.rollout.self_spec.spec_config`.
     """
 
     engine: RolloutEngine = RolloutEngine.hf
@@ -393,6 +396,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.4
     enforce_eager: bool = False
     max_model_len: Optional[int] = None
+    speculative: Optional[Dict[str, Any]] = None
 
 
 @dataclass

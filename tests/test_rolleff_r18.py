@@ -1,0 +1,177 @@
+"""Rollout-efficiency and low-precision methods: self-speculative rollouts, OTR, HiF4."""
+
+import itertools
+
+import pytest
+import torch
+
+from rlpost.errors import ConfigError
+from rlpost.rollout.base import SamplingParams
+from rlpost.rollout.hf import HFRolloutEngine
+from rlpost.rollout.self_spec import SelfSpeculativeEngine, next_draft_len, spec_config
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny-model forwards are latency-bound: one intra-op thread avoids spin-waiting on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    exp = probs * n
+    return float(((counts - exp) ** 2 / exp.clamp(min=1e-12)).sum())
+
+
+class _Tok:
+    """Minimal tokenizer for a 5-token vocabulary (0 = EOS)."""
+
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids if not (skip_special_tokens and int(i) == 0))
+
+
+def _tiny_llama(seed: int, sharpen: float = 3.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      eos_token_id=0, pad_token_id=0, bos_token_id=1)
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(sharpen)
+    return m
+
+
+def _perturb(scale: float):
+    """A drafter 'quantiser' that moves every weight: a drafter clearly unlike the policy."""
+
+    def convert(m):
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=g))
+        return m
+
+    return convert
+
+
+@torch.no_grad()
+def _exact_dist(model, prompt, T):
+    """Probability of every response of a T-token budget (EOS=0 ends a response)."""
+    outs = {}
+
+    def rec(prefix, prob):
+        if len(prefix) == T or (prefix and prefix[-1] == 0):
+            outs[tuple(prefix)] = prob
+            return
+        logits = model(input_ids=torch.tensor([prompt + prefix])).logits[0, -1]
+        p = torch.softmax(logits.double(), -1)
+        for a in range(5):
+            rec(prefix + [a], prob * float(p[a]))
+
+    rec([], 1.0)
+    keys = sorted(outs)
+    return keys, torch.tensor([outs[k] for k in keys], dtype=torch.float64)
+
+
+def test_next_draft_len_hand_computed():
+    assert next_draft_len(4, 4, 4, 1, 8) == 6  # all accepted: +2
+    assert next_draft_len(7, 3, 3, 1, 8) == 8  # clipped at the maximum
+    assert next_draft_len(4, 1, 4, 1, 8) == 3  # a rejection: -1
+    assert next_draft_len(1, 0, 1, 1, 8) == 1  # clipped at the minimum
+    with pytest.raises(ValueError, match="accepted"):
+        next_draft_len(4, 5, 4, 1, 8)
+    with pytest.raises(ValueError, match="bounds"):
+        next_draft_len(4, 1, 4, 3, 2)
+
+
+def test_spec_config_errors():
+    assert spec_config({"switch_batch": 2})["drafter"] == "int8"
+    with pytest.raises(ConfigError, match="unknown key"):
+        spec_config({"switch_batchh": 2})
+    with pytest.raises(ConfigError, match="drafter"):
+        spec_config({"drafter": "fp3"})
+    with pytest.raises(ConfigError, match="min_draft_len"):
+        spec_config({"draft_len": 9, "max_draft_len": 8})
+
+
+def test_self_speculative_rollouts_are_exact_samples_of_the_policy():
+    """Whole 3-token responses: chi-square against the policy's exact distribution, in both phases."""
+    model = _tiny_llama(0)
+    target = HFRolloutEngine(model, _Tok(), batch_size=4096)
+    N, T, prompt = 400, 3, [1, 2, 3]
+    # switch_batch = N - 1: the batch draws its first token autoregressively, and the rows still
+    # running after it (most) are speculated, so both phases and the switch are exercised
+    eng = SelfSpeculativeEngine(target, _perturb(0.3), switch_batch=N - 1, draft_len=2, max_draft_len=3)
+    g = eng.generate([prompt] * N, SamplingParams(max_new_tokens=T, seed=7))
+    m = eng.pop_metrics()
+    assert m["spec/spec_rows"] > N // 2 and m["spec/ar_tokens"] == N
+    assert 0.05 < m["spec/accept_rate"] < 0.95, m  # drafter differs from the policy: some rejections
+    keys, p_exact = _exact_dist(model, prompt, T)
+    _, q_exact = _exact_dist(eng.drafter, prompt, T)
+    index = {k: i for i, k in enumerate(keys)}
+    counts = torch.zeros(len(keys), dtype=torch.float64)
+    for b in range(N):
+        counts[index[tuple(g.response_ids[b][g.response_mask[b] > 0].tolist())]] += 1
+    keep = p_exact * N >= 5
+    c = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    pe = torch.cat([p_exact[keep], p_exact[~keep].sum()[None]])
+    df = int(keep.sum())
+    bound = 2.0 * df + 6.0 * df ** 0.5  # above the 99.9% chi-square quantile for these df
+    assert chi2(c, pe) < bound, (chi2(c, pe), df)
+    # the test has power: the drafter's own distribution is rejected
+    assert chi2(c, torch.cat([q_exact[keep], q_exact[~keep].sum()[None]])) > bound
+    # reported log-probs are the policy's
+    lp0 = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
+    first = g.response_ids[:, 0]
+    assert torch.allclose(g.rollout_logprobs[:, 0].double(), lp0[first], atol=1e-4)
+
+
+def test_self_speculative_metrics_and_sync():
+    model = _tiny_llama(1)
+    target = HFRolloutEngine(model, _Tok(), share_weights=True)
+    from rlpost.rollout.precision import rollout_converter
+
+    eng = SelfSpeculativeEngine(target, rollout_converter("fp8_sim"), switch_batch=8, draft_len=3)
+    g = eng.generate([[1, 2], [3, 4]], SamplingParams(max_new_tokens=6, seed=1))
+    m = eng.pop_metrics()
+    assert m["spec/spec_rows"] == 2 and m["spec/ar_tokens"] == 0  # 2 rows <= 8: speculation from the start
+    assert m["spec/spec_tokens"] == g.num_tokens
+    # an fp8 drafter of the same weights agrees almost always
+    assert m["spec/accept_rate"] > 0.8
+    # each round (one policy forward after the row's prefill) emits its accepted tokens + 1 at most
+    assert m["spec/spec_tokens"] <= m["spec/accepted_tokens"] + m["spec/target_forwards"] - 2
+    assert eng.pop_metrics()["spec/draft_tokens"] == 0  # reset
+    # same seed, same samples
+    g2 = eng.generate([[1, 2], [3, 4]], SamplingParams(max_new_tokens=6, seed=1))
+    assert torch.equal(g.response_ids, g2.response_ids)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.0)
+    eng.sync_weights(model)
+    assert float(eng.drafter.lm_head.weight.abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="temperature hook"):
+        eng.generate([[1]], SamplingParams(temperature_hook=lambda lg, t: None))
+
+
+def test_speculative_config_wiring():
+    from omegaconf import OmegaConf
+
+    from rlpost.rollout.self_spec import check_speculative
+
+    cfg = OmegaConf.create({"rollout": {"engine": "vllm", "speculative": {"switch_batch": 2}},
+                            "model": {"routing_replay": "off"}})
+    with pytest.raises(ConfigError, match="rollout=hf"):
+        check_speculative(cfg)
+    cfg = OmegaConf.create({"rollout": {"engine": "hf", "speculative": {"switch_batch": 2}},
+                            "model": {"routing_replay": "replay"}})
+    with pytest.raises(ConfigError, match="routing_replay"):
+        check_speculative(cfg)
+    cfg = OmegaConf.create({"rollout": {"engine": "hf", "speculative": None}, "model": {}})
+    assert check_speculative(cfg) is None
