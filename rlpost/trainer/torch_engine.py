@@ -535,6 +535,12 @@ class TorchTrainer:
                         from rlpost.models.teacher import student_support_pass
 
                         lp, ent, teacher_in = student_support_pass(self, self.train_module, mb, need_entropy, entropy_grad)
+                    elif POLICY_LOSSES.tag(a.loss, "one_token_rollout", False):  # OTR (rlpost.algos.otr)
+                        from rlpost.algos.otr import otr_forward
+
+                        otr_seed = int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no
+                        lp, ent, teacher_in = otr_forward(self, self.train_module, mb, need_entropy, entropy_grad,
+                                                          loss_params, otr_seed)
                     else:
                         lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
                         teacher_in = {"teacher_logprobs": mb.extras["teacher_logprobs"].to(self.device)
