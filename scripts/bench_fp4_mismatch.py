@@ -29,8 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--dtypes", nargs="*", default=["fp8_sim", "fp4_sim", "fp4_w4a4_sim", "fp4_w4a4_quads_sim",
-                                                     "fp4_w4a4_resq_sim"])
+    ap.add_argument("--dtypes", nargs="*", default=["fp8_sim", "fp4_sim", "hif4_sim", "fp4_w4a4_sim", "fp4_w4a4_quads_sim",
+                                                     "fp4_w4a4_resq_sim", "hif4_w4a4_sim", "hif4_w4a4_resq_sim"])
     args = ap.parse_args()
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
