@@ -300,6 +300,9 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
+        from rlpost.rollout.quads import apply_trainer_weight_quant
+
+        apply_trainer_weight_quant(cfg, self.trainer.policy)  # precision.trainer_weight_quant (QUADS), before any copy
         self.teacher = None  # the frozen distillation teacher (model.teacher): owns its parameters
         if cfg.model.get("teacher", None):
             from rlpost.models.teacher import load_teacher

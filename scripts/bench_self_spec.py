@@ -4,7 +4,8 @@ Usage::
 
     python scripts/bench_self_spec.py --repeats 2 --max-new-tokens 48
 
-SmolLM2-135M-Instruct, 4 prompts x 4 rollouts, one thread. Each repeat generates the same prompts
+SmolLM2-135M-Instruct, ``--prompts`` x ``--n`` rollouts (default 4 x 4; ``--prompts 1 --n 1`` is the
+single-row tail the method targets), one thread. Each repeat generates the same prompts
 with fresh seeds through the plain engine (``rollout=hf``) and through
 :class:`rlpost.rollout.self_spec.SelfSpeculativeEngine` in each configuration of ``--configs``
 (``drafter:switch_batch``). Prints seconds, tokens generated, policy forward calls (prefill
@@ -30,6 +31,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--configs", nargs="+", default=["int8:4", "int8:16", "fp8_sim:4"])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=4, help="rollouts per prompt")
     args = ap.parse_args()
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
@@ -43,12 +46,12 @@ def main() -> None:
     model, tok = load_policy(cfg.model)
     rng = random.Random(0)
     prompts = []
-    for _ in range(4):
+    for _ in range(args.prompts):
         a, b = rng.randint(1, 99), rng.randint(1, 99)
         msgs = [{"role": "system", "content": cfg.task.system_prompt}, {"role": "user", "content": f"What is {a} + {b}?"}]
         p = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         prompts.append(list(p["input_ids"]) if hasattr(p, "keys") else list(p))
-    rows = [p for p in prompts for _ in range(4)]
+    rows = [p for p in prompts for _ in range(args.n)]
     calls = {"n": 0}
     model.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
     plain = HFRolloutEngine(model, tok, batch_size=64)
@@ -57,7 +60,7 @@ def main() -> None:
         d, sb = c.split(":")
         engines[c] = SelfSpeculativeEngine(HFRolloutEngine(model, tok, batch_size=64), rollout_converter(d),
                                            switch_batch=int(sb))
-    print(f"# 4 prompts x 4 rollouts x {args.max_new_tokens} tokens, SmolLM2-135M, one thread")
+    print(f"# {args.prompts} prompts x {args.n} rollouts x {args.max_new_tokens} tokens, SmolLM2-135M, one thread")
     print("| repeat | engine | rollout s | tokens | policy forwards | drafter forwards | accept rate | speculated rows |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for rep in range(args.repeats):

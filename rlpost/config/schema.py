@@ -427,6 +427,9 @@ class PrecisionConfig:
         correction: none | tis | mis | cis | ais (importance correction against
             the rollout log-probs).
         correction_params: e.g. ``{cap: 2.0}``.
+        trainer_weight_quant: none | fp4 | hif4: the trainer multiplies its decoder weights
+            through the rollout copy's quantiser, straight-through (QUADS trainer side,
+            :mod:`rlpost.rollout.quads`).
     """
 
     name: str = "fp32"
@@ -434,6 +437,7 @@ class PrecisionConfig:
     rollout_dtype: str = "fp32"
     correction: str = "none"
     correction_params: Dict[str, Any] = field(default_factory=dict)
+    trainer_weight_quant: str = "none"
 
 
 @dataclass

@@ -397,8 +397,8 @@ def check_speculative(cfg: Any) -> Optional[Dict[str, Any]]:
         return None
     c = spec_config(spec)
     if str(cfg.rollout.engine) != "hf":
-        raise ConfigError("rollout.speculative is implemented for rollout=hf; with rollout=vllm use vLLM's own "
-                          "speculative_config (scripts/gpu_check.py --part self_spec)")
+        raise ConfigError("rollout.speculative is implemented for rollout=hf only (no vLLM drafter wiring yet); "
+                          "set rollout=hf or drop rollout.speculative")
     if str(getattr(cfg.model, "routing_replay", "off") or "off") != "off":
         raise ConfigError("rollout.speculative cannot be combined with model.routing_replay (routes are "
                           "recorded per plain decode forward); set one of them off")
