@@ -306,6 +306,9 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
+        from rlpost.rollout.quads import apply_trainer_weight_quant
+
+        apply_trainer_weight_quant(cfg, self.trainer.policy)  # precision.trainer_weight_quant (QUADS), before any copy
         self.teacher = None  # the frozen distillation teacher (model.teacher): owns its parameters
         if cfg.model.get("teacher", None):
             from rlpost.models.teacher import load_teacher
@@ -809,6 +812,9 @@ class Run:
             m["partial/token_staleness_mean"] = float(st.mean()) if st.numel() else 0.0
             m["partial/token_staleness_max"] = float(st.max()) if st.numel() else 0.0
         m["bench/update_tokens"] = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+        pop = getattr(self.local_engine, "pop_metrics", None)  # engine counters (rollout.speculative: spec/...)
+        if pop is not None:
+            m.update(pop())
         m["time/step_s"] = time.perf_counter() - c.t_start
         cpu = [(c.cpu_rollout, ctx.cpu_learn)]
         if self.shard:  # every rank runs this step's learn stages in step: add up the work of all ranks

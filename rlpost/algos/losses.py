@@ -88,6 +88,8 @@ class PolicyLossInput:
             tagged ``teacher_topk`` (:mod:`rlpost.algos.distill`) read it.
         teacher_support_logprobs: ``[B, R, K]`` the teacher's log-probs at those
             ids (full-vocabulary normalised), or None; no grad.
+        support_rewards: ``[B, R, K]`` a reward per support token (OTR's candidates:
+            1 on the reference token, ``beta`` elsewhere, :mod:`rlpost.algos.otr`), or None.
         ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
             losses tagged ``needs_ref`` (``exo``) read it; no grad.
         loss_state: the trainer's running state of losses that carry some across
@@ -120,6 +122,7 @@ class PolicyLossInput:
     teacher_logprobs: Optional[torch.Tensor] = None
     support_logprobs: Optional[torch.Tensor] = None
     teacher_support_logprobs: Optional[torch.Tensor] = None
+    support_rewards: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     loss_state: Optional[Dict[str, float]] = None
     first_log_normaliser: Optional[torch.Tensor] = None

@@ -399,6 +399,9 @@ class RolloutConfig:
         max_model_len: vLLM's longest sequence (prompt + response) in tokens;
             null: the model's own context (40k tokens for Qwen3-8B, whose KV
             cache for one sequence then has to fit in vLLM's share).
+        speculative: null, or self-speculative decoding settings (``drafter``,
+            ``switch_batch``, ``draft_len``, ``min_draft_len``, ``max_draft_len``,
+            ``adaptive``), checked by :func:`rlpost.rollout.self_spec.spec_config`.
     """
 
     engine: RolloutEngine = RolloutEngine.hf
@@ -411,6 +414,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.4
     enforce_eager: bool = False
     max_model_len: Optional[int] = None
+    speculative: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -441,6 +445,9 @@ class PrecisionConfig:
         correction: none | tis | mis | cis | ais (importance correction against
             the rollout log-probs).
         correction_params: e.g. ``{cap: 2.0}``.
+        trainer_weight_quant: none | fp4 | hif4: the trainer multiplies its decoder weights
+            through the rollout copy's quantiser, straight-through (QUADS trainer side,
+            :mod:`rlpost.rollout.quads`).
     """
 
     name: str = "fp32"
@@ -448,6 +455,7 @@ class PrecisionConfig:
     rollout_dtype: str = "fp32"
     correction: str = "none"
     correction_params: Dict[str, Any] = field(default_factory=dict)
+    trainer_weight_quant: str = "none"
 
 
 @dataclass

@@ -570,7 +570,8 @@ class TorchTrainer:
                 whole = self._whole_batch_input(mini, v_start) if (len(micro) > 1 and batch_stats) else None
                 # One seed per mini-batch, shared by its micro-batches (and by every process, so a
                 # distributed engine draws the same tokens everywhere), for losses that sample tokens.
-                seed = (int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no) if batch_stats else None
+                mini_seed = int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no
+                seed = mini_seed if batch_stats else None
                 for mb in micro:
                     m = mb.response_mask.to(self.device)
                     if "teacher_topk_ids" in mb.extras:  # distillation on the teacher's top-K (rlpost.algos.distill)
@@ -579,6 +580,11 @@ class TorchTrainer:
                         lp, ent, teacher_in = student_support_pass(self, self.train_module, mb, need_entropy, entropy_grad)
                     elif "old_topk_ids" in mb.extras:  # DPPO's predictive direction (rlpost.algos.predictive_mask)
                         lp, ent, teacher_in = self._region_support_pass(mb, need_entropy, entropy_grad)
+                    elif POLICY_LOSSES.tag(a.loss, "one_token_rollout", False):  # OTR (rlpost.algos.otr)
+                        from rlpost.algos.otr import otr_forward
+
+                        lp, ent, teacher_in = otr_forward(self, self.train_module, mb, need_entropy, entropy_grad,
+                                                          loss_params, mini_seed)
                     else:
                         lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
                         teacher_in = {"teacher_logprobs": mb.extras["teacher_logprobs"].to(self.device)
