@@ -26,8 +26,7 @@ def test_every_preset_names_its_paper_and_only_registered_parts():
     for name in PRESETS:
         raw = yaml.safe_load((conf_dir() / "algo" / f"{name}.yaml").read_text())
         assert raw["name"] == name
-        # a reader can follow it; sapo_ar's paper has no arXiv id that could be found (its YAML says so)
-        assert "arXiv:" in raw["paper"] or name in ("sft", "sapo_ar"), (name, raw["paper"])
+        assert "arXiv:" in raw["paper"] or name == "sft", (name, raw["paper"])  # a reader can follow it
         assert raw["adv_estimator"] in ADV_ESTIMATORS and raw["loss"] in POLICY_LOSSES
         assert raw["loss_agg"] in LOSS_AGGS
 

@@ -1,12 +1,13 @@
 """Single-rollout autoregressive policy optimisation: turn-level values, trajectory GAE, a SARSA value target.
 
-The method (its authors call it SAPO; the preset is ``sapo_ar`` because ``sapo`` is
-Soft Adaptive Policy Optimization, arXiv:2511.20347) trains an LLM agent from one
+SAPO: Single-Rollout Autoregressive Policy Optimization for Agentic Reinforcement
+Learning (arXiv:2608.19842; the preset is ``sapo_ar`` because ``sapo`` is Soft Adaptive
+Policy Optimization, arXiv:2511.20347) trains an LLM agent from one
 rollout per prompt. Policy and value share one autoregressive backbone, the value is
 read at turn boundaries, the PPO objective and an auxiliary on-policy SARSA value
 objective are optimised separately, and per-turn credit comes from a trajectory-level
-GAE over turns with advantages normalised over the batch. No arXiv id, text or code
-of the paper could be found from here; this module follows that description, and
+GAE over turns with advantages normalised over the batch. Only the abstract and
+secondary summaries were readable from here (no code); this module follows that description, and
 the constants are this library's choices (stated in the parameter docs).
 
 A turn is a maximal run of loss tokens (``response_mask > 0``): in a multi-turn
@@ -34,7 +35,7 @@ from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, outcome_tok
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.registry import param
 
-_PAPER = ("Single-rollout Autoregressive Policy Optimization (SAPO for LLM agents; no arXiv id found): "
+_PAPER = ("SAPO: Single-Rollout Autoregressive Policy Optimization for Agentic RL (arXiv:2608.19842): "
           "shared-backbone values at turn boundaries, SARSA value objective, trajectory-level GAE")
 
 
