@@ -89,7 +89,9 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
                                ("per-prompt Beta baseline", req.beta_baseline),
                                ("answer clusters", req.answers), ("subsentence ids", req.segments),
                                (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
-                                req.reference_rewards)) if on]
+                                req.reference_rewards),
+                               (f"hindsight skills (up to {req.skill} tokens) and the responses' log-probs with them (SEED)", req.skill),
+                               ("privileged-context log-prob shifts (CSCR)", req.privileged_shifts)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -168,7 +170,11 @@ def needs_old_logprobs(a: Any) -> bool:
     a3po = str(trainer_loss_params(a).proximal) == "a3po"
     baseline = ADV_ESTIMATORS.kwargs(a.adv_estimator, adv_overrides(a), "algo.adv_params").get("baseline")
     min_var = str(baseline) == "min_variance"  # estimators without a baseline parameter never need it
-    return (a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward) or min_var
+    from rlpost.algos.predictive_mask import predictive_topk
+
+    # DPPO's predictive direction reads the pre-update policy's top-K, recorded in this pass
+    return ((a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward) or min_var
+            or predictive_topk(a) > 0)
 
 
 @dataclass
@@ -300,6 +306,9 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
+        from rlpost.rollout.quads import apply_trainer_weight_quant
+
+        apply_trainer_weight_quant(cfg, self.trainer.policy)  # precision.trainer_weight_quant (QUADS), before any copy
         self.teacher = None  # the frozen distillation teacher (model.teacher): owns its parameters
         if cfg.model.get("teacher", None):
             from rlpost.models.teacher import load_teacher
@@ -658,8 +667,18 @@ class Run:
                     self._reference_rewards[i] = [float(x) for x in r[k * n:(k + 1) * n]]
             return torch.tensor([self._reference_rewards[int(i)] for i in batch.prompt_index], dtype=torch.float32)
 
+        def skill_logprobs(n: int):
+            # SEED: the policy that sampled the batch (the engine) writes a hindsight skill per response; the
+            # trainer's policy scores each response with its skill in context (rlpost.algos.seed)
+            from rlpost.algos.seed import batch_skill_logprobs
+
+            qs = [self.task.user_message(self.train_examples[int(i)]) for i in batch.prompt_index]
+            return batch_skill_logprobs(batch, qs, self.engine, self.trainer, self.tokenizer,
+                                        self.sampling_params(step), n)
+
         ctx.metrics.update(prepare_algo_inputs(
             self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, reference_rewards=reference_rewards,
+            skill_logprobs=skill_logprobs,
             tokenizer=self.tokenizer,
             answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
         ))
@@ -683,6 +702,11 @@ class Run:
         from rlpost.algos.registries import POLICY_LOSSES
 
         ctx.batch.extras["old_logprobs"] = self._rows_pass(ctx.batch, lambda b: self.trainer.compute_logprobs(b)[0])
+        from rlpost.algos.predictive_mask import anchor_topk_record, predictive_topk
+
+        k = predictive_topk(self.cfg.algo)
+        if k:  # DPPO's predictive direction: the pre-update policy's top-K support (one more no-grad pass)
+            ctx.batch.extras.update(anchor_topk_record(self.trainer, ctx.batch, k))
         if POLICY_LOSSES.tag(self.cfg.algo.loss, "needs_old_entropy", False):  # ERC's entropy ratio (one more pass)
             ctx.batch.extras["old_entropy"] = self._rows_pass(
                 ctx.batch, lambda b: self.trainer.compute_logprobs(b, with_entropy=True)[1])
@@ -723,7 +747,8 @@ class Run:
                            old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs,
                            answer_ids=batch.extras.get("answer_ids"),
                            teacher_logprobs=batch.extras.get("teacher_logprobs"),
-                           reference_rewards=batch.extras.get("reference_rewards")),
+                           reference_rewards=batch.extras.get("reference_rewards"),
+                           privileged_shifts=batch.extras.pop("privileged_shifts", None)),  # [B, R, 2]: not kept
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages
@@ -738,6 +763,8 @@ class Run:
             ctx.metrics.update(apply_loss_token_mask(self.sampler, batch, ent, ctx.c.step))
         if out.returns is not None:
             batch.extras["returns"] = out.returns
+        if out.value_mask is not None:  # the critic regresses only there (sapo_ar: turn starts)
+            batch.extras["value_mask"] = out.value_mask
 
     def _critic_update(self, ctx: "LearnContext") -> None:
         ctx.metrics.update(self.trainer.critic_update(ctx.batch))
@@ -785,6 +812,9 @@ class Run:
             m["partial/token_staleness_mean"] = float(st.mean()) if st.numel() else 0.0
             m["partial/token_staleness_max"] = float(st.max()) if st.numel() else 0.0
         m["bench/update_tokens"] = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+        pop = getattr(self.local_engine, "pop_metrics", None)  # engine counters (rollout.speculative: spec/...)
+        if pop is not None:
+            m.update(pop())
         m["time/step_s"] = time.perf_counter() - c.t_start
         cpu = [(c.cpu_rollout, ctx.cpu_learn)]
         if self.shard:  # every rank runs this step's learn stages in step: add up the work of all ranks

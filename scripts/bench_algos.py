@@ -35,6 +35,8 @@ NAMED = [
     "bnpo", "maxrl", "f_grpo", "dgpo", "max_at_k", "rec", "opmd", "asymre", "dppo",
     "tpo", "cpgd", "cfpo", "kpo", "sspo", "egsw", "seed_grpo", "nat",
     "fipo", "holderpo", "p3o", "erc",
+    "r2vpo", "xrpo", "rapid",
+    "tbrm", "sp3o", "dppo_predictive", "sapo_ar",
 ]
 
 

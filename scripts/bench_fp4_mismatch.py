@@ -29,8 +29,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--dtypes", nargs="*", default=["fp8_sim", "fp4_sim", "fp4_w4a4_sim", "fp4_w4a4_quads_sim",
-                                                     "fp4_w4a4_resq_sim"])
+    ap.add_argument("--dtypes", nargs="*", default=["fp8_sim", "fp4_sim", "hif4_sim", "fp4_w4a4_sim", "fp4_w4a4_quads_sim",
+                                                     "fp4_w4a4_resq_sim", "hif4_w4a4_sim", "hif4_w4a4_resq_sim"])
+    ap.add_argument("--trainer-weight-quant", action="store_true",
+                    help="also score each copy against a QUADS trainer (precision.trainer_weight_quant: the copy's "
+                         "weight quantiser applied to the trainer's decoder weights, activations full precision)")
     args = ap.parse_args()
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
@@ -61,16 +64,31 @@ def main() -> None:
     ref = logprobs(model)
     print(f"# {args.prompts} prompts x {args.max_new_tokens} tokens, {int(gen.response_mask.sum())} response tokens; "
           "gap of each rollout copy against the fp32 trainer")
-    print("| rollout_dtype | mean abs log-prob gap | max | prob corr. | IS ESS share | s (forward) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    quads_ref = {}
+    if args.trainer_weight_quant:
+        from rlpost.rollout.quads import attach_weight_fake_quant
+
+        for fmt in ("fp4", "hif4"):
+            t = copy.deepcopy(model)
+            attach_weight_fake_quant(t, fmt)
+            quads_ref[fmt] = logprobs(t)
+            del t
+    print("| rollout_dtype | mean abs log-prob gap | max | prob corr. | IS ESS share | s (forward) |"
+          + (" gap vs QUADS trainer (weights quantised alike) |" if quads_ref else ""))
+    print("|---|---:|---:|---:|---:|---:|" + ("---:|" if quads_ref else ""))
     for d in args.dtypes:
         c = rollout_converter(d)(copy.deepcopy(model))
         t0 = time.perf_counter()
         lp = logprobs(c)
         dt = time.perf_counter() - t0
         m = mismatch_metrics(lp, ref, gen.response_mask)
+        fmt = d.split("_")[0]
+        extra = ""
+        if quads_ref:
+            extra = (f" {mismatch_metrics(lp, quads_ref[fmt], gen.response_mask)['mismatch/logprob_abs_mean']:.4f} |"
+                     if fmt in quads_ref else " - |")
         print(f"| {d} | {m['mismatch/logprob_abs_mean']:.4f} | {m['mismatch/logprob_abs_max']:.3f} | "
-              f"{m['mismatch/prob_corr']:.4f} | {m['mismatch/is_ess_frac']:.3f} | {dt:.1f} |", flush=True)
+              f"{m['mismatch/prob_corr']:.4f} | {m['mismatch/is_ess_frac']:.3f} | {dt:.1f} |{extra}", flush=True)
         del c
 
 

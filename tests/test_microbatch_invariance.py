@@ -44,6 +44,8 @@ def _run(compose, loss: str, agg: str, mb: int):
     b.extras["segment_ids"] = (torch.arange(lp.shape[1]) // 3).expand(lp.shape).clone()  # sspo's subsentences
     if POLICY_LOSSES.tag(loss, "needs_ref", False):  # EXO reads the reference log-probs
         b.extras["ref_logprobs"] = (lp + 0.25 * torch.randn(lp.shape, generator=g)) * b.response_mask
+    if POLICY_LOSSES.tag(loss, "needs_skill", None):  # SEED: the skill-context log-probs (its self-teacher)
+        b.extras["teacher_logprobs"] = (lp + 0.4 * torch.randn(lp.shape, generator=g)) * b.response_mask
     k = POLICY_LOSSES.tag(loss, "teacher_topk", None)
     if k:  # distillation on a teacher's top-K support (rlpost.algos.distill): a random "teacher"
         K = int(POLICY_LOSSES.kwargs(loss, {}, "algo.loss_params")[k])

@@ -73,6 +73,9 @@ class AdvantageInput:
         reference_rewards: ``[B, N]`` rewards of N responses of each row's prompt
             sampled from the frozen reference policy, or None; estimators tagged
             ``needs_reference_rewards`` (``a_star``: the optimal value V*) read it.
+        privileged_shifts: ``[B, R, 2]`` each response token's log-prob shift under two
+            privileged prompt contexts (correct / wrong answer asserted), or None;
+            estimators tagged ``needs_privileged_shifts`` (``cscr``) read it.
     """
 
     rewards: torch.Tensor
@@ -87,6 +90,7 @@ class AdvantageInput:
     answer_ids: Optional[torch.Tensor] = None
     teacher_logprobs: Optional[torch.Tensor] = None
     reference_rewards: Optional[torch.Tensor] = None
+    privileged_shifts: Optional[torch.Tensor] = None
 
 
 class Baseline(Choice):
@@ -230,11 +234,14 @@ class AdvantageOutput:
         loss_mask: ``[B, R]`` 0/1 mask that the trainer multiplies into the
             response mask (sequences an estimator excludes from the update, such
             as MC-GRPO's median pivot), or None to keep every token.
+        value_mask: ``[B, R]`` 0/1 positions where the critic regresses on ``returns``
+            (``sapo_ar``: turn starts), or None for every response token.
     """
 
     advantages: torch.Tensor
     returns: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
+    value_mask: Optional[torch.Tensor] = None
 
 
 def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:

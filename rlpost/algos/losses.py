@@ -88,8 +88,22 @@ class PolicyLossInput:
             tagged ``teacher_topk`` (:mod:`rlpost.algos.distill`) read it.
         teacher_support_logprobs: ``[B, R, K]`` the teacher's log-probs at those
             ids (full-vocabulary normalised), or None; no grad.
+        support_rewards: ``[B, R, K]`` a reward per support token (OTR's candidates:
+            1 on the reference token, ``beta`` elsewhere, :mod:`rlpost.algos.otr`), or None.
         ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
             losses tagged ``needs_ref`` (``exo``) read it; no grad.
+        loss_state: the trainer's running state of losses that carry some across
+            optimizer steps (``r2vpo``'s Lagrange multiplier), read-only here, or
+            None; a loss tagged ``after_step=fn`` has ``fn(state, metrics, **params)``
+            update it after each optimizer step (saved with a checkpoint).
+        first_log_normaliser: ``[B]`` ``logsumexp`` of the current policy's logits at the
+            first response position (with grad), or None; losses tagged
+            ``needs_first_log_normaliser`` (``tbrm``: its ``V(s_1)``) read it.
+        region_support_logprobs: ``[B, R, K]`` the current policy's log-probs on a per-position
+            token support (slot 0: the sampled token), or None; ``dppo``'s predictive
+            direction reads it (no gradient needed: the mask is detached).
+        region_anchor_logprobs: ``[B, R, K]`` the trust-region anchor's log-probs on the same
+            support, or None.
     """
 
     logprobs: torch.Tensor
@@ -108,7 +122,12 @@ class PolicyLossInput:
     teacher_logprobs: Optional[torch.Tensor] = None
     support_logprobs: Optional[torch.Tensor] = None
     teacher_support_logprobs: Optional[torch.Tensor] = None
+    support_rewards: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    loss_state: Optional[Dict[str, float]] = None
+    first_log_normaliser: Optional[torch.Tensor] = None
+    region_support_logprobs: Optional[torch.Tensor] = None
+    region_anchor_logprobs: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
@@ -1067,6 +1086,20 @@ class Divergence(Choice):
     kl = "kl"
 
 
+class DPPODirection(Choice):
+    """DPPO's direction test: the ratio's (PPO's) or the predicted change of the divergence (arXiv:2607.10848)."""
+
+    ratio = "ratio"
+    predictive = "predictive"
+
+
+class TopKEstimator(Choice):
+    """How the predictive mask reads a top-K support (:mod:`rlpost.algos.predictive_mask`)."""
+
+    tail = "tail"
+    renorm = "renorm"
+
+
 class DPPOAnchor(Choice):
     """The policy DPPO's trust region is centred on: the rollout (behaviour) policy or the recomputed old one."""
 
@@ -1083,6 +1116,10 @@ class DPPOParams:
     eps_high: float = param(0.15, "threshold for A > 0 tokens whose probability rises (authors' run script: 0.15 TV, use 0.05 for KL)")
     anchor: DPPOAnchor = param(DPPOAnchor.rollout, "rollout: centre on the behaviour policy (the authors' recommended bypass mode); old: recomputed")
     ratio_cap: float = param(1e4, "cap on the detached IS ratio pi / mu (authors' run script: 10000, i.e. off)")
+    direction: DPPODirection = param(DPPODirection.ratio, "ratio: DPPO's direction test; predictive: mask only if the step is "
+                                     "predicted to raise the top-K divergence (arXiv:2607.10848; needs anchor=old)")
+    topk_estimator: TopKEstimator = param(TopKEstimator.tail, "predictive: tail (support + rest-of-mass category) or renorm")
+    topk: int = param(16, "predictive: support size K per position (the sampled token + the anchor's top tokens)")
 
 
 def _binary_kl(p_anchor: torch.Tensor, lp_anchor: torch.Tensor, p: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
@@ -1103,6 +1140,9 @@ def dppo_loss(
     eps_high: float,
     anchor: str,
     ratio_cap: float,
+    direction: str,
+    topk_estimator: str,
+    topk: int,
 ) -> Tuple[torch.Tensor, Metrics]:
     """DPPO: importance-weighted policy gradient masked by a divergence trust region, not a ratio clip.
 
@@ -1128,10 +1168,22 @@ def dppo_loss(
     Top-K approximation needs the full vocabulary distributions, which the loss
     interface does not carry: not implemented.
 
+    ``direction="predictive"`` ("Predictive Divergence Masks for LLM RL",
+    arXiv:2607.10848; :mod:`rlpost.algos.predictive_mask`): proximity and direction
+    both use the ``divergence`` (tv or KL(mu || pi)) over a top-``topk`` support of the
+    anchor (``topk_estimator``), and a token is masked when it is outside the region
+    and the policy-gradient step on it is predicted, in closed form, to raise that
+    divergence. Reads ``inp.region_anchor_logprobs`` / ``inp.region_support_logprobs``
+    (the runner records the pre-update policy's top-K in its old-log-probs pass, so
+    it needs ``anchor=old``; the rollout engines do not record the behaviour policy's).
+
     Returns:
-        ``(loss_mat [B, R], metrics)``; ``clip_frac`` is the share of masked tokens.
+        ``(loss_mat [B, R], metrics)``; ``clip_frac`` is the share of masked tokens;
+        with ``predictive``, ``region_divergence`` (mean top-K divergence) and
+        ``direction_disagree`` (share of tokens whose predicted direction differs from the ratio's).
     Raises:
-        ValueError: an unknown ``divergence`` or ``anchor``.
+        ValueError: an unknown ``divergence``, ``anchor`` or ``direction``, or
+            ``predictive`` without the support log-probs.
     """
     if anchor == "rollout":
         lp_mu = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
@@ -1154,13 +1206,28 @@ def dppo_loss(
         else:
             raise ValueError(f"dppo: divergence={divergence!r}: valid choices are {', '.join(c.value for c in Divergence)}")
         bad = torch.where(A > 0, bad_pos, bad_neg)
+        extra: Metrics = {}
+        if direction == "predictive":
+            from rlpost.algos.predictive_mask import predictive_out_of_region
+
+            if inp.region_support_logprobs is None or inp.region_anchor_logprobs is None:
+                raise ValueError("dppo direction=predictive needs region_support_logprobs and region_anchor_logprobs "
+                                 "(the runner records the anchor's top-K with algo.loss_params.anchor=old)")
+            bad, D, dD = predictive_out_of_region(inp.region_support_logprobs.detach(), inp.region_anchor_logprobs,
+                                                  A, divergence, topk_estimator, eps_low, eps_high)
+            ratio_dir = (A * (p - mu)) > 0
+            m = inp.response_mask
+            extra = {"region_divergence": masked_mean(D.to(m.dtype), m),
+                     "direction_disagree": masked_mean(((dD > 0) != ratio_dir).to(m.dtype), m)}
+        elif direction != "ratio":
+            raise ValueError(f"dppo: direction={direction!r}: valid choices are {', '.join(c.value for c in DPPODirection)}")
         w = torch.exp((lp - lp_mu).clamp(max=20.0)).clamp(max=ratio_cap) * (~bad).float()
     ratio, log_ratio = _ratio(inp)
     loss = _is_weighted_pg(ratio, w, A)
     with torch.no_grad():
         high = (bad & (A > 0)).float()
         low = (bad & (A <= 0)).float()
-    return loss, _clip_metrics(ratio, log_ratio, low, high, inp.response_mask)
+    return loss, {**_clip_metrics(ratio, log_ratio, low, high, inp.response_mask), **extra}
 
 
 

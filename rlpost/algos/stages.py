@@ -49,6 +49,10 @@ class AlgoRequirements:
         segments: subsentence index of every response token (SSPO).
         reference_rewards: N > 0: rewards of N reference-policy samples of each
             row's prompt (A*-PO's V*; N is the estimator's ``num_value_samples``).
+        skill: N > 0: the log-probs of every response token with a hindsight skill
+            of at most N tokens in context (SEED; N is the loss's ``skill_tokens``).
+        privileged_shifts: each response token's log-prob shift under two
+            privileged prompt contexts (CSCR; :func:`rlpost.algos.cscr.privileged_shifts`).
     """
 
     entropy: bool = False
@@ -58,6 +62,8 @@ class AlgoRequirements:
     answers: bool = False
     segments: bool = False
     reference_rewards: int = 0
+    skill: int = 0
+    privileged_shifts: bool = False
 
 
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
@@ -71,7 +77,19 @@ def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
         answers=bool(ADV_ESTIMATORS.tag(adv, "needs_answers", False)),
         segments=bool(POLICY_LOSSES.tag(loss, "needs_segments", False)),
         reference_rewards=_reference_samples(algo_cfg),
+        skill=_skill_tokens(algo_cfg),
+        privileged_shifts=bool(ADV_ESTIMATORS.tag(adv, "needs_privileged_shifts", False)),
     )
+
+
+def _skill_tokens(algo_cfg: Any) -> int:
+    """Skill length budget of a loss tagged ``needs_skill="<param>"`` (its parameter of that name), else 0."""
+    key = POLICY_LOSSES.tag(str(algo_cfg.loss), "needs_skill", None)
+    if not key:
+        return 0
+    from rlpost.algos.validate import loss_kwargs
+
+    return max(1, int(loss_kwargs(algo_cfg)[key]))
 
 
 def _reference_samples(algo_cfg: Any) -> int:
@@ -236,6 +254,7 @@ def prepare_algo_inputs(
     *,
     greedy_rewards: Optional[Callable[[], torch.Tensor]] = None,
     reference_rewards: Optional[Callable[[int], torch.Tensor]] = None,
+    skill_logprobs: Optional[Callable[[int], Any]] = None,
     tokenizer: Any = None,
     answer_format: str = "tags",
     max_len: int = 64,
@@ -250,6 +269,10 @@ def prepare_algo_inputs(
             each row's prompt (ReMax), or None.
         reference_rewards: callable ``n -> [B, n]`` rewards of n reference-policy
             samples of each row's prompt (A*-PO), or None.
+        skill_logprobs: callable ``n -> ([B, R] log-probs, skills)``: each response's
+            log-probs with a hindsight skill of at most n tokens in context (SEED,
+            :func:`rlpost.algos.seed.batch_skill_logprobs`), or None; written to
+            ``batch.extras['teacher_logprobs']`` (the skill-conditioned self-teacher).
         tokenizer, answer_format, max_len: for SFT's reference answers.
     Effects:
         for SFT, replaces the batch's responses by the reference answers
@@ -281,6 +304,14 @@ def prepare_algo_inputs(
         seg = subsentence_ids(batch.response_ids, batch.response_mask, tokenizer)
         batch.extras["segment_ids"] = seg
         m["sspo/subsentences_mean"] = float(((seg * batch.response_mask.long()).amax(-1) + 1).float().mean())
+    if req.privileged_shifts:  # CSCR: three no-grad passes (plain, correct-asserted, wrong-asserted prompts)
+        from rlpost.algos.cscr import privileged_shifts
+
+        if tokenizer is None:
+            raise ValueError("CSCR needs the tokenizer to write the privileged contexts")
+        sh = privileged_shifts(batch, trainer, tokenizer)
+        batch.extras["privileged_shifts"] = sh
+        m["adv/privileged_shift_abs_mean"] = float(sh.abs().mean(-1).sum() / batch.response_mask.sum().clamp(min=1))
     if req.entropy:
         _, ent = trainer.compute_logprobs(batch, with_entropy=True)
         batch.extras["entropy"] = ent
@@ -296,6 +327,13 @@ def prepare_algo_inputs(
         rr = reference_rewards(req.reference_rewards).float()
         batch.extras["reference_rewards"] = rr
         m["adv/reference_reward_mean"] = float(rr.mean())
+    if req.skill:
+        if skill_logprobs is None:
+            raise ValueError("this loss needs the skill-context log-probs (SEED) but the runner gave none")
+        lp, skills = skill_logprobs(req.skill)
+        batch.extras["teacher_logprobs"] = lp.float()
+        m["seed/skill_chars_mean"] = float(sum(len(s) for s in skills) / max(1, len(skills)))
+        m["seed/skill_empty_frac"] = float(sum(1 for s in skills if not s) / max(1, len(skills)))
     if state.tracker is not None:
         pidx = [int(i) for i in batch.prompt_index]
         batch.extras["baseline_rewards"] = state.tracker.baseline(pidx)

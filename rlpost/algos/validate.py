@@ -216,6 +216,21 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
         raise ConfigError(f"algo.loss_agg_norm must be null or > 0, got {norm}.")
 
     tags = ADV_ESTIMATORS.entry(adv).tags
+    if loss == "dppo":
+        dk = loss_kwargs(algo_cfg)
+        if str(getattr(dk["direction"], "value", dk["direction"])) == "predictive":
+            if str(getattr(dk["anchor"], "value", dk["anchor"])) != "old":
+                raise ConfigError("algo.loss_params.direction=predictive needs algo.loss_params.anchor=old: the top-K "
+                                  "support is recorded from the pre-update policy (the rollout engines do not record "
+                                  "the behaviour policy's top-K). Fix: add anchor: old, or use direction=ratio.")
+            if int(dk["topk"]) < 2:
+                raise ConfigError(f"algo.loss_params.topk={dk['topk']} must be >= 2 (the sampled token and one other)")
+    if bool(_get(critic, "shared_backbone", False)) and int(_get(critic, "warmup_steps", 0) or 0) > 0:
+        raise ConfigError("algo.critic.shared_backbone=true with algo.critic.warmup_steps > 0: the critic's updates move "
+                          "the shared backbone, so the policy would not be frozen during warm-up. Fix: warmup_steps=0.")
+    if int(_get(critic, "supervised_states", 0) or 0) < 0:
+        raise ConfigError(f"algo.critic.supervised_states={_get(critic, 'supervised_states')} must be >= 0 "
+                          "(0: the value loss on every response token; n > 0: SP3O's n sparse states)")
     if tags.get("needs_critic") and not bool(_get(critic, "enabled", False)):
         raise ConfigError(
             f"algo.adv_estimator={adv} needs a critic (value model) but algo.critic.enabled is false. "

@@ -34,6 +34,13 @@ class KLEstimator(Choice):
     k3 = "k3"
 
 
+class StateSpacing(Choice):
+    """algo.critic.state_spacing: where SP3O's supervised states sit (rlpost.algos.sp3o)."""
+
+    even = "even"
+    stratified = "stratified"
+
+
 class Dtype(Choice):
     """precision.trainer_dtype."""
 
@@ -137,6 +144,14 @@ class CriticConfig:
         clip_range: value clip around the rollout-time values, or null.
         coef: weight of the value loss (separate optimizer, so only a scale).
         epochs: critic passes over each step's batch.
+        supervised_states: SP3O's sparse critic supervision (:mod:`rlpost.algos.sp3o`): the
+            value loss only at this many well-separated states of each response; 0 = every
+            response token (PPO).
+        state_spacing: ``even`` (first, last and evenly between) or ``stratified`` (one
+            random position per equal stratum) for ``supervised_states > 0``.
+        shared_backbone: the value head reads the policy's own backbone instead of a copy
+            (``algo=sapo_ar``); the critic's optimizer then also moves the policy's weights.
+            Needs ``trainer.engine=torch``, no LoRA and ``warmup_steps=0``.
     """
 
     enabled: bool = False
@@ -145,6 +160,9 @@ class CriticConfig:
     clip_range: Optional[float] = 0.2
     coef: float = 1.0
     epochs: int = 1
+    supervised_states: int = 0
+    state_spacing: StateSpacing = StateSpacing.even
+    shared_backbone: bool = False
 
 
 @dataclass
@@ -381,6 +399,9 @@ class RolloutConfig:
         max_model_len: vLLM's longest sequence (prompt + response) in tokens;
             null: the model's own context (40k tokens for Qwen3-8B, whose KV
             cache for one sequence then has to fit in vLLM's share).
+        speculative: null, or self-speculative decoding settings (``drafter``,
+            ``switch_batch``, ``draft_len``, ``min_draft_len``, ``max_draft_len``,
+            ``adaptive``), checked by :func:`rlpost.rollout.self_spec.spec_config`.
     """
 
     engine: RolloutEngine = RolloutEngine.hf
@@ -393,6 +414,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.4
     enforce_eager: bool = False
     max_model_len: Optional[int] = None
+    speculative: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -423,6 +445,9 @@ class PrecisionConfig:
         correction: none | tis | mis | cis | ais (importance correction against
             the rollout log-probs).
         correction_params: e.g. ``{cap: 2.0}``.
+        trainer_weight_quant: none | fp4 | hif4: the trainer multiplies its decoder weights
+            through the rollout copy's quantiser, straight-through (QUADS trainer side,
+            :mod:`rlpost.rollout.quads`).
     """
 
     name: str = "fp32"
@@ -430,6 +455,7 @@ class PrecisionConfig:
     rollout_dtype: str = "fp32"
     correction: str = "none"
     correction_params: Dict[str, Any] = field(default_factory=dict)
+    trainer_weight_quant: str = "none"
 
 
 @dataclass

@@ -16,14 +16,20 @@ class ValueModel(torch.nn.Module):
     InstructGPT arXiv:2203.02155) and a zero-initialised linear head, so initial
     values are 0.
 
+    With ``shared=True`` the backbone is the policy's own module (not a copy): one
+    autoregressive backbone for policy and value, as single-rollout autoregressive
+    policy optimisation (``algo=sapo_ar``) does; the critic's optimizer then updates the
+    shared weights too (the value objective is optimised separately from the policy's).
+
     Args:
-        policy: the policy model to copy the backbone from.
+        policy: the policy model to copy (or share) the backbone from.
+        shared: use the policy's backbone itself.
     """
 
-    def __init__(self, policy: torch.nn.Module) -> None:
+    def __init__(self, policy: torch.nn.Module, shared: bool = False) -> None:
         super().__init__()
         base, _ = backbone_and_head(policy)
-        self.backbone = copy.deepcopy(base)
+        self.backbone = base if shared else copy.deepcopy(base)
         hidden = self.backbone.config.hidden_size
         self.head = torch.nn.Linear(hidden, 1)
         torch.nn.init.zeros_(self.head.weight)

@@ -16,6 +16,9 @@ ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
 def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
     """The rollout engine named by ``cfg.rollout.engine`` for ``policy``.
 
+    With ``rollout.speculative`` set, the hf engine is wrapped by the self-speculative engine
+    (:mod:`rlpost.rollout.self_spec`: a quantised copy of the policy drafts, the policy verifies).
+
     ``hf`` shares the trainer's module when the rollout dtype is the trainer's
     master dtype (fp32) and otherwise keeps a converted copy that is refreshed
     after each update.
@@ -23,6 +26,14 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
     Raises:
         ConfigError: unknown engine or rollout dtype.
     """
+    from rlpost.rollout.self_spec import check_speculative, wrap_self_speculative
+
+    spec = check_speculative(cfg)  # before building: a bad setting stops the run before any weights move
+    return wrap_self_speculative(cfg, _plain_engine(cfg, policy, tokenizer, device), spec)
+
+
+def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
+    """:func:`build_engine` without the speculative wrapper."""
     from rlpost.autoprecision import resolve_precision
 
     resolve_precision(cfg, device)  # precision=auto (no-op when already concrete)

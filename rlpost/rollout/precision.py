@@ -18,6 +18,9 @@ engine's private copy of the policy:
   as in the OCP microscaling MXFP4 format (block 32); we keep the block scale
   in fp32 rather than MX's power-of-two e8m0, a documented simplification.
 
+* ``hif4_sim``, ``hif4_w4a4_sim``, ``hif4_w4a4_resq_sim``: the same in HiF4, the three-level
+  hierarchically scaled 4-bit format (arXiv:2602.11287, :mod:`rlpost.rollout.hif4`) that
+  Rollout-ResQ pairs with its sparse residual.
 * ``fp4_w4a4_sim`` and its compensated forms: fp4 weights as ``fp4_sim`` and fp4
   *activations* too (W4A4, the case where QUADS and Rollout-ResQ find the
   rollout-trainer gap comes from); see :func:`w4a4_activation`.
@@ -35,7 +38,7 @@ log-probs with the trainer's for the same tokens: the quantity behind
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -129,11 +132,14 @@ QUADS_CHANNEL_FRACTION = 1.0 / 32
 RESQ_GROUP = 16
 
 
-def w4a4_activation(x: torch.Tensor, compensation: str = "none", block: int = FP4_BLOCK) -> torch.Tensor:
+def w4a4_activation(x: torch.Tensor, compensation: str = "none", block: int = FP4_BLOCK,
+                    quant: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """The activation a simulated W4A4 matmul multiplies: ``x`` ``[..., in]`` fake-quantized to fp4 e2m1.
 
     Blocks of ``block`` consecutive inputs of each token share a scale (as the
-    weights do). ``compensation`` adds back part of the residual ``e = x - Q(x)``:
+    weights do); ``quant`` replaces that fp4 e2m1 rounding by another 4-bit format's
+    ``fn([tokens, in]) -> same`` (HiF4: :func:`rlpost.rollout.hif4.fake_quant_hif4`).
+    ``compensation`` adds back part of the residual ``e = x - Q(x)``:
 
     * ``none``: ``Q(x)`` (plain W4A4).
     * ``quads``: QUADS residual activation compensation ("QUADS: QUantization-error
@@ -155,7 +161,7 @@ def w4a4_activation(x: torch.Tensor, compensation: str = "none", block: int = FP
     """
     shape = x.shape
     xf = x.detach().float().reshape(-1, shape[-1])
-    q = fake_quant_fp4_e2m1(xf, block)
+    q = fake_quant_fp4_e2m1(xf, block) if quant is None else quant(xf)
     if compensation == "none":
         out = q
     elif compensation == "quads":
@@ -175,17 +181,33 @@ def w4a4_activation(x: torch.Tensor, compensation: str = "none", block: int = FP
     return out.reshape(shape).to(x.dtype)
 
 
-def _w4a4_converter(compensation: str) -> Converter:
-    """fp4 weights (as ``fp4_sim``) plus fp4 activations on every decoder linear (forward pre-hook)."""
+def _w4a4_converter(compensation: str, fmt: str = "fp4") -> Converter:
+    """4-bit weights plus 4-bit activations on every decoder linear (forward pre-hook).
+
+    ``fmt``: ``fp4`` (e2m1, blocks of 32, as ``fp4_sim``) or ``hif4`` (:mod:`rlpost.rollout.hif4`).
+    """
 
     def convert(model: torch.nn.Module) -> torch.nn.Module:
+        quant = None
+        wq = fake_quant_fp4_e2m1
+        if fmt == "hif4":
+            from rlpost.rollout.hif4 import fake_quant_hif4
+
+            quant = wq = fake_quant_hif4
         with torch.no_grad():
             for _, lin in _decoder_linears(model):
-                lin.weight.copy_(fake_quant_fp4_e2m1(lin.weight))
-                lin.register_forward_pre_hook(lambda mod, args: (w4a4_activation(args[0], compensation),) + tuple(args[1:]))
+                lin.weight.copy_(wq(lin.weight))
+                lin.register_forward_pre_hook(
+                    lambda mod, args: (w4a4_activation(args[0], compensation, quant=quant),) + tuple(args[1:]))
         return model
 
     return convert
+
+
+def _hif4_weights(model: torch.nn.Module) -> torch.nn.Module:
+    from rlpost.rollout.hif4 import fake_quant_hif4
+
+    return _fake_quant_converter(fake_quant_hif4)(model)
 
 
 ROLLOUT_CONVERTERS: Dict[str, Converter] = {
@@ -195,6 +217,9 @@ ROLLOUT_CONVERTERS: Dict[str, Converter] = {
     "fp4_w4a4_sim": _w4a4_converter("none"),
     "fp4_w4a4_quads_sim": _w4a4_converter("quads"),
     "fp4_w4a4_resq_sim": _w4a4_converter("resq"),
+    "hif4_sim": _hif4_weights,
+    "hif4_w4a4_sim": _w4a4_converter("none", "hif4"),
+    "hif4_w4a4_resq_sim": _w4a4_converter("resq", "hif4"),
 }
 
 
@@ -206,7 +231,8 @@ def rollout_converter(name: str) -> Converter:
             fake-quantization), ``fp4_sim`` (e2m1 block fake-quantization of the weights),
             ``fp4_w4a4_sim`` (fp4 weights and activations), ``fp4_w4a4_quads_sim`` /
             ``fp4_w4a4_resq_sim`` (W4A4 with QUADS channel / Rollout-ResQ sparse residual
-            compensation, :func:`w4a4_activation`).
+            compensation, :func:`w4a4_activation`), ``hif4_sim`` / ``hif4_w4a4_sim`` /
+            ``hif4_w4a4_resq_sim`` (the same in the HiF4 format, :mod:`rlpost.rollout.hif4`).
             ``fp32``/``bf16``/``fp16`` are plain casts handled by
             :func:`rlpost.rollout.build_engine`; ``fp8`` is real fp8 in vLLM
             (``rollout=vllm``).

@@ -164,6 +164,14 @@ class TreeSampler(Sampler):
         self.prune_lookahead = int(prune_lookahead)
         self.entropy = entropy
 
+    def fork_scores(self, engine, prompts: List[List[int]], roots: SampleResult, ctx: Any) -> torch.Tensor:
+        """``[B_roots, R]`` score of every root position as a fork point (higher = fork first).
+
+        The policy's entropy (or the sampled token's surprisal); subclasses rank
+        fork points differently (``sampler=hdl``: the hindsight log-likelihood shift).
+        """
+        return self._entropy(engine, roots.generation)
+
     def _entropy(self, engine, gen: GenerationResult) -> torch.Tensor:
         model = getattr(engine, "model", None)
         if self.entropy == "model" and isinstance(model, torch.nn.Module):
@@ -204,7 +212,7 @@ class TreeSampler(Sampler):
         if n_branch <= 0:
             roots.extras["shared_prefix_len"] = torch.zeros(rg.response_ids.shape[0], dtype=torch.long)
             return roots
-        ent = self._entropy(engine, rg)
+        ent = self.fork_scores(engine, prompts, roots, ctx)
         b_prompts, b_group, b_prefix, b_root, b_t = [], [], [], [], []
         for r in range(rg.response_ids.shape[0]):
             i = int(roots.group_index[r])

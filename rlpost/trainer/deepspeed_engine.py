@@ -353,10 +353,18 @@ class DeepSpeedTrainer(TorchTrainer):
         a = self.algo
         acc = _MetricAcc()
         self.critic.train()
+        from rlpost.algos.sp3o import critic_loss_mask
+
+        # SP3O (algo.critic.supervised_states > 0): the value loss at a few states per response, drawn once
+        # per critic update for the whole batch so every micro-batch (and process) uses the same positions
+        batch = batch.select(list(range(len(batch))))
+        batch.extras["_critic_mask"] = critic_loss_mask(batch.response_mask, a.critic,
+                                                        int(self.cfg.seed) * 1_000_003 + self.version,
+                                                        batch.extras.get("value_mask"))
         for _ in range(max(1, a.critic.epochs)):
-            denom = float(batch.response_mask.sum())
+            denom = float(batch.extras["_critic_mask"].sum())
             for mb in self._micro_batches(batch):
-                m = mb.response_mask.to(self.device)
+                m = mb.extras["_critic_mask"].to(self.device)
                 v = self._values(mb)
                 old_v = mb.extras.get("values", v.detach()).to(self.device)
                 loss_mat, vm = value_loss(v, old_v, mb.extras["returns"].to(self.device), m, a.critic.clip_range)

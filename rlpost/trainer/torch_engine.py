@@ -194,13 +194,20 @@ class TorchTrainer:
         self.critic: Optional[ValueModel] = None
         self.critic_opt = None
         if self.algo.critic.enabled:
-            self.critic = ValueModel(self.policy).to(self.device)
+            shared = bool(self.algo.critic.get("shared_backbone", False))
+            if shared and (self.lora or type(self).__name__ != "TorchTrainer"):
+                from rlpost.errors import ConfigError
+
+                raise ConfigError("algo.critic.shared_backbone=true needs trainer.engine=torch without LoRA (the critic's "
+                                  "optimizer updates the policy's own backbone). Fix: algo.critic.shared_backbone=false.")
+            self.critic = ValueModel(self.policy, shared=shared).to(self.device)
             self.critic_opt = self._make_optimizer(self.critic.parameters(), self.algo.critic.lr)
         # MoE routing replay (model.routing_replay; rlpost.models.moe_replay.attach_routing sets it)
         self.routing: Optional[Any] = None
         self.bad_steps = 0
         self.version = 0  # number of policy optimizer steps taken
         self.updates = 0  # number of policy_update calls (the entropy metric's interval counts these)
+        self.loss_state: Dict[str, float] = {}  # losses' cross-step state (r2vpo's multiplier; tag after_step)
 
     # ----------------------------------------------------------------- helpers
     #: torch's fused AdamW kernel (CPU and CUDA): one pass over each parameter's weight, gradient and
@@ -295,6 +302,40 @@ class TorchTrainer:
                 batch.response_ids.to(self.device),
                 attn.to(self.device),
             )
+
+    def _region_support_pass(self, mb: RolloutBatch, with_entropy: bool, entropy_grad: bool):
+        """Sampled log-probs (with grad) and the current policy's log-probs on the anchor's recorded top-K support.
+
+        Returns ``(logprobs [b, R], entropy or None, loss-input fields)``; the fields are
+        ``region_support_logprobs`` (detached) and ``region_anchor_logprobs`` for
+        :func:`rlpost.algos.losses.dppo_loss`'s predictive direction.
+        Raises:
+            ConfigError: an entropy bonus with gradient (not differentiated on this path).
+        """
+        from rlpost.errors import ConfigError
+        from rlpost.models.teacher import support_logprobs
+
+        if entropy_grad:
+            raise ConfigError("algo.entropy_coef != 0 with dppo direction=predictive: the entropy bonus's gradient is "
+                              "not computed on this path. Fix: algo.entropy_coef=0.")
+        attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
+        dev = self.device
+        with self.autocast():
+            lp, ent, sup, _ = support_logprobs(
+                self.train_module, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
+                temperature=self._temperature(mb), support_ids=mb.extras["old_topk_ids"],
+                chunk_size=self.tcfg.logprob_chunk_size, with_entropy=with_entropy, **self._truncation())
+        R = lp.shape[1]
+        return lp, ent, {"region_support_logprobs": sup.detach().float(),
+                         "region_anchor_logprobs": mb.extras["old_topk_logprobs"][:, :R].to(dev).float()}
+
+    def _first_log_normaliser(self, batch: RolloutBatch) -> torch.Tensor:
+        """``[B]`` log-normaliser of the first response position's logits (TBRM's ``V(s_1) / beta``), with grad."""
+        from rlpost.algos.tbrm import first_position_log_normaliser
+
+        with self.autocast():
+            return first_position_log_normaliser(self.train_module, batch.prompt_ids.to(self.device),
+                                                 batch.prompt_mask.to(self.device), self._temperature(batch))
 
     @property
     def wants_ref(self) -> bool:
@@ -507,6 +548,7 @@ class TorchTrainer:
         need_entropy, entropy_grad = self._entropy_need()
         self.updates += 1
         batch_stats = bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False))
+        first_lognorm = bool(POLICY_LOSSES.tag(a.loss, "needs_first_log_normaliser", False))
         mm_rows: List[List[torch.Tensor]] = [[], [], []]  # rollout lp, old lp, mask (first epoch)
         pad_acc = [0.0, 0.0]  # real and padded tokens of this process's micro-batches (first epoch)
         for epoch in range(a.ppo_epochs):
@@ -528,13 +570,21 @@ class TorchTrainer:
                 whole = self._whole_batch_input(mini, v_start) if (len(micro) > 1 and batch_stats) else None
                 # One seed per mini-batch, shared by its micro-batches (and by every process, so a
                 # distributed engine draws the same tokens everywhere), for losses that sample tokens.
-                seed = (int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no) if batch_stats else None
+                mini_seed = int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no
+                seed = mini_seed if batch_stats else None
                 for mb in micro:
                     m = mb.response_mask.to(self.device)
                     if "teacher_topk_ids" in mb.extras:  # distillation on the teacher's top-K (rlpost.algos.distill)
                         from rlpost.models.teacher import student_support_pass
 
                         lp, ent, teacher_in = student_support_pass(self, self.train_module, mb, need_entropy, entropy_grad)
+                    elif "old_topk_ids" in mb.extras:  # DPPO's predictive direction (rlpost.algos.predictive_mask)
+                        lp, ent, teacher_in = self._region_support_pass(mb, need_entropy, entropy_grad)
+                    elif POLICY_LOSSES.tag(a.loss, "one_token_rollout", False):  # OTR (rlpost.algos.otr)
+                        from rlpost.algos.otr import otr_forward
+
+                        lp, ent, teacher_in = otr_forward(self, self.train_module, mb, need_entropy, entropy_grad,
+                                                          loss_params, mini_seed)
                     else:
                         lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
                         teacher_in = {"teacher_logprobs": mb.extras["teacher_logprobs"].to(self.device)
@@ -561,6 +611,8 @@ class TorchTrainer:
                         step=self.updates - 1,
                         old_entropy=mb.extras["old_entropy"].to(self.device) if "old_entropy" in mb.extras else None,
                         ref_logprobs=mb.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mb.extras else None,
+                        loss_state=self.loss_state,
+                        first_log_normaliser=self._first_log_normaliser(mb) if first_lognorm else None,
                         **teacher_in,
                     )
                     loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
@@ -632,6 +684,9 @@ class TorchTrainer:
                     self.bad_steps = 0
                     self.version += 1
                     acc.add({"actor/grad_norm": gn, "actor/skipped_steps": 0.0}, 1.0)
+                    after = POLICY_LOSSES.tag(a.loss, "after_step", None)
+                    if after is not None:  # e.g. r2vpo's dual ascent on its multiplier (mini-batch statistics)
+                        after(self.loss_state, lm, **loss_params)
                 self.sched.step()
         out = self._reduce_metrics(acc).means()
         real, padded = (sum(x) for x in zip(*self._gather([torch.tensor(pad_acc)])))
@@ -650,10 +705,18 @@ class TorchTrainer:
         acc = _MetricAcc()
         params = [p for p in self.critic.parameters() if p.requires_grad]
         self.critic.train()
+        from rlpost.algos.sp3o import critic_loss_mask
+
+        # SP3O (algo.critic.supervised_states > 0): the value loss at a few states per response, drawn once
+        # per critic update for the whole batch so every micro-batch (and process) uses the same positions
+        batch = batch.select(list(range(len(batch))))
+        batch.extras["_critic_mask"] = critic_loss_mask(batch.response_mask, a.critic,
+                                                        int(self.cfg.seed) * 1_000_003 + self.version,
+                                                        batch.extras.get("value_mask"))
         for _ in range(max(1, a.critic.epochs)):
-            denom = float(batch.response_mask.sum())
+            denom = float(batch.extras["_critic_mask"].sum())
             for mb in self._micro_batches(batch):
-                m = mb.response_mask.to(self.device)
+                m = mb.extras["_critic_mask"].to(self.device)
                 v = self._values(mb)
                 old_v = mb.extras.get("values", v.detach()).to(self.device)
                 loss_mat, vm = value_loss(v, old_v, mb.extras["returns"].to(self.device), m, a.critic.clip_range)
@@ -676,6 +739,7 @@ class TorchTrainer:
             "bad_steps": self.bad_steps,
             "version": self.version,
             "updates": self.updates,
+            "loss_state": dict(self.loss_state),
         }
         if self.critic is not None:
             sd["critic"] = self.critic.state_dict()
@@ -691,6 +755,7 @@ class TorchTrainer:
         self.bad_steps = int(sd.get("bad_steps", 0))
         self.version = int(sd.get("version", 0))
         self.updates = int(sd.get("updates", 0))
+        self.loss_state = {k: float(v) for k, v in sd.get("loss_state", {}).items()}
         if self.critic is not None and "critic" in sd:
             self.critic.load_state_dict(sd["critic"])
             self.critic_opt.load_state_dict(sd["critic_opt"])
