@@ -103,7 +103,7 @@ def otr_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: boo
     dev = trainer.device
     attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
     B, R = mb.response_ids.shape
-    K = int(params.get("k", 256))
+    K = int(params["k"])
     gen = None
     if seed is not None:
         gen = torch.Generator().manual_seed(int(seed))
@@ -112,7 +112,7 @@ def otr_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: boo
             model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev), 1.0)
         logits = head(hs).float()  # [N, V]
     logp = torch.log_softmax(logits, -1)
-    ids, rew = otr_candidates(logits, tgt, K, float(params.get("kappa", 1.3)), float(params.get("beta", -0.1)), gen)
+    ids, rew = otr_candidates(logits, tgt, K, float(params["kappa"]), float(params["beta"]), gen)
     lp_flat = logp.gather(-1, tgt[:, None]).squeeze(-1)
     sup_flat = logp.gather(-1, ids)
 
