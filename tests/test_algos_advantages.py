@@ -323,6 +323,7 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "mssr": "per-prompt running baseline",
     "opd_token": "not a reward baseline: the teacher's minus the student's log-prob of each token",
     "a_star": "baseline V* from the reference policy's samples, not the group",
+    "sapo_ar": "turn-level critic baseline (one rollout per prompt: no group), normalised over the batch's turns",
 }
 
 LENGTHS8 = [15, 24, 6, 32, 2, 6, 7, 13]
