@@ -53,19 +53,22 @@ class OTRParams:
 
 
 def otr_candidates(logits: torch.Tensor, targets: torch.Tensor, k: int, kappa: float, beta: float,
-                   generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   generator: Optional[torch.Generator] = None,
+                   uniforms: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Draw ``k`` candidates per position from ``softmax(logits / kappa)`` and reward them against ``targets``.
 
     Args:
         logits: ``[N, V]`` next-token logits of N teacher-forced positions (read detached).
         targets: ``[N]`` long reference tokens.
         k, kappa, beta: see :class:`OTRParams`.
-        generator: CPU generator for the draws (None: torch's global RNG).
+        generator: CPU generator for the draws (None: torch's global RNG); unused with ``uniforms``.
+        uniforms: ``[N, k]`` uniforms in [0, 1): draw by inverse CDF from these instead (what the
+            trainer does, so that a position's candidates do not depend on the micro-batch split).
     Returns:
         ``(ids [N, k] long, rewards [N, k] float)``: candidates drawn with replacement, and 1 where a
         candidate equals the target, ``beta`` elsewhere.
     Raises:
-        ValueError: ``targets`` not ``[N]`` for ``logits`` ``[N, V]``.
+        ValueError: ``targets`` not ``[N]`` for ``logits`` ``[N, V]``, or ``uniforms`` not ``[N, k]``.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} must be [N, V] and targets {tuple(targets.shape)} [N]")
@@ -73,7 +76,14 @@ def otr_candidates(logits: torch.Tensor, targets: torch.Tensor, k: int, kappa: f
         z = torch.zeros(0, int(k), dtype=torch.long, device=logits.device)
         return z, z.float()
     probs = torch.softmax(logits.detach().float().cpu() / float(kappa), -1)
-    ids = torch.multinomial(probs, int(k), replacement=True, generator=generator).to(logits.device)
+    if uniforms is not None:
+        if uniforms.shape != (logits.shape[0], int(k)):
+            raise ValueError(f"uniforms {tuple(uniforms.shape)} must be [N, k] = {(logits.shape[0], int(k))}")
+        cdf = probs.double().cumsum(-1)
+        ids = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1:]).contiguous(), right=True)
+        ids = ids.clamp(max=probs.shape[-1] - 1).to(logits.device)
+    else:
+        ids = torch.multinomial(probs, int(k), replacement=True, generator=generator).to(logits.device)
     hit = ids == targets[:, None].to(ids.device)
     return ids, torch.where(hit, torch.ones_like(ids, dtype=torch.float32), torch.full_like(ids, float(beta), dtype=torch.float32))
 
@@ -92,7 +102,11 @@ def otr_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: boo
         mb: micro-batch (:class:`rlpost.batch.RolloutBatch`) whose responses are the reference answers.
         with_entropy, entropy_grad: also return the per-token entropy (with grad when ``entropy_grad``).
         params: the loss's resolved parameters (``k``, ``kappa``, ``beta``).
-        seed: seed of the candidate draws (None: global RNG).
+        seed: seed of the candidate draws (None: global RNG). With a seed, candidate ``j`` of response
+            position ``t`` of the mini-batch's row ``r`` (``mb.extras['_row']``, else the micro-batch's
+            own row) reads the counter-based uniform of key ``(seed, r, t, j)``
+            (:func:`rlpost.rollout.hf.row_uniforms`), so the draws, and with them the gradient, do not
+            depend on how the mini-batch is split into micro-batches.
     Returns:
         ``(logprobs [b, R], entropy [b, R] or None, loss inputs)``: the last a dict with
         ``support_logprobs`` ``[b, R, K]`` (``log pi_theta`` of the candidates, with grad) and
@@ -104,15 +118,22 @@ def otr_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: boo
     attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
     B, R = mb.response_ids.shape
     K = int(params["k"])
-    gen = None
-    if seed is not None:
-        gen = torch.Generator().manual_seed(int(seed))
     with trainer.autocast():
         head, flat_idx, hs, tgt, _ = packed_response_states(
             model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev), 1.0)
         logits = head(hs).float()  # [N, V]
     logp = torch.log_softmax(logits, -1)
-    ids, rew = otr_candidates(logits, tgt, K, float(params["kappa"]), float(params["beta"]), gen)
+    u = None
+    if seed is not None:
+        from rlpost.rollout.hf import _wrap64, row_uniforms
+
+        fi = flat_idx.cpu()
+        rows = mb.extras.get("_row", torch.arange(B))[fi // R].long()
+        pos = fi % R
+        # one key per (seed, row, position, candidate); int64 products wrap, which only permutes keys
+        key = ((_wrap64(int(seed) * 1_000_003) + rows) * 1_000_033 + pos)[:, None] * K + torch.arange(K)[None, :]
+        u = row_uniforms(key.reshape(-1), 0).view(-1, K)
+    ids, rew = otr_candidates(logits, tgt, K, float(params["kappa"]), float(params["beta"]), uniforms=u)
     lp_flat = logp.gather(-1, tgt[:, None]).squeeze(-1)
     sup_flat = logp.gather(-1, ids)
 
