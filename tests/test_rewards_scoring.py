@@ -153,3 +153,43 @@ def test_worker_ignores_sigterm_so_the_step_in_progress_keeps_its_verifier():
         assert rf._pool._proc.pid == pid  # the same worker answered
     finally:
         rf.close()
+
+
+def _runner_that_starts_a_worker(pid_out):
+    """A stand-in runner process: start the verifier worker, report its pid, then wait to be killed."""
+    rf = RewardFunction(ToyTask(), timeout_s=5.0)
+    rf(["4"], [ex(0, "4")], torch.full((1,), 5))
+    pid_out.send(rf._pool._proc.pid)
+    time.sleep(600)
+
+
+def test_worker_exits_when_its_runner_is_killed():
+    """SIGKILL of the runner (a killed run, an OOM kill) must not leave the verifier worker behind: it
+    held its own copy of the runner's pipe end and so waited forever for a call that never came."""
+    import multiprocessing as mp
+    import signal
+
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    runner = ctx.Process(target=_runner_that_starts_a_worker, args=(send,))
+    runner.start()
+    try:
+        assert recv.poll(60), "the runner did not start its verifier worker"
+        worker_pid = recv.recv()
+        os.kill(runner.pid, signal.SIGKILL)
+        runner.join(10)
+
+        def gone(pid):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    return "State:\tZ" in f.read()  # exited, waiting for init to reap it
+            except FileNotFoundError:
+                return True
+
+        deadline = time.monotonic() + 10
+        while not gone(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(worker_pid), f"verifier worker {worker_pid} outlived its killed runner"
+    finally:
+        if runner.is_alive():
+            runner.kill()

@@ -34,9 +34,17 @@ class _WorkerDied(Exception):
     """The verifier worker process ended while scoring (its reply never came)."""
 
 
-def _worker_loop(conn: Any) -> None:
-    """Body of the verifier worker: score each ``(response, example)`` received until ``None``."""
+def _worker_loop(conn: Any, runner_end: Any = None) -> None:
+    """Body of the verifier worker: score each ``(response, example)`` received until ``None``.
+
+    ``runner_end`` is the runner's end of the pipe, inherited through ``fork``: the worker closes
+    its copy first, so that when the runner dies (even by SIGKILL) ``recv`` sees end-of-file and
+    the worker exits instead of waiting forever on a pipe it holds open itself.
+    """
     import signal
+
+    if runner_end is not None:
+        runner_end.close()
 
     # Ctrl-C and `kill -TERM -PGID` reach the whole process group: the runner handles them (it
     # finishes the step, which still needs this worker) and ends the worker itself with SIGKILL.
@@ -72,7 +80,7 @@ class _VerifierWorker:
         _WORKER_TASK = task
         ctx = mp.get_context("fork")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_loop, args=(child,), daemon=True, name="rlpost-verifier")
+        self._proc = ctx.Process(target=_worker_loop, args=(child, self._conn), daemon=True, name="rlpost-verifier")
         self._proc.start()
         child.close()
         # before multiprocessing's own exit hook, which would SIGTERM (ignored here) and join forever
