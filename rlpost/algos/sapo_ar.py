@@ -33,6 +33,7 @@ import torch
 
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, outcome_token_rewards
 from rlpost.algos.registries import ADV_ESTIMATORS
+from rlpost.algos.turns import turn_spans as row_turn_spans
 from rlpost.registry import param
 
 _PAPER = ("SAPO: Single-Rollout Autoregressive Policy Optimization for Agentic RL (arXiv:2608.19842): "
@@ -40,21 +41,9 @@ _PAPER = ("SAPO: Single-Rollout Autoregressive Policy Optimization for Agentic R
 
 
 def turn_spans(mask: torch.Tensor) -> List[List[Tuple[int, int]]]:
-    """Per row, the ``(start, end)`` (end exclusive) of each maximal run of ``mask > 0``: the model's turns."""
-    out: List[List[Tuple[int, int]]] = []
-    m = (mask > 0).tolist()
-    for row in m:
-        spans, start = [], None
-        for t, on in enumerate(row):
-            if on and start is None:
-                start = t
-            elif not on and start is not None:
-                spans.append((start, t))
-                start = None
-        if start is not None:
-            spans.append((start, len(row)))
-        out.append(spans)
-    return out
+    """Per row of ``mask`` ``[B, R]``, the ``(start, end)`` (end exclusive) of each maximal run of
+    ``mask > 0``: the model's turns (:func:`rlpost.algos.turns.turn_spans` of each row)."""
+    return [row_turn_spans(row) for row in mask]
 
 
 def turn_gae(
