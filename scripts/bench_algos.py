@@ -12,7 +12,12 @@ syntax), logging to a temporary directory. The table reports, per preset: the
 mean reward over the first and the last five steps and at the final step, policy entropy (nats), clip fraction, the mean
 seconds per step, the largest |loss| seen, and a status (``ok``, ``nan`` if any
 logged loss or gradient norm was not finite, ``diverged``, or the error).
-``--json`` also writes the rows to a file.
+``--json`` also writes the rows to a file. ``--off-policy`` gives every preset
+that would make one on-policy pass per batch (``algo.mini_batches=1`` and
+``algo.ppo_epochs=1``) two mini-batches instead, so the second update of each
+batch is off-policy and clip / weight rules act; presets that already reuse
+their batch keep their own schedule. The ``passes`` column shows
+mini-batches x epochs as run.
 """
 
 from __future__ import annotations
@@ -28,16 +33,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List
 
-NAMED = [
-    "ppo", "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-    "remax", "gpg", "opo", "sapo", "clip_cov", "kl_cov", "mc_grpo", "sft",
-    "sao", "mssr", "hapo", "aepo", "gapo", "dispo",
-    "bnpo", "maxrl", "f_grpo", "dgpo", "max_at_k", "rec", "opmd", "asymre", "dppo",
-    "tpo", "cpgd", "cfpo", "kpo", "sspo", "egsw", "seed_grpo", "nat",
-    "fipo", "holderpo", "p3o", "erc",
-    "r2vpo", "xrpo", "rapid",
-    "tbrm", "sp3o", "dppo_predictive", "sapo_ar",
-]
+def _all_presets() -> List[str]:
+    """Every preset under conf/algo (the base file excluded), in name order."""
+    root = Path(__file__).resolve().parent.parent / "conf" / "algo"
+    return sorted(p.stem for p in root.glob("*.yaml") if not p.stem.startswith("base"))
+
+
+NAMED = _all_presets()
 
 
 def _finite(x: Any) -> bool:
@@ -45,13 +47,14 @@ def _finite(x: Any) -> bool:
 
 
 def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
-               rollouts_per_step: int = 0) -> Dict[str, Any]:
+               rollouts_per_step: int = 0, off_policy: bool = False) -> Dict[str, Any]:
     """Train preset ``name`` for ``steps`` steps; returns one table row.
 
     With ``rollouts_per_step > 0`` the prompts per step are set to
     ``max(1, rollouts_per_step // algo.n_samples_per_prompt)``, so group presets
     (n = 8: 2 prompts for 16) and single-rollout presets (SAO, MSSR, n = 1: 16
-    prompts) spend the same rollouts per step.
+    prompts) spend the same rollouts per step. With ``off_policy`` a preset
+    whose own schedule is one mini-batch and one epoch runs two mini-batches.
 
     The temporary run directory (checkpoint and final model, about 1-2 GB for
     the real model) is deleted afterwards unless ``keep``.
@@ -71,9 +74,13 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
         if uses_teacher(cfg.algo) and not cfg.model.get("teacher"):  # distillation: the model is its own teacher
             base.append(f"model.teacher={cfg.model.name}")
             cfg = compose_config([*base, *overrides])
+        if off_policy and int(cfg.algo.mini_batches) == 1 and int(cfg.algo.ppo_epochs) == 1:
+            base.append("algo.mini_batches=2")
+            cfg = compose_config([*base, *overrides])
         if rollouts_per_step > 0:
             k = max(1, rollouts_per_step // int(cfg.algo.n_samples_per_prompt))
             cfg = compose_config([*base, f"selector.prompts_per_step={k}", *overrides])
+        row["passes"] = f"{int(cfg.algo.mini_batches)}x{int(cfg.algo.ppo_epochs)}"
         row["rollouts_per_step"] = int(cfg.selector.prompts_per_step) * int(cfg.algo.n_samples_per_prompt)
         train(cfg, run_dir)
     except TrainingDiverged as e:
@@ -99,6 +106,8 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
         row["s_per_step"] = sum(r.get("time/step_s", 0.0) for r in rows) / len(rows)
         losses = [r.get("loss/policy") for r in rows if r.get("loss/policy") is not None]
         row["max_abs_loss"] = max((abs(x) for x in losses), default=None)
+        norms = [r.get("actor/grad_norm") for r in rows if r.get("actor/grad_norm") is not None]
+        row["max_grad_norm"] = max(norms, default=None)
         bad = [k for r in rows for k in ("loss/policy", "actor/grad_norm") if k in r and not _finite(r[k])]
         if bad and row["status"] == "ok":
             row["status"] = "nan"
@@ -118,14 +127,14 @@ def fmt(x: Any, nd: int = 3) -> str:
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    head = ["preset", "rollouts/step", "steps", "reward (steps 1-5)", "reward (last 5)", "final reward", "entropy",
-            "clip_frac", "s/step", "max|loss|", "status"]
+    head = ["preset", "rollouts/step", "passes", "steps", "reward (steps 1-5)", "reward (last 5)", "final reward", "entropy",
+            "clip_frac", "s/step", "max|loss|", "max grad norm", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["preset"], str(r.get("rollouts_per_step", "-")), str(r["steps"]), fmt(r.get("reward_first5")),
+            r["preset"], str(r.get("rollouts_per_step", "-")), r.get("passes", "-"), str(r["steps"]), fmt(r.get("reward_first5")),
             fmt(r.get("reward_last5")), fmt(r.get("reward")), fmt(r.get("entropy")), fmt(r.get("clip_frac")),
-            fmt(r.get("s_per_step"), 1), fmt(r.get("max_abs_loss")), r["status"],
+            fmt(r.get("s_per_step"), 1), fmt(r.get("max_abs_loss")), fmt(r.get("max_grad_norm")), r["status"],
         ]) + " |")
     return "\n".join(lines)
 
@@ -137,12 +146,15 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("-o", "--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
     ap.add_argument("--json", type=str, default=None, help="also write the rows here")
     ap.add_argument("--keep", action="store_true", help="keep each preset's run directory")
+    ap.add_argument("--off-policy", action="store_true",
+                    help="two mini-batches per batch for presets whose own schedule is one on-policy pass")
     ap.add_argument("--rollouts-per-step", type=int, default=0,
                     help="equal rollouts per step for every preset (prompts = this // n); 0: the presets' own")
     args = ap.parse_args(argv)
     rows = []
     for name in args.presets:
-        row = run_preset(name, args.steps, args.overrides, keep=args.keep, rollouts_per_step=args.rollouts_per_step)
+        row = run_preset(name, args.steps, args.overrides, keep=args.keep, rollouts_per_step=args.rollouts_per_step,
+                         off_policy=args.off_policy)
         rows.append(row)
         print(f"[bench] {name}: {row['status']} steps={row['steps']} reward={fmt(row.get('reward'))} "
               f"s/step={fmt(row.get('s_per_step'), 1)}", file=sys.stderr, flush=True)
