@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,6 +73,28 @@ def num_requests(needed: int, over_provision: float, in_flight: int) -> int:
     if needed < 0 or in_flight < 0:
         raise ValueError(f"needed={needed} and in_flight={in_flight} must be >= 0")
     return max(0, math.ceil(over_provision * needed - 1e-9) - in_flight)
+
+
+def take_from_queue(queue: List[int], new: int, select: Callable[[], Sequence[int]]) -> Tuple[List[int], List[int]]:
+    """The next ``new`` prompt indices, topping ``queue`` up from the selector first.
+
+    The selector hands out whole batches of prompt indices; the partial-rollout
+    schedulers start ``new`` groups per round (:func:`num_requests`), so the rest of a
+    selector batch waits in ``queue`` for later rounds.
+
+    Returns:
+        ``(take, rest)``: the first ``new`` indices and the remaining queue.
+
+    Raises:
+        RuntimeError: ``select()`` returned no prompts while more were needed.
+    """
+    queue = list(queue)
+    while len(queue) < new:
+        got = [int(i) for i in select()]
+        if not got:
+            raise RuntimeError("the selector returned no prompts")
+        queue.extend(got)
+    return queue[:new], queue[new:]
 
 
 @dataclass
@@ -517,12 +539,7 @@ class PartialRolloutProducer:
                 buf.entries[i].meta["resumed"] = True
         carried_in = buf.in_flight_groups()
         new = num_requests(needed, self.over_provision, carried_in)
-        while len(self.queue) < new:
-            got = [int(i) for i in select()]
-            if not got:
-                raise RuntimeError("the selector returned no prompts")
-            self.queue.extend(got)
-        take, self.queue = self.queue[:new], self.queue[new:]
+        take, self.queue = take_from_queue(self.queue, new, select)
         for idx in take:
             buf.add_group(list(encode(idx)), self.group_size, meta={"prompt_index": idx})
         rounds = tokens = 0

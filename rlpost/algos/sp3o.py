@@ -97,3 +97,17 @@ def critic_loss_mask(response_mask: torch.Tensor, critic_cfg, seed: int = 0,
         return response_mask.float()
     spacing = str(getattr(getattr(critic_cfg, "state_spacing", "even"), "value", getattr(critic_cfg, "state_spacing", "even")))
     return sparse_state_mask(response_mask, n, spacing, torch.Generator().manual_seed(int(seed)))
+
+
+def with_critic_mask(batch, critic_cfg, seed: int):
+    """A shallow copy of ``batch`` whose ``extras['_critic_mask']`` ``[B, R]`` is the critic's loss mask.
+
+    Both trainer engines call this once per critic update, before the micro-batch split,
+    so every micro-batch (and every data-parallel process, given the same ``seed``) sees
+    the same SP3O states; see :func:`critic_loss_mask` for the mask and
+    ``batch.extras['value_mask']`` (an estimator's value positions) for what it restricts.
+    The caller's batch is not modified.
+    """
+    out = batch.select(list(range(len(batch))))
+    out.extras["_critic_mask"] = critic_loss_mask(out.response_mask, critic_cfg, int(seed), out.extras.get("value_mask"))
+    return out

@@ -29,7 +29,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from rlpost.partial import PartialStep, StitchedBatch, num_requests
+from rlpost.partial import PartialStep, StitchedBatch, num_requests, take_from_queue
 
 
 @dataclass
@@ -117,12 +117,7 @@ class EpisodePartialProducer:
                     e.resumed = True
         carried_in = len(self.groups)
         new = num_requests(needed, self.over_provision, carried_in)
-        while len(self.queue) < new:
-            got = [int(i) for i in select()]
-            if not got:
-                raise RuntimeError("the selector returned no prompts")
-            self.queue.extend(got)
-        take, self.queue = self.queue[:new], self.queue[new:]
+        take, self.queue = take_from_queue(self.queue, new, select)
         for idx in take:
             ctx = SamplerContext(prompt_indices=[idx])
             g = self.next_key

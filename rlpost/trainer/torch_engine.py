@@ -705,14 +705,11 @@ class TorchTrainer:
         acc = _MetricAcc()
         params = [p for p in self.critic.parameters() if p.requires_grad]
         self.critic.train()
-        from rlpost.algos.sp3o import critic_loss_mask
+        from rlpost.algos.sp3o import with_critic_mask
 
         # SP3O (algo.critic.supervised_states > 0): the value loss at a few states per response, drawn once
         # per critic update for the whole batch so every micro-batch (and process) uses the same positions
-        batch = batch.select(list(range(len(batch))))
-        batch.extras["_critic_mask"] = critic_loss_mask(batch.response_mask, a.critic,
-                                                        int(self.cfg.seed) * 1_000_003 + self.version,
-                                                        batch.extras.get("value_mask"))
+        batch = with_critic_mask(batch, a.critic, int(self.cfg.seed) * 1_000_003 + self.version)
         for _ in range(max(1, a.critic.epochs)):
             denom = float(batch.extras["_critic_mask"].sum())
             for mb in self._micro_batches(batch):
