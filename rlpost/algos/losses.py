@@ -104,6 +104,11 @@ class PolicyLossInput:
             direction reads it (no gradient needed: the mask is detached).
         region_anchor_logprobs: ``[B, R, K]`` the trust-region anchor's log-probs on the same
             support, or None.
+        predicted_change: ``[B, R]`` CAPO's predicted change of the objective if the coming step
+            were driven by the token alone (``m_H``), or None; with ``predicted_kl`` (``m_F``, its
+            predicted Fisher KL) filled for losses tagged ``capo_forward``
+            (:func:`rlpost.algos.capo.capo_forward`); no grad.
+        predicted_kl: ``[B, R]`` see ``predicted_change``.
     """
 
     logprobs: torch.Tensor
@@ -128,6 +133,8 @@ class PolicyLossInput:
     first_log_normaliser: Optional[torch.Tensor] = None
     region_support_logprobs: Optional[torch.Tensor] = None
     region_anchor_logprobs: Optional[torch.Tensor] = None
+    predicted_change: Optional[torch.Tensor] = None
+    predicted_kl: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
