@@ -177,3 +177,13 @@ def test_capo_two_steps_on_tiny(tmp_path):
     sd = torch.load(ckpts[-1], weights_only=False)
     state = sd["loss_state"][capo.STATE_KEY]
     assert state["t"] == 2 and state["ids"].numel() > 0 and capo.PENDING_KEY not in sd["loss_state"]
+
+
+def test_capo_refuses_a_multi_process_engine():
+    from rlpost.errors import ConfigError
+
+    class Lockstep:  # a DeepSpeed-like engine: processes step together, each would keep its own shadow state
+        lockstep = True
+
+    with pytest.raises(ConfigError, match="trainer.engine=torch"):
+        capo.capo_forward(Lockstep(), None, None, False, False, {}, 0)
