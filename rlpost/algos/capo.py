@@ -192,10 +192,11 @@ def capo_keep(m_h: torch.Tensor, m_f: torch.Tensor, tau_update: float, tau_kl: f
 
 
 def accumulate_rows(pending: Dict[str, Any], ids: torch.Tensor, g: torch.Tensor, keep: torch.Tensor) -> None:
-    """Add the kept tokens' per-row gradients ``g`` to ``pending`` (``"sums"`` ``{row: [H]}`` as tensors).
+    """Add the kept tokens' per-row gradients ``g`` to the running sums in ``pending``, in place.
 
     Args:
-        pending: dict with ``ids`` ``[U]``, ``sums`` ``[U, H]``, ``counts`` ``[U]`` (created when absent).
+        pending: dict with ``ids`` ``[U]`` (sorted vocabulary rows), ``sums`` ``[U, H]`` and ``counts``
+            ``[U]`` (occurrences summed), created on first use.
         ids: ``[N, K]`` support ids; g: ``[N, K, H]``; keep: ``[N]`` 0/1.
     """
     sel = keep > 0

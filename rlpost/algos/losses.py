@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -93,7 +93,7 @@ class PolicyLossInput:
         ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
             losses tagged ``needs_ref`` (``exo``) read it; no grad.
         loss_state: the trainer's running state of losses that carry some across
-            optimizer steps (``r2vpo``'s Lagrange multiplier), read-only here, or
+            optimizer steps (``r2vpo``'s Lagrange multiplier, ``capo``'s shadow Adam state), read-only here, or
             None; a loss tagged ``after_step=fn`` has ``fn(state, metrics, **params)``
             update it after each optimizer step (saved with a checkpoint).
         first_log_normaliser: ``[B]`` ``logsumexp`` of the current policy's logits at the
@@ -129,7 +129,7 @@ class PolicyLossInput:
     teacher_support_logprobs: Optional[torch.Tensor] = None
     support_rewards: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
-    loss_state: Optional[Dict[str, float]] = None
+    loss_state: Optional[Dict[str, Any]] = None
     first_log_normaliser: Optional[torch.Tensor] = None
     region_support_logprobs: Optional[torch.Tensor] = None
     region_anchor_logprobs: Optional[torch.Tensor] = None
