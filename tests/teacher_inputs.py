@@ -22,6 +22,9 @@ def teacher_inputs(loss: str, lp: torch.Tensor, seed: int = 0) -> Dict[str, torc
         hit = torch.rand(*lp.shape, 8, generator=g) < 0.3
         return {"support_logprobs": s.clone().requires_grad_(True),
                 "support_rewards": torch.where(hit, torch.ones_like(s), torch.full_like(s, -0.1))}
+    if POLICY_LOSSES.tag(loss, "capo_forward", False):  # CAPO: per-token predicted objective change and Fisher KL
+        return {"predicted_change": 1e-3 * torch.randn(lp.shape, generator=g),
+                "predicted_kl": 2e-3 * torch.rand(lp.shape, generator=g)}
     if POLICY_LOSSES.tag(loss, "needs_ref", False):  # EXO, A*-PO: the reference policy's log-probs
         out = {"ref_logprobs": lp.detach() + 0.2 * torch.randn(lp.shape, generator=g)}
         if POLICY_LOSSES.tag(loss, "needs_first_log_normaliser", False):  # TBRM's V(s_1) / beta

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -93,7 +93,7 @@ class PolicyLossInput:
         ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
             losses tagged ``needs_ref`` (``exo``) read it; no grad.
         loss_state: the trainer's running state of losses that carry some across
-            optimizer steps (``r2vpo``'s Lagrange multiplier), read-only here, or
+            optimizer steps (``r2vpo``'s Lagrange multiplier, ``capo``'s shadow Adam state), read-only here, or
             None; a loss tagged ``after_step=fn`` has ``fn(state, metrics, **params)``
             update it after each optimizer step (saved with a checkpoint).
         first_log_normaliser: ``[B]`` ``logsumexp`` of the current policy's logits at the
@@ -104,6 +104,11 @@ class PolicyLossInput:
             direction reads it (no gradient needed: the mask is detached).
         region_anchor_logprobs: ``[B, R, K]`` the trust-region anchor's log-probs on the same
             support, or None.
+        predicted_change: ``[B, R]`` CAPO's predicted change of the objective if the coming step
+            were driven by the token alone (``m_H``), or None; with ``predicted_kl`` (``m_F``, its
+            predicted Fisher KL) filled for losses tagged ``capo_forward``
+            (:func:`rlpost.algos.capo.capo_forward`); no grad.
+        predicted_kl: ``[B, R]`` see ``predicted_change``.
     """
 
     logprobs: torch.Tensor
@@ -124,10 +129,12 @@ class PolicyLossInput:
     teacher_support_logprobs: Optional[torch.Tensor] = None
     support_rewards: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
-    loss_state: Optional[Dict[str, float]] = None
+    loss_state: Optional[Dict[str, Any]] = None
     first_log_normaliser: Optional[torch.Tensor] = None
     region_support_logprobs: Optional[torch.Tensor] = None
     region_anchor_logprobs: Optional[torch.Tensor] = None
+    predicted_change: Optional[torch.Tensor] = None
+    predicted_kl: Optional[torch.Tensor] = None
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:

@@ -207,7 +207,7 @@ class TorchTrainer:
         self.bad_steps = 0
         self.version = 0  # number of policy optimizer steps taken
         self.updates = 0  # number of policy_update calls (the entropy metric's interval counts these)
-        self.loss_state: Dict[str, float] = {}  # losses' cross-step state (r2vpo's multiplier; tag after_step)
+        self.loss_state: Dict[str, Any] = {}  # losses' cross-step state (r2vpo's multiplier, capo's shadow Adam; tag after_step)
 
     # ----------------------------------------------------------------- helpers
     #: torch's fused AdamW kernel (CPU and CUDA): one pass over each parameter's weight, gradient and
@@ -585,6 +585,11 @@ class TorchTrainer:
 
                         lp, ent, teacher_in = otr_forward(self, self.train_module, mb, need_entropy, entropy_grad,
                                                           loss_params, mini_seed)
+                    elif POLICY_LOSSES.tag(a.loss, "capo_forward", False):  # CAPO (rlpost.algos.capo)
+                        from rlpost.algos.capo import capo_forward
+
+                        lp, ent, teacher_in = capo_forward(self, self.train_module, mb, need_entropy, entropy_grad,
+                                                           loss_params, mini_seed)
                     else:
                         lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
                         teacher_in = {"teacher_logprobs": mb.extras["teacher_logprobs"].to(self.device)
@@ -752,7 +757,8 @@ class TorchTrainer:
         self.bad_steps = int(sd.get("bad_steps", 0))
         self.version = int(sd.get("version", 0))
         self.updates = int(sd.get("updates", 0))
-        self.loss_state = {k: float(v) for k, v in sd.get("loss_state", {}).items()}
+        # numbers (r2vpo's multiplier) as floats; structured state (capo's shadow Adam moments) as saved
+        self.loss_state = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in sd.get("loss_state", {}).items()}
         if self.critic is not None and "critic" in sd:
             self.critic.load_state_dict(sd["critic"])
             self.critic_opt.load_state_dict(sd["critic_opt"])
