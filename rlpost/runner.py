@@ -91,7 +91,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
                                (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
                                 req.reference_rewards),
                                (f"hindsight skills (up to {req.skill} tokens) and the responses' log-probs with them (SEED)", req.skill),
-                               ("privileged-context log-prob shifts (CSCR)", req.privileged_shifts)) if on]
+                               ("privileged-context log-prob shifts (CSCR)", req.privileged_shifts),
+                               ("hidden-state probe predictions, then its refit (POISE)", req.probe is not None)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
