@@ -40,6 +40,7 @@ cross-rollout baseline of rollout 1 is the prediction from rollout 2 and vice ve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -168,7 +169,8 @@ class PoiseProbe:
     Features of a row: ``prompt [H]``, ``response [H]`` hidden states and ``scalars [S]``; the fit
     (all float64): PCA of each hidden part (centred, top ``*_pca_dim`` right singular vectors, at
     most rows - 1 of them), concatenation with the scalars, standardisation (population std; a
-    constant column gets scale 1), ridge ``w = (X^T X + alpha I)^{-1} X^T (y - mean y)``,
+    constant column gets scale 1), ridge ``w = (X^T X + alpha I)^{-1} X^T (y - mean y)`` (solved as least
+    squares on ``[X; sqrt(alpha) I]``; the minimum-norm solution when singular),
     intercept ``mean y``; predictions clipped to ``[0, 1]``.
     """
 
@@ -246,8 +248,13 @@ class PoiseProbe:
         x_scale = torch.where(x_scale > 0, x_scale, torch.ones_like(x_scale))
         xs = (x - x_mean) / x_scale
         y_mean = y.mean()
-        a = xs.T @ xs + self.alpha * torch.eye(xs.shape[1], dtype=torch.float64)
-        coef = torch.linalg.lstsq(a, xs.T @ (y - y_mean)).solution if xs.shape[1] else torch.zeros(0, dtype=torch.float64)
+        d = xs.shape[1]
+        if d:  # ridge as least squares on [X; sqrt(alpha) I] w = [y - mean y; 0] (SVD solver: minimum norm if singular)
+            a = torch.cat([xs, math.sqrt(self.alpha) * torch.eye(d, dtype=torch.float64)])
+            rhs = torch.cat([y - y_mean, torch.zeros(d, dtype=torch.float64)])
+            coef = torch.linalg.lstsq(a, rhs[:, None], driver="gelsd").solution[:, 0]
+        else:
+            coef = torch.zeros(0, dtype=torch.float64)
         self.fit_state.update({"x_mean": x_mean, "x_scale": x_scale, "coef": coef, "intercept": y_mean})
 
     def state_dict(self) -> Dict[str, Any]:
