@@ -103,6 +103,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               f"({cfg.precision.rollout_dtype}, T={cfg.rollout.temperature}, max_new_tokens={cfg.rollout.max_new_tokens})"
               + (f"; partial rollouts: chunks of {cfg.executor.partial_chunk_tokens} tokens, "
                  f"over_provision {cfg.executor.over_provision}, unfinished groups carried over"
+                 + (" (T-PPO window: one chunk per step, cut responses trained and continued)"
+                    if cfg.executor.get("partial_train_unfinished", False) else "")
                  if cfg.executor.get("partial_rollout", False) else "")
               + (f"; in {cfg.launcher.num_rollout_workers} Ray workers ({cfg.launcher.placement})"
                  if cfg.get("launcher") is not None and cfg.launcher.name == "ray" else ""), phase=PRODUCE),
