@@ -161,10 +161,13 @@ class AlgoState:
     def state_dict(self) -> Dict[str, Any]:
         """Serializable state for checkpoints (saved by :meth:`rlpost.runner.Run.checkpoint`).
 
-        ``{"tracker": BetaBaselineTracker.state_dict() or None, "probe": PoiseProbe.state_dict() or None}``.
+        ``{"tracker": BetaBaselineTracker.state_dict() or None}``, plus ``"probe"``
+        (:meth:`rlpost.algos.poise.PoiseProbe.state_dict`) when POISE's probe exists.
         """
-        return {"tracker": None if self.tracker is None else self.tracker.state_dict(),
-                "probe": None if self.probe is None else self.probe.state_dict()}
+        sd: Dict[str, Any] = {"tracker": None if self.tracker is None else self.tracker.state_dict()}
+        if self.probe is not None:
+            sd["probe"] = self.probe.state_dict()
+        return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (an old checkpoint's ``entropy_stats`` is ignored)."""
