@@ -188,8 +188,14 @@ def train(
         _fail(e)
 
     def task(cfg: Any) -> None:
+        from omegaconf import OmegaConf
+
+        from rlpost.config.compose import window_rollout_overrides
         from rlpost.runner import train as run_train
 
+        for o in window_rollout_overrides(cfg, overrides):  # algo=t_ppo: window-cut rollouts (as compose_config)
+            key, val = o.split("=", 1)
+            OmegaConf.update(cfg, key, val == "true", force_add=False)
         run_train(cfg, _run_dir())  # logs the closing summary (console and cli.log)
 
     _launch(_guard(task), overrides, multirun)

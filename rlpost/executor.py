@@ -95,6 +95,14 @@ def check_partial(cfg: Any) -> None:
             groups, allocates rollouts, gives hints or post-processes the batch.
     """
     ex = cfg.executor
+    if bool(getattr(ex, "partial_train_unfinished", False)):
+        if not bool(getattr(ex, "partial_rollout", False)):
+            raise ConfigError("executor.partial_train_unfinished=true (T-PPO's window, arXiv:2506.15050) trains on "
+                              "responses cut by a partial-rollout round. Fix: executor.partial_rollout=true, or "
+                              "executor.partial_train_unfinished=false.")
+        if cfg.sampler.name == "episode":
+            raise ConfigError("executor.partial_train_unfinished=true cuts single responses, not multi-turn episodes. "
+                              "Fix: sampler=group (or single), or executor.partial_train_unfinished=false.")
     if not bool(getattr(ex, "partial_rollout", False)):
         return
     op = float(getattr(ex, "over_provision", 1.0))

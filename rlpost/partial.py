@@ -448,6 +448,9 @@ class PartialStep:
         rounds: rounds (``continue_round`` calls) run this step.
         tokens: tokens generated this step (trained now or carried).
         metrics: ``partial/...`` scalars (see :meth:`PartialRolloutProducer.produce`).
+        extras: in window mode (``train_unfinished``, T-PPO) ``window_mask`` ``[B, R]`` float
+            (1 on the tokens no earlier step trained on) and ``window_truncated`` ``[B]`` bool
+            (rows cut by the window that stay in the buffer); else empty.
     """
 
     batch: StitchedBatch
@@ -457,6 +460,7 @@ class PartialStep:
     rounds: int
     tokens: int
     metrics: Dict[str, float]
+    extras: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class PartialRolloutProducer:
@@ -473,6 +477,14 @@ class PartialRolloutProducer:
             groups in flight.
         chunk_tokens: per-round token budget of one response (>= 1).
         pad_id: padding id of the stitched tensors.
+        train_unfinished: window mode of "Truncated Proximal Policy Optimization" (T-PPO,
+            arXiv:2506.15050): each step runs exactly one round (the window is
+            ``chunk_tokens``) and trains on the ``needed`` oldest groups in flight whether
+            their responses finished or not. Finished (done) responses leave the buffer, so
+            new prompts take their groups' places once a whole group is done; a cut response
+            is trained on as it is and stays to be continued. Each token is trained once: a
+            row's ``window_mask`` marks the tokens generated since the last step that trained
+            that response (earlier tokens stay as context only).
 
     Raises:
         ValueError: ``over_provision < 1``, ``chunk_tokens < 1``, ``group_size < 1``
@@ -480,7 +492,7 @@ class PartialRolloutProducer:
     """
 
     def __init__(self, max_new_tokens: int, group_size: int, over_provision: float = 1.0,
-                 chunk_tokens: int = 16, pad_id: int = 0) -> None:
+                 chunk_tokens: int = 16, pad_id: int = 0, train_unfinished: bool = False) -> None:
         if over_provision < 1:
             raise ValueError(f"over_provision={over_provision} must be >= 1")
         if chunk_tokens < 1 or group_size < 1:
@@ -489,6 +501,7 @@ class PartialRolloutProducer:
         self.group_size = int(group_size)
         self.over_provision = float(over_provision)
         self.chunk_tokens = int(chunk_tokens)
+        self.train_unfinished = bool(train_unfinished)
         self.queue: List[int] = []  # dataset indices selected but not started yet
         self.version_step: Dict[int, int] = {}  # policy version -> RL step of those weights
 
@@ -543,7 +556,14 @@ class PartialRolloutProducer:
         for idx in take:
             buf.add_group(list(encode(idx)), self.group_size, meta={"prompt_index": idx})
         rounds = tokens = 0
+        if self.train_unfinished:  # T-PPO: the first token of each response no step has trained on yet
+            for i in buf.pending():
+                e = buf.entries[i]
+                if e.meta.get("window_start") is None:
+                    e.meta["window_start"] = len(e.response_ids)
         while True:
+            if self.train_unfinished and rounds:  # one window per step
+                break
             if buf.pending():
                 p = params
                 if rounds and params.seed is not None:
@@ -552,8 +572,12 @@ class PartialRolloutProducer:
                 rounds += 1
             if len(buf.ready_groups()) >= needed or not buf.pending():
                 break
-        sb = buf.pop_ready(needed)
-        assert sb is not None and len(set(sb.group.tolist())) == needed  # in_flight + new >= needed
+        extras: Dict[str, torch.Tensor] = {}
+        if self.train_unfinished:
+            sb, extras = self._window_batch(needed)
+        else:
+            sb = buf.pop_ready(needed)
+            assert sb is not None and len(set(sb.group.tolist())) == needed  # in_flight + new >= needed
         token_step = torch.full_like(sb.token_version, -1)
         for v in sb.token_version.unique().tolist():
             if v >= 0:
@@ -576,7 +600,47 @@ class PartialRolloutProducer:
             "partial/multi_version_frac": float((n_versions > 1).float().mean()),
             "partial/queued_prompts": float(len(self.queue)),
         }
-        return PartialStep(sb, [int(m["prompt_index"]) for m in sb.meta], token_step, new, rounds, tokens, metrics)
+        if self.train_unfinished:
+            metrics["partial/window_truncated_frac"] = float(extras["window_truncated"].float().mean())
+            metrics["partial/window_tokens"] = float(extras["window_mask"].sum())
+        return PartialStep(sb, [int(m["prompt_index"]) for m in sb.meta], token_step, new, rounds, tokens, metrics,
+                           extras)
+
+    def _window_batch(self, needed: int):
+        """T-PPO window mode (arXiv:2506.15050): the ``needed`` oldest groups in flight, finished or not.
+
+        Done rows are popped; unfinished rows are copied (their entries stay in the buffer,
+        their ``window_start`` cleared so the next step trains only what it generates).
+
+        Returns:
+            ``(StitchedBatch, {"window_mask": [B, R] float, "window_truncated": [B] bool})``.
+        """
+        buf = self.buffer
+        order: List[int] = []
+        for e in buf.entries.values():
+            if e.group not in order:
+                order.append(e.group)
+        keep = set(order[:needed])
+        rows: List[PartialEntry] = []
+        starts: List[int] = []
+        cut: List[bool] = []
+        for i in [i for i, e in buf.entries.items() if e.group in keep]:
+            e = buf.entries[i]
+            start = e.meta.get("window_start")
+            starts.append(len(e.response_ids) if start is None else int(start))
+            cut.append(not e.done)
+            if e.done:
+                rows.append(buf.entries.pop(i))
+            else:
+                rows.append(dataclasses.replace(e, response_ids=list(e.response_ids), logprobs=list(e.logprobs),
+                                                versions=list(e.versions), temperatures=list(e.temperatures),
+                                                meta=dict(e.meta)))
+                e.meta["window_start"] = None
+        sb = stitch(rows, buf.pad_id)
+        wm = torch.zeros_like(sb.response_mask)
+        for b, (r, s0) in enumerate(zip(rows, starts)):
+            wm[b, s0:len(r.response_ids)] = 1.0
+        return sb, {"window_mask": wm, "window_truncated": torch.tensor(cut, dtype=torch.bool)}
 
     def state_dict(self) -> Dict[str, Any]:
         """Buffer, queued prompts and version map, as plain python (saved in checkpoints). Raises nothing."""

@@ -91,7 +91,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
                                (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
                                 req.reference_rewards),
                                (f"hindsight skills (up to {req.skill} tokens) and the responses' log-probs with them (SEED)", req.skill),
-                               ("privileged-context log-prob shifts (CSCR)", req.privileged_shifts)) if on]
+                               ("privileged-context log-prob shifts (CSCR)", req.privileged_shifts),
+                               ("hidden-state probe predictions, then its refit (POISE)", req.probe is not None)) if on]
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -102,6 +103,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               f"({cfg.precision.rollout_dtype}, T={cfg.rollout.temperature}, max_new_tokens={cfg.rollout.max_new_tokens})"
               + (f"; partial rollouts: chunks of {cfg.executor.partial_chunk_tokens} tokens, "
                  f"over_provision {cfg.executor.over_provision}, unfinished groups carried over"
+                 + (" (T-PPO window: one chunk per step, cut responses trained and continued)"
+                    if cfg.executor.get("partial_train_unfinished", False) else "")
                  if cfg.executor.get("partial_rollout", False) else "")
               + (f"; in {cfg.launcher.num_rollout_workers} Ray workers ({cfg.launcher.placement})"
                  if cfg.get("launcher") is not None and cfg.launcher.name == "ray" else ""), phase=PRODUCE),
@@ -365,7 +368,7 @@ class Run:
         return PartialRolloutProducer(
             int(self.cfg.rollout.max_new_tokens), group_size=self.sampler.counts(1, SamplerContext())[0],
             over_provision=float(ex.over_provision), chunk_tokens=int(ex.partial_chunk_tokens),
-            pad_id=pad_id_of(self.engine),
+            pad_id=pad_id_of(self.engine), train_unfinished=bool(ex.get("partial_train_unfinished", False)),
         )
 
     def _rollout_sharding(self) -> bool:
@@ -592,7 +595,10 @@ class Run:
         rewards = res.rewards
         if getattr(ps, "episodes", None):  # RUN_DIR/transcripts/step_NNNNNN.json, as the per-step sampler writes
             self.sampler._write_transcript(SamplerContext(step=step, prompt_indices=ps.prompt_index), ps.episodes, res)
-        observed = [(prompt_indices[g], rewards[gi == g].tolist()) for g in range(len(gmap))]
+        done = ~ps.extras["window_truncated"] if "window_truncated" in ps.extras else torch.ones(len(gi), dtype=torch.bool)
+        # the selector learns only from complete responses (a T-PPO window-cut row has no outcome yet)
+        observed = [(prompt_indices[g], rewards[(gi == g) & done].tolist()) for g in range(len(gmap))
+                    if bool(((gi == g) & done).any())]
         out = StepRollouts(res, prompt_indices, rewards, observed)
         out.metrics = {**rollout_metrics(out, res.rollouts_spent, ps.rounds, skipped[0]), **ps.metrics}
         try:
@@ -748,7 +754,9 @@ class Run:
                            answer_ids=batch.extras.get("answer_ids"),
                            teacher_logprobs=batch.extras.get("teacher_logprobs"),
                            reference_rewards=batch.extras.get("reference_rewards"),
-                           privileged_shifts=batch.extras.pop("privileged_shifts", None)),  # [B, R, 2]: not kept
+                           privileged_shifts=batch.extras.pop("privileged_shifts", None),  # [B, R, 2]: not kept
+                           truncated=batch.extras.get("window_truncated"), window_mask=batch.extras.get("window_mask"),
+                           probe_values=batch.extras.get("probe_values")),
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages

@@ -324,6 +324,7 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "opd_token": "not a reward baseline: the teacher's minus the student's log-prob of each token",
     "a_star": "baseline V* from the reference policy's samples, not the group",
     "sapo_ar": "turn-level critic baseline (one rollout per prompt: no group), normalised over the batch's turns",
+    "egae": "critic baseline (T-PPO's Extended GAE; gae on whole responses)",
 }
 
 LENGTHS8 = [15, 24, 6, 32, 2, 6, 7, 13]
@@ -368,7 +369,7 @@ def test_batch_of_equal_rewards_gives_zero_or_the_papers_value(name):
             baseline_rewards=torch.full((8,), 0.9))
     a = compute_advantages(name, x).advantages
     assert torch.isfinite(a).all()
-    if name in ("gae", "sao", "reinforce", "a_star"):
+    if name in ("gae", "egae", "sao", "reinforce", "a_star"):
         return  # critic baseline (values 0 here) / no baseline / V* of reference rewards 0: the advantage is the return
     assert torch.equal(a, torch.zeros_like(a)), (name, a.abs().max())
 

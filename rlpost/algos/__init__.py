@@ -12,6 +12,7 @@ from rlpost.algos import cscr, r2vpo, rapid, xrpo  # noqa: F401  (CSCR; R²VPO; 
 from rlpost.algos import sapo_ar, tbrm  # noqa: F401  (single-rollout turn-level GAE; TBRM)
 from rlpost.algos import otr  # noqa: F401  (one-token rollouts: SFT as a token-level policy gradient)
 from rlpost.algos import capo  # noqa: F401  (CAPO's curvature-aware token mask)
+from rlpost.algos import poise, tppo  # noqa: F401  (POISE's hidden-state probe baseline; T-PPO's EGAE)
 from rlpost.algos.corrections import CORRECTIONS  # noqa: F401
 from rlpost.algos.validate import validate_algo, validate_correction  # noqa: F401
 from rlpost.algos.registries import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES  # noqa: F401

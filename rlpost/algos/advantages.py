@@ -76,6 +76,15 @@ class AdvantageInput:
         privileged_shifts: ``[B, R, 2]`` each response token's log-prob shift under two
             privileged prompt contexts (correct / wrong answer asserted), or None;
             estimators tagged ``needs_privileged_shifts`` (``cscr``) read it.
+        truncated: ``[B]`` bool, rows cut by the rollout window that continue in a
+            later step (their outcome is not known yet), or None (no row is cut);
+            ``egae`` (T-PPO) bootstraps them from the critic.
+        window_mask: ``[B, R]`` 0/1, the tokens generated in this step's window
+            (earlier windows' tokens were trained in earlier steps), or None (every
+            response token); ``egae`` restricts the policy update to them.
+        probe_values: ``[B]`` each row's reward prediction by POISE's online probe
+            from that row's own hidden-state features, NaN while the probe is not
+            fitted yet, or None; ``poise`` forms the cross-rollout baseline from it.
     """
 
     rewards: torch.Tensor
@@ -91,6 +100,9 @@ class AdvantageInput:
     teacher_logprobs: Optional[torch.Tensor] = None
     reference_rewards: Optional[torch.Tensor] = None
     privileged_shifts: Optional[torch.Tensor] = None
+    truncated: Optional[torch.Tensor] = None
+    window_mask: Optional[torch.Tensor] = None
+    probe_values: Optional[torch.Tensor] = None
 
 
 class Baseline(Choice):
@@ -322,11 +334,14 @@ def discounted_gae(
     mask: torch.Tensor,
     gamma: float,
     lam: float,
+    bootstrap: Optional[torch.Tensor] = None,
 ):
     """Generalised advantage estimation over right-padded sequences.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` after the last response
-    token taken as 0 (episode ends); ``A_t = delta_t + gamma * lam * A_{t+1}``;
+    token taken as ``bootstrap`` (default 0: the episode ends; T-PPO's ``egae``
+    passes the critic's value at the cut for a window-truncated row);
+    ``A_t = delta_t + gamma * lam * A_{t+1}``;
     ``returns = A + V``. Positions outside ``mask`` get 0. Mask-0 positions inside a
     response (environment tokens of a multi-turn episode) are skipped: ``t + 1`` is the
     next masked token, so the environment's text is part of the transition between two
@@ -335,6 +350,7 @@ def discounted_gae(
     Args:
         token_rewards, values, mask: ``[B, R]``.
         gamma: discount, lam: GAE lambda.
+        bootstrap: ``[B]`` value of the state after each row's last response token, or None (0).
     Returns:
         ``(advantages [B, R], returns [B, R])``, float64.
     """
@@ -344,7 +360,7 @@ def discounted_gae(
     token_rewards = token_rewards.double()
     adv = torch.zeros(B, R, dtype=torch.float64)
     last = torch.zeros(B, dtype=torch.float64)
-    next_v = torch.zeros(B, dtype=torch.float64)
+    next_v = torch.zeros(B, dtype=torch.float64) if bootstrap is None else bootstrap.double().clone()
     for t in range(R - 1, -1, -1):
         m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_v - values[:, t]

@@ -82,8 +82,10 @@ def critic_loss_mask(response_mask: torch.Tensor, critic_cfg, seed: int = 0,
                      value_mask: "torch.Tensor | None" = None) -> torch.Tensor:
     """The critic's loss mask ``[B, R]`` for ``algo.critic``: the response mask, or SP3O's sparse states.
 
-    ``value_mask`` (an estimator's own value positions, ``sapo_ar``'s turn starts), when
-    given, replaces the response mask before SP3O's selection.
+    ``value_mask`` (an estimator's own value positions: ``sapo_ar``'s turn starts, ``egae``'s
+    complete rows), when given, replaces the response mask before SP3O's selection: it is
+    not cut by a policy-only ``loss_mask`` (``egae``'s window), which the runner has applied
+    to ``response_mask`` by then.
 
     ``critic_cfg.supervised_states`` 0 (or absent) keeps every token (PPO); ``n > 0``
     selects :func:`sparse_state_mask` with ``critic_cfg.state_spacing``, drawing
@@ -91,7 +93,7 @@ def critic_loss_mask(response_mask: torch.Tensor, critic_cfg, seed: int = 0,
     every micro-batch and process sees the same positions).
     """
     if value_mask is not None:
-        response_mask = response_mask * value_mask.to(response_mask.dtype)
+        response_mask = value_mask.to(response_mask.dtype)
     n = int(getattr(critic_cfg, "supervised_states", 0) or 0)
     if n <= 0:
         return response_mask.float()
@@ -105,7 +107,7 @@ def with_critic_mask(batch, critic_cfg, seed: int):
     Both trainer engines call this once per critic update, before the micro-batch split,
     so every micro-batch (and every data-parallel process, given the same ``seed``) sees
     the same SP3O states; see :func:`critic_loss_mask` for the mask and
-    ``batch.extras['value_mask']`` (an estimator's value positions) for what it restricts.
+    ``batch.extras['value_mask']`` (an estimator's value positions), which replaces the response mask.
     The caller's batch is not modified.
     """
     out = batch.select(list(range(len(batch))))

@@ -53,6 +53,8 @@ class AlgoRequirements:
             of at most N tokens in context (SEED; N is the loss's ``skill_tokens``).
         privileged_shifts: each response token's log-prob shift under two
             privileged prompt contexts (CSCR; :func:`rlpost.algos.cscr.privileged_shifts`).
+        probe: the parameters of an estimator tagged ``needs_probe`` (POISE's online
+            hidden-state probe, :class:`rlpost.algos.poise.PoiseProbe`), else None.
     """
 
     entropy: bool = False
@@ -64,6 +66,7 @@ class AlgoRequirements:
     reference_rewards: int = 0
     skill: int = 0
     privileged_shifts: bool = False
+    probe: Optional[Dict[str, Any]] = None
 
 
 def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
@@ -79,7 +82,18 @@ def algo_requirements(algo_cfg: Any) -> AlgoRequirements:
         reference_rewards=_reference_samples(algo_cfg),
         skill=_skill_tokens(algo_cfg),
         privileged_shifts=bool(ADV_ESTIMATORS.tag(adv, "needs_privileged_shifts", False)),
+        probe=_probe_params(algo_cfg),
     )
+
+
+def _probe_params(algo_cfg: Any) -> Optional[Dict[str, Any]]:
+    """The estimator's parameters when it is tagged ``needs_probe`` (POISE), else None."""
+    adv = str(algo_cfg.adv_estimator)
+    if not ADV_ESTIMATORS.tag(adv, "needs_probe", False):
+        return None
+    from rlpost.algos.validate import adv_overrides
+
+    return dict(ADV_ESTIMATORS.kwargs(adv, adv_overrides(algo_cfg), "algo.adv_params"))
 
 
 def _skill_tokens(algo_cfg: Any) -> int:
@@ -133,23 +147,34 @@ def check_sampler(algo_cfg: Any, sampler_name: str) -> None:
 
 
 class AlgoState:
-    """Cross-step state of the algorithm glue: MSSR's Beta tracker."""
+    """Cross-step state of the algorithm glue: MSSR's Beta tracker, POISE's online probe."""
 
     def __init__(self, req: AlgoRequirements) -> None:
         self.req = req
         self.tracker: Optional[BetaBaselineTracker] = BetaBaselineTracker() if req.beta_baseline else None
+        self.probe: Optional[Any] = None
+        if req.probe is not None:
+            from rlpost.algos.poise import PoiseProbe
+
+            self.probe = PoiseProbe(req.probe)
 
     def state_dict(self) -> Dict[str, Any]:
         """Serializable state for checkpoints (saved by :meth:`rlpost.runner.Run.checkpoint`).
 
-        ``{"tracker": BetaBaselineTracker.state_dict() or None}`` (a copy, not the live object).
+        ``{"tracker": BetaBaselineTracker.state_dict() or None}``, plus ``"probe"``
+        (:meth:`rlpost.algos.poise.PoiseProbe.state_dict`) when POISE's probe exists.
         """
-        return {"tracker": None if self.tracker is None else self.tracker.state_dict()}
+        sd: Dict[str, Any] = {"tracker": None if self.tracker is None else self.tracker.state_dict()}
+        if self.probe is not None:
+            sd["probe"] = self.probe.state_dict()
+        return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (an old checkpoint's ``entropy_stats`` is ignored)."""
         if self.tracker is not None and sd.get("tracker"):
             self.tracker.load_state_dict(sd["tracker"])
+        if self.probe is not None and sd.get("probe"):
+            self.probe.load_state_dict(sd["probe"])
 
 
 def normalise_answer(answer: Optional[str]) -> Optional[str]:
@@ -334,6 +359,11 @@ def prepare_algo_inputs(
         batch.extras["teacher_logprobs"] = lp.float()
         m["seed/skill_chars_mean"] = float(sum(len(s) for s in skills) / max(1, len(skills)))
         m["seed/skill_empty_frac"] = float(sum(1 for s in skills if not s) / max(1, len(skills)))
+    if state.probe is not None:  # POISE: pre-update predictions, then the probe's refit (rlpost.algos.poise)
+        from rlpost.algos.poise import probe_step
+
+        m.update(probe_step(state.probe, batch, trainer, float(req.probe["layer_frac"]),
+                            int(req.probe["pool_tokens"])))
     if state.tracker is not None:
         pidx = [int(i) for i in batch.prompt_index]
         batch.extras["baseline_rewards"] = state.tracker.baseline(pidx)

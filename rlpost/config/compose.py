@@ -147,7 +147,38 @@ def compose_config(overrides: List[str], return_hydra_config: bool = False) -> D
         raise
     except Exception as e:  # Hydra raises several unrelated exception types
         raise friendly_error(e) from None
-    return _with_preset_sampler(cfg, list(overrides), return_hydra_config)
+    cfg = _with_preset_sampler(cfg, list(overrides), return_hydra_config)
+    return _with_window_rollouts(cfg, list(overrides), return_hydra_config)
+
+
+#: what an estimator tagged ``needs_window_rollouts`` (T-PPO's ``egae``) composes with
+WINDOW_ROLLOUTS = ("executor.partial_rollout=true", "executor.partial_train_unfinished=true")
+
+
+def window_rollout_overrides(cfg: DictConfig, overrides: List[str]) -> List[str]:
+    """The :data:`WINDOW_ROLLOUTS` overrides ``cfg`` still needs (T-PPO's ``egae``, arXiv:2506.15050).
+
+    An estimator tagged ``needs_window_rollouts`` composes with window-cut rollouts
+    (the window is ``executor.partial_chunk_tokens``); a key the user named in
+    ``overrides`` is kept as given (``executor.partial_train_unfinished=false`` runs
+    EGAE on whole responses, i.e. GAE). Empty for every other estimator.
+    """
+    import rlpost.algos  # noqa: F401  (registers the estimators)
+    from rlpost.algos.registries import ADV_ESTIMATORS
+
+    name = str(cfg.algo.adv_estimator)
+    if name not in ADV_ESTIMATORS or not ADV_ESTIMATORS.tag(name, "needs_window_rollouts", False):
+        return []
+    named = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    return [o for o in WINDOW_ROLLOUTS
+            if o.split("=", 1)[0] not in named and not bool(OmegaConf.select(cfg, o.split("=", 1)[0]))]
+
+
+def _with_window_rollouts(cfg: DictConfig, overrides: List[str], return_hydra_config: bool) -> DictConfig:
+    """Recompose with :func:`window_rollout_overrides` when there are any (``rlpost train`` applies them in
+    :func:`rlpost.cli.train`, whose config Hydra composes itself)."""
+    extra = window_rollout_overrides(cfg, overrides)
+    return compose_config([*overrides, *extra], return_hydra_config) if extra else cfg
 
 
 def _with_preset_sampler(cfg: DictConfig, overrides: List[str], return_hydra_config: bool) -> DictConfig:

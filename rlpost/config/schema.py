@@ -602,6 +602,11 @@ class ExecutorConfig:
         over_provision: float >= 1; ``ceil(over_provision * needed)`` groups in
             flight each step (1: no carry-over, each step finishes its groups).
         partial_chunk_tokens: per-round token budget of one response (>= 1).
+        partial_train_unfinished: T-PPO's window mode ("Truncated Proximal Policy
+            Optimization", arXiv:2506.15050): one round of ``partial_chunk_tokens``
+            (the window) per step, and the step trains on its groups whether their
+            responses finished or not (cut ones are continued next step, each token
+            trained once); needs ``partial_rollout=true``. ``algo=t_ppo`` turns it on.
     """
 
     name: ExecutorName = ExecutorName.sync  # type: ignore[valid-type]
@@ -609,6 +614,7 @@ class ExecutorConfig:
     partial_rollout: bool = False
     over_provision: float = 1.0
     partial_chunk_tokens: int = 16
+    partial_train_unfinished: bool = False
 
 
 @dataclass
