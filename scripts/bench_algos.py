@@ -108,6 +108,7 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
         row["max_abs_loss"] = max((abs(x) for x in losses), default=None)
         norms = [r.get("actor/grad_norm") for r in rows if r.get("actor/grad_norm") is not None]
         row["max_grad_norm"] = max(norms, default=None)
+        row["grad_steps"] = sum(1 for x in norms if _finite(x) and x > 0)  # steps whose update moved the policy
         bad = [k for r in rows for k in ("loss/policy", "actor/grad_norm") if k in r and not _finite(r[k])]
         if bad and row["status"] == "ok":
             row["status"] = "nan"
@@ -128,13 +129,13 @@ def fmt(x: Any, nd: int = 3) -> str:
 
 def table(rows: List[Dict[str, Any]]) -> str:
     head = ["preset", "rollouts/step", "passes", "steps", "reward (steps 1-5)", "reward (last 5)", "final reward", "entropy",
-            "clip_frac", "s/step", "max|loss|", "max grad norm", "status"]
+            "clip_frac", "s/step", "max|loss|", "max grad norm", "steps with grad > 0", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["preset"], str(r.get("rollouts_per_step", "-")), r.get("passes", "-"), str(r["steps"]), fmt(r.get("reward_first5")),
             fmt(r.get("reward_last5")), fmt(r.get("reward")), fmt(r.get("entropy")), fmt(r.get("clip_frac")),
-            fmt(r.get("s_per_step"), 1), fmt(r.get("max_abs_loss")), fmt(r.get("max_grad_norm")), r["status"],
+            fmt(r.get("s_per_step"), 1), fmt(r.get("max_abs_loss")), fmt(r.get("max_grad_norm")), str(r.get("grad_steps", "-")), r["status"],
         ]) + " |")
     return "\n".join(lines)
 
