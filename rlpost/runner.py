@@ -301,6 +301,9 @@ class Run:
         from rlpost.algos.stages import check_sampler
 
         check_sampler(cfg.algo, cfg.sampler.name)  # per-token temperature: the sampler's only
+        from rlpost.algos.mipu import check_update_gate
+
+        check_update_gate(cfg)  # algo.update_gate (MIPU): its config errors stop the run before any weights load
         # all reward shaping lives here (e.g. algo=dapo's overlong window); its config errors stop the run early too
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
                                                     preset_shaping=cfg.algo.adv_params)
@@ -333,6 +336,9 @@ class Run:
 
         # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.launch)
         self.engine = build_rollout_backend(cfg, self.engine, self.trainer.policy, self.tokenizer)
+        from rlpost.algos.mipu import build_update_gate
+
+        self.update_gate = build_update_gate(cfg)  # MIPU: accept a step only if the inference copy improves
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         from rlpost.algos.stages import AlgoState, algo_requirements
@@ -780,7 +786,10 @@ class Run:
     def _policy_update(self, ctx: "LearnContext") -> None:
         a = self.cfg.algo
         if ctx.c.step > a.critic.warmup_steps or not a.critic.enabled:
-            ctx.metrics.update(self.trainer.policy_update(ctx.batch, self.update_rng))
+            if self.update_gate is not None:  # candidate -> sync -> inference-side proxy -> accept or roll back
+                ctx.metrics.update(self.update_gate.update(self.trainer, self.local_engine, ctx.batch, self.update_rng))
+            else:
+                ctx.metrics.update(self.trainer.policy_update(ctx.batch, self.update_rng))
         else:
             ctx.metrics["actor/frozen_for_critic_warmup"] = 1.0
 

@@ -7,6 +7,7 @@
     python scripts/gpu_check.py --part ray         # launcher=ray: 2 vLLM rollout workers as Ray actors (--dry-run: hf, CPU)
     python scripts/gpu_check.py --part dp          # N-way data-parallel rollouts, a vLLM engine per GPU (--dry-run: 2 CPU ranks)
     python scripts/gpu_check.py --part lora        # LoRA: update, push to vLLM's LoRA path, parity (--dry-run: hf, CPU)
+    python scripts/gpu_check.py --part spec        # vLLM speculative rollouts (ngram, fp8 self-draft; mtp refused)
 
 Part ``hf`` needs only PyTorch, transformers, safetensors, tokenizers and the small
 wheels rlpost's config needs (hydra-core, omegaconf, antlr4-python3-runtime;
@@ -415,7 +416,10 @@ def part_vllm(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
     sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
     for prec, tol in (("bf16", 0.05), ("rollout_fp8", 0.3)):
         print(f"\n== vLLM engine, precision={prec}: {shape} with {layers} layers")
-        cfg = rl_config([f"precision={prec}", "rollout=vllm", "rollout.gpu_memory_utilization=0.35",
+        # the fp8 arm composes the GPU recipe (recipes/fp8_rollout_qwen3_8b.yaml) on the toy-depth model
+        recipe = ["+recipe=fp8_rollout_qwen3_8b", "model=tiny", "trainer=torch",
+                  "model.gradient_checkpointing=false"] if prec == "rollout_fp8" else []
+        cfg = rl_config(recipe + [f"precision={prec}", "rollout=vllm", "rollout.gpu_memory_utilization=0.35",
                          "trainer.lr=1e-3", "trainer.grad_clip=0", "trainer.micro_batch_size=8",
                          f"rollout.batch_size={B}", f"model.cache_dir={tmp / prec}"])
         policy = build_model(shape, layers, torch.float32, device, seed=1)
@@ -468,6 +472,70 @@ def vllm_teacher_forced_gap(eng, batch, lp_trainer: torch.Tensor) -> float:
             tot += abs(float(getattr(v, "logprob", v)) - float(lp_trainer[i, j]))
             n += 1
     return tot / max(1, n)
+
+
+# --------------------------------------------------------------------------- part spec
+def part_spec(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
+    """vLLM speculative decoding for rollouts (rollout.speculative, rlpost/rollout/vllm_spec.py).
+
+    For a plain engine and for ``method=ngram`` (k=4) and ``method=self`` (the policy's own starting
+    weights as an fp8 draft model, k=3; rollout=vllm_self_spec): generate, one update, push, generate
+    again; the second generation's reported log-probs must match the updated trainer's (speculation
+    must report the target's log-probs, not the drafter's: threshold part vllm's bf16 0.05), and
+    tokens/s is printed against the plain engine. ``method=mtp`` on this model (no MTP layers) must
+    stop with the ConfigError before any engine starts; no MTP checkpoint is available offline.
+    """
+    from rlpost.errors import ConfigError
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.vllm import VLLMRolloutEngine
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    V = int(SHAPES[shape]["vocab_size"])
+    tok = word_tokenizer(V)
+    B, P, R = 64, 128, 128
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B)]
+    sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+    with guard("vllm_spec_mtp_refused"):
+        cfg = rl_config(["precision=bf16", "rollout=vllm_mtp", f"model.cache_dir={tmp / 'mtp'}"])
+        policy = build_model(shape, layers, torch.float32, device, seed=1)
+        try:
+            VLLMRolloutEngine(cfg, policy, tok)
+            report("vllm_spec_mtp_refused", False, "method=mtp on a model without MTP layers was not refused")
+        except ConfigError as e:
+            report("vllm_spec_mtp_refused", "multi-token-prediction" in str(e), f"ConfigError: {str(e)[:120]}")
+        del policy
+    base_tps = None
+    arms = (("plain", ["rollout=vllm"]),
+            ("ngram", ["rollout=vllm_self_spec", "rollout.speculative.method=ngram",
+                       "rollout.speculative.quantization=null", "rollout.speculative.num_speculative_tokens=4"]),
+            ("self_fp8", ["rollout=vllm_self_spec"]))
+    for name, ov in arms:
+        with guard(f"vllm_spec_{name}"):
+            print(f"\n== vLLM speculative decoding, {name}: {shape} with {layers} layers")
+            cfg = rl_config(["precision=bf16", *ov, "rollout.gpu_memory_utilization=0.35", "trainer.lr=1e-3",
+                             "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={B}",
+                             f"model.cache_dir={tmp / name}"])
+            policy = build_model(shape, layers, torch.float32, device, seed=1)
+            trainer = TorchTrainer(policy, cfg, device)
+            eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
+            gen = eng.generate(prompts, sp)
+            trainer.policy_update(batch_from(gen), torch.Generator().manual_seed(0))
+            eng.sync_weights(trainer.policy)
+            t0 = time.perf_counter()
+            gen2 = eng.generate(prompts, sp)
+            dt = time.perf_counter() - t0
+            lp_t, _ = trainer.compute_logprobs(batch_from(gen2))
+            gap = masked_abs_mean(gen2.rollout_logprobs, lp_t, gen2.response_mask)
+            tps = gen2.num_tokens / dt
+            base_tps = tps if name == "plain" else base_tps
+            ratio = f", {tps / base_tps:.2f} x plain" if base_tps and name != "plain" else ""
+            report(f"vllm_spec_{name}", gap <= 0.05,
+                   f"after a push: {tps:,.0f} tokens/s{ratio}; |reported - trainer| log-prob per token {gap:.4f} "
+                   f"(threshold 0.05)", tokens_per_s=tps, gap=gap)
+            eng.close()
+            del eng, trainer, policy
+            reset_peak(device)
 
 
 # --------------------------------------------------------------------------- part agent
@@ -962,7 +1030,7 @@ def vllm_prompt_logprobs(eng, batch, lora: bool = False) -> torch.Tensor:
 # --------------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray", "dp", "lora"], default="hf")
+    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray", "dp", "lora", "spec"], default="hf")
     ap.add_argument("--world", type=int, default=None, help="part dp: at most this many ranks (default: every GPU)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: plan, memory estimates, every hf check on a toy Qwen3")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -1039,6 +1107,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_lora(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_lora_")))
+        elif a.part == "spec":
+            import tempfile
+
+            part_spec(device, a.shape, a.vllm_layers, Path(tempfile.mkdtemp(prefix="rlpost_spec_")))
         else:
             import tempfile
 

@@ -11,6 +11,10 @@
 #                                           # the ranks): token-exact rows, tokens/s per rank (--dry-run: 2 CPU ranks)
 #   bash scripts/gpu_check.sh --part lora   # LoRA: PEFT update, adapter push to vLLM's LoRA path, log-prob parity,
 #                                           # KL reference = base (add --dry-run: hf engine, merged weights, CPU)
+#   bash scripts/gpu_check.sh --part spec   # vLLM speculative rollouts (rollout.speculative): plain vs method=ngram vs
+#                                           # method=self (fp8 draft of the policy), log-prob parity after a push,
+#                                           # tokens/s; method=mtp refused on a model without MTP layers
+# The fp8 arm of --part vllm composes the GPU recipe +recipe=fp8_rollout_qwen3_8b (vLLM quantization=fp8).
 #
 # Every check prints PASS/FAIL with its threshold; the exit status is 1 if any failed.
 # docs/ENGINES.md ("GPU check") has the figures measured on an H200 and how to run it offline.

@@ -187,6 +187,9 @@ class AlgoConfig:
         ppo_epochs: passes over each step's rollouts.
         mini_batches: optimizer steps per epoch (the batch is split into this many).
         entropy_coef: weight of an entropy bonus (subtracted from the loss).
+        update_gate: null, or a rule that accepts or rolls back each optimizer step after it is
+            taken (``{name: mipu, min_gain, max_kl}``: MIPU, arXiv:2606.29526), checked by
+            :func:`rlpost.algos.mipu.gate_settings`.
     """
 
     name: str = "grpo"
@@ -204,6 +207,7 @@ class AlgoConfig:
     clip: ClipConfig = field(default_factory=ClipConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    update_gate: Optional[Dict[str, Any]] = None
 
 
 # ------------------------------------------------------------------ model / tasks
@@ -401,7 +405,10 @@ class RolloutConfig:
             cache for one sequence then has to fit in vLLM's share).
         speculative: null, or self-speculative decoding settings (``drafter``,
             ``switch_batch``, ``draft_len``, ``min_draft_len``, ``max_draft_len``,
-            ``adaptive``), checked by :func:`rlpost.rollout.self_spec.spec_config`.
+            ``adaptive``), checked by :func:`rlpost.rollout.self_spec.spec_config`, for
+            rollout=hf; for rollout=vllm, vLLM's speculative decoding (``method``: mtp | ngram |
+            draft_model | self, ``num_speculative_tokens``, ``model``, ``quantization``,
+            ``prompt_lookup_max/min``), checked by :func:`rlpost.rollout.vllm_spec.vllm_spec_settings`.
     """
 
     engine: RolloutEngine = RolloutEngine.hf

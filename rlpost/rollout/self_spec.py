@@ -333,23 +333,9 @@ class SelfSpeculativeEngine(RolloutEngine):
             plog, tc = self._forward(self.model, [seq[-1]] + draft, tc)  # policy scores all g + 1 positions
             self._m["target_forwards"] += 1
             p = self._dist(plog, params)  # [g + 1, V]
-            n_acc = 0
-            nxt = -1
-            for k in range(g):  # speculative acceptance (arXiv:2211.17192), token by token
-                pk, qk = float(p[k, draft[k]]), float(qs[k][draft[k]])
-                u = float(torch.rand(1, generator=gen, dtype=torch.float64))
-                if qk > 0 and u < min(1.0, pk / qk):
-                    n_acc += 1
-                    continue
-                resid = (p[k].double() - qs[k].double()).clamp(min=0)
-                if float(resid.sum()) <= 1e-12:
-                    resid = p[k].double()
-                nxt = self._draw(resid, gen)
-                break
+            n_acc, nxt = speculative_accept(p, qs, draft, gen, self._draw)
             self._m["draft_tokens"] += g
             self._m["accepted_tokens"] += n_acc
-            if nxt < 0:  # all accepted: a bonus token from the policy's next position
-                nxt = self._draw(p[g], gen)
             if self.adaptive:
                 self.draft_len = next_draft_len(self.draft_len, n_acc, g, self.min_draft_len, self.max_draft_len)
             new = draft[:n_acc] + [nxt]
@@ -377,6 +363,35 @@ class SelfSpeculativeEngine(RolloutEngine):
         return False
 
 
+def speculative_accept(p: torch.Tensor, qs: List[torch.Tensor], draft: List[int], gen: torch.Generator,
+                       draw: Any) -> tuple:
+    """Speculative-sampling acceptance of one draft round (arXiv:2211.17192 / arXiv:2302.01318).
+
+    Args:
+        p: the policy's sampling distributions ``[g + 1, V]`` at the draft positions and one past.
+        qs: the drafter's distributions, one ``[V]`` per draft token (``g`` of them).
+        draft: the ``g`` drafted token ids (``draft[k] ~ qs[k]``).
+        gen: the row's generator (uniforms for the accept tests).
+        draw: ``fn(probs [V], gen) -> int`` (unnormalised probabilities allowed).
+    Returns:
+        ``(n_acc, nxt)``: drafts accepted (each with probability ``min(1, p/q)``, in order, up to
+        the first rejection) and the next token: a draw from the normalised residual
+        ``max(0, p - q)`` at the first rejection, or a bonus draw from ``p[g]`` when all were
+        accepted. The emitted tokens are exact samples of ``p`` whatever ``q`` is.
+    """
+    g = len(draft)
+    for k in range(g):
+        pk, qk = float(p[k, draft[k]]), float(qs[k][draft[k]])
+        u = float(torch.rand(1, generator=gen, dtype=torch.float64))
+        if qk > 0 and u < min(1.0, pk / qk):
+            continue
+        resid = (p[k].double() - qs[k].double()).clamp(min=0)
+        if float(resid.sum()) <= 1e-12:
+            resid = p[k].double()
+        return k, draw(resid, gen)
+    return g, draw(p[g], gen)
+
+
 def _crop_to(cache: Any, keep: int) -> None:
     """Drop the cached positions past ``keep`` (a negative ``crop`` removes, in every transformers version)."""
     n = int(cache.get_seq_length())
@@ -388,17 +403,23 @@ def check_speculative(cfg: Any) -> Optional[Dict[str, Any]]:
     """The checked ``rollout.speculative`` settings of ``cfg``, or None when it is unset.
 
     Raises:
-        ConfigError: ``rollout.speculative`` with an engine other than hf, with MoE routing
-            replay (routes are recorded per plain decode forward), or bad speculative settings
+        ConfigError: ``rollout.speculative`` with an engine other than hf or vllm (vllm's keys are
+            checked by :func:`rlpost.rollout.vllm_spec.vllm_spec_settings`, and None is returned:
+            vLLM speculates inside its own engine), with MoE routing replay (routes are recorded per plain decode forward), or bad speculative settings
             (:func:`spec_config`).
     """
     spec = cfg.rollout.get("speculative", None) if hasattr(cfg.rollout, "get") else getattr(cfg.rollout, "speculative", None)
     if not spec:
         return None
+    if str(cfg.rollout.engine) == "vllm":
+        from rlpost.rollout.vllm_spec import vllm_spec_settings
+
+        vllm_spec_settings(spec)  # vLLM speculates inside its engine (rlpost.rollout.vllm_spec): no hf wrapper
+        return None
     c = spec_config(spec)
     if str(cfg.rollout.engine) != "hf":
-        raise ConfigError("rollout.speculative is implemented for rollout=hf only (no vLLM drafter wiring yet); "
-                          "set rollout=hf or drop rollout.speculative")
+        raise ConfigError(f"rollout.speculative is implemented for rollout=hf and rollout=vllm, not "
+                          f"rollout.engine={cfg.rollout.engine!r}; drop rollout.speculative")
     if str(getattr(cfg.model, "routing_replay", "off") or "off") != "off":
         raise ConfigError("rollout.speculative cannot be combined with model.routing_replay (routes are "
                           "recorded per plain decode forward); set one of them off")

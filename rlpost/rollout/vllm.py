@@ -308,8 +308,13 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, An
     ``ExecutorWithExternalLauncher``), every rank with the same engine seed (rlpost
     seeds each request itself).
 
+    With ``rollout.speculative.method`` set, ``speculative_config`` from
+    :func:`rlpost.rollout.vllm_spec.vllm_speculative_config` (vLLM's MTP / n-gram / draft-model
+    speculative decoding; ``self``: the policy's starting weights, quantised, as the drafter).
+
     Raises:
         RlpostError: an unsupported rollout dtype; a LoRA rank above 512.
+        ConfigError: bad ``rollout.speculative`` settings, or method=mtp on a model without MTP layers.
     """
     rd = cfg.precision.rollout_dtype
     if rd not in VLLMRolloutEngine.DTYPES:
@@ -338,6 +343,13 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, An
         kw.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
     if world_size > 1:
         kw["distributed_executor_backend"] = "external_launcher"
+    from rlpost.rollout.vllm_spec import read_hf_config, vllm_spec_settings, vllm_speculative_config
+
+    spec = r.get("speculative") if hasattr(r, "get") else getattr(r, "speculative", None)
+    sc = vllm_speculative_config(vllm_spec_settings(spec), read_hf_config(str(model_dir)), str(model_dir),
+                                 checkpoint=getattr(cfg.model, "path", None))
+    if sc is not None:
+        kw["speculative_config"] = sc
     return kw
 
 
@@ -391,6 +403,15 @@ class VLLMRolloutEngine(RolloutEngine):
                               "Fix: use rollout=hf for int8 / fp8_sim / fp4_sim.")
         in_process_worker_env()
         vllm = _require_vllm_and_gpu()
+        spec = cfg.rollout.get("speculative") if hasattr(cfg.rollout, "get") else getattr(cfg.rollout, "speculative", None)
+        ver = getattr(vllm, "__version__", None)
+        if spec and (spec.get("method") if hasattr(spec, "get") else None) and ver is not None:
+            from rlpost.rollout.vllm_spec import MIN_VLLM_SPEC
+
+            if _version_tuple(ver) < MIN_VLLM_SPEC:
+                raise RlpostError(f"rollout.speculative with rollout=vllm needs vLLM >= {'.'.join(map(str, MIN_VLLM_SPEC))}: "
+                                  f"vLLM {ver} turns speculation off for requests that ask for log-probs. "
+                                  "Fix: pip install -U vllm, or drop rollout.speculative.")
         self.push_method = "reload_weights" if rd == "fp8" else "load_weights"
         if rd == "fp8" and not _fp8_reload_supported():
             raise RlpostError("precision.rollout_dtype=fp8 needs vLLM's in-place reload (GPUModelRunner.reload_weights "
