@@ -402,18 +402,27 @@ def engine_logprobs(eng, batch, device: torch.device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- part vllm
-def part_vllm(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
-    """vLLM engine: generate, push changed weights, compare log-probs with the trainer (bf16 and fp8)."""
+def vllm_workload(shape: str):
+    """The vLLM parts' workload: ``(tokenizer, prompts, sampling params)``.
+
+    64 random prompts of 128 token ids (2 .. vocab-1, seed 0) for ``shape``'s vocabulary, 128 new
+    tokens each at temperature 1 (seed 7), with the word tokenizer of :func:`word_tokenizer`.
+    """
     from rlpost.rollout.base import SamplingParams
-    from rlpost.rollout.vllm import VLLMRolloutEngine
-    from rlpost.trainer.torch_engine import TorchTrainer
 
     V = int(SHAPES[shape]["vocab_size"])
-    tok = word_tokenizer(V)
     B, P, R = 64, 128, 128
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B)]
-    sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+    return word_tokenizer(V), prompts, SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+
+
+def part_vllm(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
+    """vLLM engine: generate, push changed weights, compare log-probs with the trainer (bf16 and fp8)."""
+    from rlpost.rollout.vllm import VLLMRolloutEngine
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    tok, prompts, sp = vllm_workload(shape)
     for prec, tol in (("bf16", 0.05), ("rollout_fp8", 0.3)):
         print(f"\n== vLLM engine, precision={prec}: {shape} with {layers} layers")
         # the fp8 arm composes the GPU recipe (recipes/fp8_rollout_qwen3_8b.yaml) on the toy-depth model
@@ -421,7 +430,7 @@ def part_vllm(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
                   "model.gradient_checkpointing=false"] if prec == "rollout_fp8" else []
         cfg = rl_config(recipe + [f"precision={prec}", "rollout=vllm", "rollout.gpu_memory_utilization=0.35",
                          "trainer.lr=1e-3", "trainer.grad_clip=0", "trainer.micro_batch_size=8",
-                         f"rollout.batch_size={B}", f"model.cache_dir={tmp / prec}"])
+                         f"rollout.batch_size={len(prompts)}", f"model.cache_dir={tmp / prec}"])
         policy = build_model(shape, layers, torch.float32, device, seed=1)
         trainer = TorchTrainer(policy, cfg, device)
         eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
@@ -486,16 +495,10 @@ def part_spec(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
     stop with the ConfigError before any engine starts; no MTP checkpoint is available offline.
     """
     from rlpost.errors import ConfigError
-    from rlpost.rollout.base import SamplingParams
     from rlpost.rollout.vllm import VLLMRolloutEngine
     from rlpost.trainer.torch_engine import TorchTrainer
 
-    V = int(SHAPES[shape]["vocab_size"])
-    tok = word_tokenizer(V)
-    B, P, R = 64, 128, 128
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, V, (P,), generator=g).tolist() for _ in range(B)]
-    sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
+    tok, prompts, sp = vllm_workload(shape)
     with guard("vllm_spec_mtp_refused"):
         cfg = rl_config(["precision=bf16", "rollout=vllm_mtp", f"model.cache_dir={tmp / 'mtp'}"])
         policy = build_model(shape, layers, torch.float32, device, seed=1)
@@ -514,7 +517,7 @@ def part_spec(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
         with guard(f"vllm_spec_{name}"):
             print(f"\n== vLLM speculative decoding, {name}: {shape} with {layers} layers")
             cfg = rl_config(["precision=bf16", *ov, "rollout.gpu_memory_utilization=0.35", "trainer.lr=1e-3",
-                             "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={B}",
+                             "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={len(prompts)}",
                              f"model.cache_dir={tmp / name}"])
             policy = build_model(shape, layers, torch.float32, device, seed=1)
             trainer = TorchTrainer(policy, cfg, device)
@@ -790,7 +793,7 @@ def dp_worker(shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
         prompts = grouped_prompts(B, P, G, V)
         sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
         # per-rank cache_dir: each rank writes its engine's start weights to its own directory
-        over = [f"rollout.batch_size={B}", f"model.cache_dir={tmp}/rank{r}", "model.name=gpu_check_dp"]
+        over = [f"rollout.batch_size={len(prompts)}", f"model.cache_dir={tmp}/rank{r}", "model.name=gpu_check_dp"]
         over += ["precision=fp32"] if dry else ["precision=bf16", "rollout=vllm", "rollout.gpu_memory_utilization=0.5"]
         cfg = rl_config(over)
         policy = build_model(shape, layers, torch.float32 if dry else torch.bfloat16, device, seed=1)  # same everywhere
@@ -909,7 +912,7 @@ def part_lora(device: torch.device, shape: str, layers: Optional[int], dry: bool
     sp = SamplingParams(max_new_tokens=R, temperature=1.0, seed=7)
     over = ["precision=fp32" if dry else "precision=bf16", "model.lora.rank=8", "model.lora.alpha=16",
             "model.lora.dropout=0", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "trainer.lr=1e-2",
-            "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={B}", "algo.kl.coef=0.01",
+            "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={len(prompts)}", "algo.kl.coef=0.01",
             f"model.cache_dir={tmp}", "model.name=gpu_check_lora"]
     if not dry:
         over += ["rollout=vllm", "rollout.gpu_memory_utilization=0.35"]

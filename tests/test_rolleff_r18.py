@@ -26,6 +26,31 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - exp) ** 2 / exp.clamp(min=1e-12)).sum())
 
 
+def response_chi2(gen, keys, p_exact):
+    """Chi-square of generated whole responses against an exact response distribution.
+
+    Counts each row of ``gen`` (``response_ids`` / ``response_mask`` ``[N, T]``) in the bin of
+    ``keys`` (tuples of token ids, aligned with ``p_exact`` ``[K]``); bins with expected count
+    < 5 are pooled into one. Returns ``(stat, bound, pool)``: the statistic, a bound above the
+    99.9% chi-square quantile for its degrees of freedom, and ``pool(q)`` mapping another exact
+    distribution ``q`` ``[K]`` onto the same bins (for the power check ``chi2(counts, pool(q))``).
+    """
+    n = gen.response_ids.shape[0]
+    index = {k: i for i, k in enumerate(keys)}
+    counts = torch.zeros(len(keys), dtype=torch.float64)
+    for b in range(n):
+        counts[index[tuple(gen.response_ids[b][gen.response_mask[b] > 0].tolist())]] += 1
+    keep = p_exact * n >= 5
+
+    def pool(q):
+        return torch.cat([q[keep], q[~keep].sum()[None]])
+
+    df = int(keep.sum())
+    bound = 2.0 * df + 6.0 * df ** 0.5  # above the 99.9% chi-square quantile for these df
+    c = pool(counts)
+    return chi2(c, pool(p_exact)), bound, lambda q: chi2(c, pool(q))
+
+
 class _Tok:
     """Minimal tokenizer for a 5-token vocabulary (0 = EOS)."""
 
@@ -116,18 +141,10 @@ def test_self_speculative_rollouts_are_exact_samples_of_the_policy():
     assert 0.05 < m["spec/accept_rate"] < 0.95, m  # drafter differs from the policy: some rejections
     keys, p_exact = _exact_dist(model, prompt, T)
     _, q_exact = _exact_dist(eng.drafter, prompt, T)
-    index = {k: i for i, k in enumerate(keys)}
-    counts = torch.zeros(len(keys), dtype=torch.float64)
-    for b in range(N):
-        counts[index[tuple(g.response_ids[b][g.response_mask[b] > 0].tolist())]] += 1
-    keep = p_exact * N >= 5
-    c = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    pe = torch.cat([p_exact[keep], p_exact[~keep].sum()[None]])
-    df = int(keep.sum())
-    bound = 2.0 * df + 6.0 * df ** 0.5  # above the 99.9% chi-square quantile for these df
-    assert chi2(c, pe) < bound, (chi2(c, pe), df)
+    stat, bound, against = response_chi2(g, keys, p_exact)
+    assert stat < bound, (stat, bound)
     # the test has power: the drafter's own distribution is rejected
-    assert chi2(c, torch.cat([q_exact[keep], q_exact[~keep].sum()[None]])) > bound
+    assert against(q_exact) > bound
     # reported log-probs are the policy's
     lp0 = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
     first = g.response_ids[:, 0]

@@ -8,7 +8,7 @@ import torch
 from rlpost.errors import ConfigError
 from rlpost.rollout.base import SamplingParams
 from rlpost.rollout.hf import HFRolloutEngine
-from test_rolleff_r18 import _exact_dist, _perturb, _tiny_llama, _Tok, chi2
+from test_rolleff_r18 import _exact_dist, _perturb, _tiny_llama, _Tok, response_chi2
 from conftest import tiny_overrides
 
 
@@ -152,21 +152,13 @@ def test_mtp_head_speculative_rollouts_are_exact_samples_of_the_policy():
     assert m["spec/spec_rows"] == N and m["spec/draft_tokens"] > 0
     assert 0.05 < m["spec/accept_rate"] < 1.0, m
     keys, p_exact = _exact_dist(model, prompt, T)
-    index = {k: i for i, k in enumerate(keys)}
-    counts = torch.zeros(len(keys), dtype=torch.float64)
-    for b in range(N):
-        counts[index[tuple(gen.response_ids[b][gen.response_mask[b] > 0].tolist())]] += 1
-    keep = p_exact * N >= 5
-    c = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    pe = torch.cat([p_exact[keep], p_exact[~keep].sum()[None]])
-    df = int(keep.sum())
-    bound = 2.0 * df + 6.0 * df ** 0.5
-    assert chi2(c, pe) < bound, (chi2(c, pe), df)
+    stat, bound, against = response_chi2(gen, keys, p_exact)
+    assert stat < bound, (stat, bound)
     # power: a perturbed policy's distribution is rejected by the same statistic
     import copy
 
     _, q_exact = _exact_dist(_perturb(0.3)(copy.deepcopy(model)), prompt, T)
-    assert chi2(c, torch.cat([q_exact[keep], q_exact[~keep].sum()[None]])) > bound
+    assert against(q_exact) > bound
     # reported log-probs are the policy's
     with torch.no_grad():
         lp0 = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
