@@ -46,6 +46,21 @@ def compose():
     return compose_config
 
 
+@pytest.fixture
+def one_thread():
+    """Run the test with one intra-op torch thread (restored after).
+
+    Tiny-model forwards are latency-bound: one thread avoids spin-waiting on a shared machine.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def update_with_gradient(trainer, batch):
     """Run ``trainer.policy_update(batch)`` with the optimizer step replaced by a capture.
 

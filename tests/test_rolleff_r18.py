@@ -11,13 +11,7 @@ from rlpost.rollout.hf import HFRolloutEngine
 from rlpost.rollout.self_spec import SelfSpeculativeEngine, next_draft_len, spec_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny-model forwards are latency-bound: one intra-op thread avoids spin-waiting on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -12,12 +12,7 @@ from test_rolleff_r18 import _exact_dist, _perturb, _tiny_llama, _Tok, response_
 from conftest import tiny_overrides
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- vLLM speculative_config
