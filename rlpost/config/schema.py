@@ -255,6 +255,25 @@ class LoraConfig:
 
 
 @dataclass
+class Pr2Config:
+    """``model.pr2``: the router-evolution predictor of ``model.routing_replay=pr2``.
+
+    PR2 ("PR2: Predictive Routing Replay for MoE-Based LLM Reinforcement Learning",
+    arXiv:2606.00395); the predictor and both defaults are our reading, see
+    :class:`rlpost.models.moe_replay.RouterEvolutionPredictor`.
+
+    Attributes:
+        horizon: how many policy updates ahead the rollout's routes are predicted (>= 0;
+            0 is plain routing replay).
+        ema: weight of the previous velocity when the predictor is refitted after an
+            update, in [0, 1).
+    """
+
+    horizon: float = 1.0
+    ema: float = 0.5
+
+
+@dataclass
 class ModelConfig:
     """The policy model.
 
@@ -279,7 +298,10 @@ class ModelConfig:
         routing_replay: MoE routing replay (:mod:`rlpost.models.moe_replay`): ``off``;
             ``record`` (rollouts record each token's experts, the trainer routes on its
             own and logs ``moe/route_mismatch``); ``replay`` (the trainer's forwards use
-            the rollout's experts). Needs an MoE model and ``rollout=hf``.
+            the rollout's experts); ``pr2`` (predictive routing replay: the rollout routes by
+            a predictor of the router's drift and the trainer replays that). Needs an MoE
+            model and ``rollout=hf``.
+        pr2: the PR2 predictor's settings (``routing_replay=pr2``); see :class:`Pr2Config`.
     """
 
     name: str = "smollm2-135m"
@@ -293,6 +315,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     teacher: Optional[str] = None
     routing_replay: str = "off"
+    pr2: Pr2Config = field(default_factory=Pr2Config)
 
 
 @dataclass

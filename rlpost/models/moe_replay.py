@@ -10,10 +10,18 @@ et al., arXiv:2512.01374) records each token's routed experts
 during the rollout and replays them in the trainer's forward passes: the expert
 *choice* is the rollout's, the gating weights are the current router's
 probabilities of those experts (renormalised when the model normalises its top-k),
-so the router still gets gradients. The predictive variant, PR2 ("PR2: Predictive
-Routing Replay for MoE-Based LLM Reinforcement Learning", Dong et al.,
-arXiv:2606.00395), is not implemented here (the predictor's form and objective
-were not available to read).
+so the router still gets gradients.
+
+The predictive variant, PR2 ("PR2: Predictive Routing Replay for MoE-Based LLM
+Reinforcement Learning", Dong et al., arXiv:2606.00395; ``model.routing_replay=pr2``),
+gives each router an evolution predictor of its short-horizon drift: the rollout
+routes every token by top-k of the *predicted* router distribution (so experts that
+are about to become active get the token and its gradient), records that route, and
+the trainer replays it. What PR2's abstract fixes: a lightweight predictor per router,
+a short horizon, predicted top-k at rollout, replay of the predicted route in training.
+What we could not read (its method section is not reachable to us, and no code is
+released) and chose: :class:`RouterEvolutionPredictor` (a constant-velocity model of
+the router weights fitted online, horizon counted in policy updates).
 
 Wiring (``model.routing_replay``): :func:`attach_routing` wraps the hf engine in a
 :class:`RouteRecordingEngine` that stores each generated row's routes in a
@@ -39,6 +47,94 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+
+class RouterEvolutionPredictor:
+    """PR2's per-router evolution predictor, our reading: a constant-velocity model of each router.
+
+    PR2 ("PR2: Predictive Routing Replay for MoE-Based LLM Reinforcement Learning", Dong et al.,
+    arXiv:2606.00395) augments every router with a lightweight predictor of its short-horizon
+    evolution and routes rollout tokens by top-k of the predicted distribution. The paper's
+    predictor form, input, target and horizon were not available to us; our choices:
+
+    * **State** per router ``l``: a velocity ``v_l`` ``[E, H]`` (float32, the router weight's
+      shape), the expected change of the router weight ``W_l`` ``[E, H]`` over one policy update
+      (one :meth:`rlpost.trainer.torch_engine.TorchTrainer.policy_update`, all its optimizer steps).
+    * **Fit** after every update from the observed change ``D_l = W_l(after) - W_l(before)``:
+      ``v_l = D_l`` at the first update, then ``v_l <- ema * v_l + (1 - ema) * D_l`` (the
+      least-squares constant velocity of the recent updates, exponentially weighted). A router is
+      linear in its input, so predicting its logits' change for every token is predicting ``D_l``.
+    * **Prediction**: the router logits ``horizon`` updates ahead, ``z + horizon * h v_l^T`` for
+      router input ``h`` ``[N, H]`` and current logits ``z`` ``[N, E]``. The rollout takes the
+      top-k experts of that; the gating weights stay the *current* router's probabilities of the
+      chosen experts (renormalised as the model does), in the rollout and in the trainer's replay
+      alike, so rollout and trainer run the same forward at the same weights.
+
+    Until the first update the predictor has no velocity and the rollout routes as plain replay.
+
+    Args:
+        horizon: prediction horizon in policy updates (>= 0; 0: plain routing replay).
+        ema: weight of the previous velocity in ``[0, 1)``.
+    Raises:
+        ValueError: ``horizon < 0`` or ``ema`` outside ``[0, 1)``; (from :meth:`end_update`)
+            router shapes that changed since :meth:`begin_update`.
+    """
+
+    def __init__(self, horizon: float = 1.0, ema: float = 0.5) -> None:
+        if not float(horizon) >= 0:
+            raise ValueError(f"PR2 horizon must be >= 0 policy updates, got {horizon}")
+        if not 0.0 <= float(ema) < 1.0:
+            raise ValueError(f"PR2 ema must lie in [0, 1), got {ema}")
+        self.horizon, self.ema = float(horizon), float(ema)
+        self.velocity: List[torch.Tensor] = []  # [E, H] float32 per router, empty before the first update
+        self.updates = 0
+        self._before: Optional[List[torch.Tensor]] = None
+        #: ``[changed, total]`` rollout token-layers whose predicted top-k set differs from the current router's
+        self.stats = [0, 0]
+
+    def begin_update(self, routers: List[torch.nn.Module]) -> None:
+        """Snapshot the router weights before a policy update."""
+        self._before = [r.weight.detach().float().cpu().clone() for r in routers]
+
+    def end_update(self, routers: List[torch.nn.Module]) -> None:
+        """Fit the velocities to the change since :meth:`begin_update` (no-op without a snapshot)."""
+        if self._before is None:
+            return
+        after = [r.weight.detach().float().cpu() for r in routers]
+        if [a.shape for a in after] != [b.shape for b in self._before]:
+            raise ValueError("router shapes changed between begin_update and end_update")
+        deltas = [a - b for a, b in zip(after, self._before)]
+        if not self.velocity:
+            self.velocity = deltas
+        else:
+            self.velocity = [self.ema * v + (1.0 - self.ema) * d for v, d in zip(self.velocity, deltas)]
+        self.updates += 1
+        self._before = None
+
+    def route(self, layer: int, h: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """Top-``k`` experts ``[N, k]`` of the predicted logits of router ``layer``.
+
+        Args:
+            h: router inputs ``[N, H]``; logits: the current router's logits ``[N, E]``.
+        """
+        own = torch.topk(logits, k, dim=-1).indices
+        if not self.velocity or self.horizon == 0.0:
+            return own
+        v = self.velocity[layer].to(device=h.device, dtype=h.dtype)
+        pred = torch.topk(logits + self.horizon * F.linear(h, v), k, dim=-1).indices
+        with torch.no_grad():
+            self.stats[0] += int((pred.sort(-1).values != own.sort(-1).values).any(-1).sum())
+            self.stats[1] += int(pred.shape[0])
+        return pred
+
+    def state_dict(self) -> dict:
+        """Velocities and update count (for checkpoints)."""
+        return {"velocity": [v.clone() for v in self.velocity], "updates": self.updates}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.velocity = [torch.as_tensor(v).float() for v in sd.get("velocity", [])]
+        self.updates = int(sd.get("updates", 0))
 
 
 def moe_routers(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -68,6 +164,8 @@ class RoutingReplay:
         self.calls: List[List[torch.Tensor]] = [[] for _ in self.routers]
         self._routes: Optional[torch.Tensor] = None
         self._enforce = True
+        #: PR2's predictor (:class:`RouterEvolutionPredictor`): routes recorded rollout forwards when set
+        self.predictor: Optional[RouterEvolutionPredictor] = None
         #: ``[disagreeing, compared]`` token-layer counts since :meth:`reset_stats`: positions with a
         #: replayed route where the router's own top-k set differs from it
         self.stats = [0, 0]
@@ -98,6 +196,8 @@ class RoutingReplay:
                     self.stats[1] += int(have.sum())
                 if self._enforce:
                     idx = torch.where(missing, own, rep)
+            elif self.recording and self.predictor is not None:  # PR2 rollout: top-k of the predicted router
+                idx = self.predictor.route(layer, h, logits, router.top_k)
             vals = probs.gather(-1, idx)
             if getattr(router, "norm_topk_prob", False):
                 vals = vals / vals.sum(-1, keepdim=True)
@@ -187,7 +287,7 @@ def routes_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------ wiring: rollout engine -> trainer
-ROUTING_MODES = ("off", "record", "replay")
+ROUTING_MODES = ("off", "record", "replay", "pr2")
 
 
 def row_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
@@ -266,13 +366,18 @@ class RouteRecordingEngine:
         store: where routes go.
         replayer: the :class:`RoutingReplay` of ``engine.model`` when it is the
             trainer's module (weights shared; one patch per module), else None.
+        predictor: PR2's :class:`RouterEvolutionPredictor` (the trainer's): the recorded routes
+            are its predicted top-k; None: the router's own.
     """
 
-    def __init__(self, engine: Any, store: RouteStore, replayer: Optional[RoutingReplay] = None) -> None:
+    def __init__(self, engine: Any, store: RouteStore, replayer: Optional[RoutingReplay] = None,
+                 predictor: Optional[RouterEvolutionPredictor] = None) -> None:
         self.__dict__["_engine"] = engine
         self.__dict__["store"] = store
+        self.__dict__["predictor"] = predictor
         self.__dict__["_rr"] = replayer if replayer is not None else RoutingReplay(engine.model)
         self.__dict__["_module"] = engine.model
+        self._rr.predictor = predictor
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -285,6 +390,7 @@ class RouteRecordingEngine:
         if self._engine.model is not self._module:
             self.__dict__["_rr"] = RoutingReplay(self._engine.model)
             self.__dict__["_module"] = self._engine.model
+            self._rr.predictor = self.predictor
         gen, routes = generate_with_routes(self._engine, self._rr, prompts, params)
         self.store.put(gen, routes)
         return gen
@@ -303,15 +409,51 @@ class TrainerRouting:
     Metrics (:meth:`metrics`, since the last call): ``moe/route_mismatch``, share of
     compared token-layers where the trainer's own top-k set differs from the
     rollout's; ``moe/replay_coverage``, share of forwarded rows found in the store.
+
+    ``mode="pr2"`` (PR2, arXiv:2606.00395) replays like ``replay``; the routes it replays
+    were chosen at rollout time by :attr:`predictor` (:class:`RouterEvolutionPredictor`,
+    refitted by :meth:`begin_update` / :meth:`end_update` around every policy update).
+    Extra metrics: ``moe/pr2_predicted_flip``, share of rollout token-layers whose predicted
+    top-k set differed from the current router's; ``moe/pr2_velocity_norm``, the Frobenius
+    norm of the predicted per-update change, summed over routers.
+
+    Args:
+        policy: the trained MoE module; mode: ``record``, ``replay`` or ``pr2``;
+        store: the route store (a new one when None); pr2_horizon, pr2_ema: see
+            :class:`RouterEvolutionPredictor`.
+    Raises:
+        ValueError: an unknown mode, a model without top-k routers, bad PR2 settings.
     """
 
-    def __init__(self, policy: torch.nn.Module, mode: str, store: Optional[RouteStore] = None) -> None:
+    def __init__(self, policy: torch.nn.Module, mode: str, store: Optional[RouteStore] = None,
+                 pr2_horizon: float = 1.0, pr2_ema: float = 0.5) -> None:
         if mode not in ROUTING_MODES[1:]:
             raise ValueError(f"routing mode must be one of {ROUTING_MODES[1:]}, got {mode!r}")
         self.mode = mode
         self.rr = RoutingReplay(policy)
         self.store = store if store is not None else RouteStore()
         self.rows = [0, 0]  # found, forwarded
+        self.predictor = RouterEvolutionPredictor(pr2_horizon, pr2_ema) if mode == "pr2" else None
+        self.rr.predictor = self.predictor
+
+    def begin_update(self) -> None:
+        """Called by the trainer before a policy update (PR2: snapshot the routers)."""
+        if self.predictor is not None:
+            self.predictor.begin_update(self.rr.routers)
+
+    def end_update(self) -> None:
+        """Called by the trainer after a policy update (PR2: refit the predictor)."""
+        if self.predictor is not None:
+            self.predictor.end_update(self.rr.routers)
+
+    def state_dict(self) -> dict:
+        """The predictor's state (empty unless ``pr2``)."""
+        return {"pr2": self.predictor.state_dict()} if self.predictor is not None else {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.predictor is not None and "pr2" in sd:
+            self.predictor.load_state_dict(sd["pr2"])
 
     def context(self, prompt_ids, prompt_mask, response_ids, response_attn):
         """The replay context for one forward over these ``[B, P]`` / ``[B, R]`` inputs."""
@@ -320,7 +462,7 @@ class TrainerRouting:
         self.rows[0] += found
         self.rows[1] += routes.shape[0]
         B, T = routes.shape[:2]
-        return self.rr.replay(routes.view(B * T, self.rr.n_layers, self.rr.k), enforce=self.mode == "replay")
+        return self.rr.replay(routes.view(B * T, self.rr.n_layers, self.rr.k), enforce=self.mode != "record")
 
     def metrics(self) -> dict:
         """``moe/route_mismatch`` and ``moe/replay_coverage`` since the last call (then reset)."""
@@ -329,6 +471,13 @@ class TrainerRouting:
             out["moe/route_mismatch"] = self.rr.stats[0] / self.rr.stats[1]
         if self.rows[1]:
             out["moe/replay_coverage"] = self.rows[0] / self.rows[1]
+        p = self.predictor
+        if p is not None:
+            if p.stats[1]:
+                out["moe/pr2_predicted_flip"] = p.stats[0] / p.stats[1]
+            if p.velocity:
+                out["moe/pr2_velocity_norm"] = float(sum(float(v.norm()) for v in p.velocity))
+            p.stats = [0, 0]
         self.rr.reset_stats()
         self.rows = [0, 0]
         return out
@@ -340,7 +489,7 @@ def attach_routing(cfg: Any, trainer: Any, engine: Any) -> Any:
     Returns the engine to use (``engine`` itself when the mode is ``off``).
 
     Raises:
-        ConfigError: a mode other than off/record/replay, a non-hf rollout engine, a
+        ConfigError: a mode other than off/record/replay/pr2, bad ``model.pr2`` settings, a non-hf rollout engine, a
             trainer without a policy forward hook (deepspeed), gradient checkpointing
             (its recomputed forward would route on its own), or a model without MoE routers.
     """
@@ -360,9 +509,16 @@ def attach_routing(cfg: Any, trainer: Any, engine: Any) -> Any:
     if getattr(cfg.model, "gradient_checkpointing", False):
         raise ConfigError(f"model.routing_replay={mode} cannot replay inside recomputed (checkpointed) forwards; "
                           "set model.gradient_checkpointing=false")
+    pr2 = getattr(cfg.model, "pr2", None)
+    horizon, ema = float(getattr(pr2, "horizon", 1.0)), float(getattr(pr2, "ema", 0.5))
+    if mode == "pr2":
+        try:
+            RouterEvolutionPredictor(horizon, ema)
+        except ValueError as e:
+            raise ConfigError(f"model.pr2: {e}") from None
     try:
-        trainer.routing = TrainerRouting(trainer.policy, mode)
+        trainer.routing = TrainerRouting(trainer.policy, mode, pr2_horizon=horizon, pr2_ema=ema)
         shared = trainer.routing.rr if engine.model is trainer.policy else None
-        return RouteRecordingEngine(engine, trainer.routing.store, shared)
+        return RouteRecordingEngine(engine, trainer.routing.store, shared, trainer.routing.predictor)
     except ValueError as e:
         raise ConfigError(f"model.routing_replay={mode}: {e}; use an MoE model (e.g. model=tiny_moe)") from None

@@ -549,6 +549,8 @@ class TorchTrainer:
         self.updates += 1
         batch_stats = bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False))
         first_lognorm = bool(POLICY_LOSSES.tag(a.loss, "needs_first_log_normaliser", False))
+        if self.routing is not None:
+            self.routing.begin_update()  # PR2: snapshot the routers its predictor is refitted from
         mm_rows: List[List[torch.Tensor]] = [[], [], []]  # rollout lp, old lp, mask (first epoch)
         pad_acc = [0.0, 0.0]  # real and padded tokens of this process's micro-batches (first epoch)
         for epoch in range(a.ppo_epochs):
@@ -701,6 +703,7 @@ class TorchTrainer:
             out.update(mismatch_metrics(rl, ol, mk))
         out["actor/lr"] = float(self.sched.get_last_lr()[0])
         if self.routing is not None:
+            self.routing.end_update()
             out.update(self.routing.metrics())
         return out
 
@@ -748,6 +751,8 @@ class TorchTrainer:
             sd["critic_opt"] = self.critic_opt.state_dict()
         if self.ref is not None:
             sd["ref"] = self.ref.state_dict()
+        if self.routing is not None and self.routing.state_dict():
+            sd["routing"] = self.routing.state_dict()  # PR2's predictor
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -764,6 +769,8 @@ class TorchTrainer:
             self.critic_opt.load_state_dict(sd["critic_opt"])
         if self.ref is not None and "ref" in sd:
             self.ref.load_state_dict(sd["ref"])
+        if self.routing is not None and "routing" in sd:
+            self.routing.load_state_dict(sd["routing"])
 
 
 def _cat_padded(ts: List[torch.Tensor]) -> torch.Tensor:
