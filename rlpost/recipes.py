@@ -59,7 +59,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from rlpost.errors import ConfigError, DataError
+from rlpost.errors import ConfigError
 
 NOT_STATED = "not stated"  #: the paper (or its code) was read and gives no value
 NOT_CHECKED = "not checked"  #: nobody has read the source for this value yet

@@ -79,7 +79,7 @@ def main() -> None:
             rows.append(run(name, ov, a.steps, a.overrides, root))
             print(f"done: {name}", file=sys.stderr, flush=True)
     print(f"\nsteps={a.steps} (first excluded), overrides: {' '.join(a.overrides) or '(default config)'}")
-    print(f"| setting | s/step median | s/step min-max | update s | CPU s/step (all procs) |")
+    print("| setting | s/step median | s/step min-max | update s | CPU s/step (all procs) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         if "error" in r:

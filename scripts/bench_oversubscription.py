@@ -141,7 +141,7 @@ def main() -> None:
             for p in comp:
                 p.kill()
                 p.wait()
-    print(f"\n| competitors | fair-share slowdown | " + " | ".join(f"{p}: s/step (slowdown)" for p in policies) + " |")
+    print("\n| competitors | fair-share slowdown | " + " | ".join(f"{p}: s/step (slowdown)" for p in policies) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in policies) + " |")
     for k in counts:
         fair = max(1.0, (args.cores + k) / args.cores)

@@ -72,7 +72,6 @@ import contextlib
 import gc
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -215,7 +214,7 @@ def budget_section(device_bytes: int, shape: str, layers: int, overrides: List[s
     s = shape_from_config(hf_config(shape, layers).to_dict())
     b = estimate(rl_config(overrides), s, device_bytes, world_size=1)
     print(b.table())
-    print(f"\n== memory budget: algo=sao model=qwen3-8b rollout=vllm trainer=deepspeed (8 x 80 GiB)")
+    print("\n== memory budget: algo=sao model=qwen3-8b rollout=vllm trainer=deepspeed (8 x 80 GiB)")
     full = shape_from_config(hf_config("qwen3-8b").to_dict())
     flag = ["algo=sao", "rollout=vllm", "trainer=deepspeed", "trainer.num_procs=8"]
     try:
