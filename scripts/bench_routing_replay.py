@@ -16,7 +16,8 @@ point is how far the weights move the routes, not what they learn. Prints per
 mode the means over steps of ``moe/route_mismatch`` (share of token-layers whose
 trainer top-k set differs from the rollout's), ``rollout/logprob_gap`` (mean
 ``|trainer log-prob - rollout log-prob|`` in the update forwards) and
-``actor/ratio_max`` (largest importance ratio against the old log-probs), and
+``actor/ratio_max`` (largest importance ratio against the old log-probs, which are
+computed once before the update as the runner does), and
 ``post-update mismatch``: after the update, the share of the batch's token-layers
 whose recorded route differs from the updated routers' own top-k (the staleness
 PR2's predictor aims at: its routes are predicted for the router one update ahead).
@@ -67,6 +68,8 @@ def run(mode: str, args) -> dict:
             group_index=torch.arange(B) // args.n, prompt_index=torch.arange(B) // args.n,
             policy_version=torch.zeros(B, dtype=torch.long), extras={"advantages": adv},
         )
+        batch.extras["old_logprobs"] = t.compute_logprobs(batch)[0]  # as the runner does: the ratio moves off 1
+        t.routing.metrics()  # that pass's stats are not the update's
         m = t.policy_update(batch, torch.Generator().manual_seed(step))
         rr, was = t.routing.rr, t.routing.mode
         t.routing.mode = "record"  # the updated routers route on their own; stats count disagreements
