@@ -140,6 +140,22 @@ def test_pr2_predicts_a_constant_drift_exactly_where_replay_goes_stale(compose):
     assert pr2_stale < rep_stale
 
 
+def test_greedy_calls_route_by_the_current_router(compose):
+    """Evaluation (greedy) measures the policy itself: PR2's prediction applies to sampled rollouts only."""
+    from rlpost.rollout.base import SamplingParams
+
+    t, eng = _built(compose, "pr2")
+    t.routing.begin_update()
+    _apply(t, _drift(t))
+    t.routing.end_update()
+    sp = SamplingParams(max_new_tokens=6, greedy=True)
+    t.routing.predictor.stats = [0, 0]
+    eng.generate(PROMPTS, sp)
+    assert t.routing.predictor.stats == [0, 0]  # the predictor was not asked
+    eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=1))
+    assert t.routing.predictor.stats[1] > 0 and t.routing.predictor.stats[0] > 0  # sampled: predicted routes, some flipped
+
+
 def test_pr2_config_errors(compose):
     from rlpost.errors import ConfigError
     from rlpost.models.loader import load_policy

@@ -386,12 +386,19 @@ class RouteRecordingEngine:
         setattr(self._engine, name, value)
 
     def generate(self, prompts: List[List[int]], params: Any):
-        """:meth:`HFRolloutEngine.generate`, storing the rows' routes."""
+        """:meth:`HFRolloutEngine.generate`, storing the rows' routes.
+
+        PR2's predicted routes are used for sampled rollouts only: a greedy call (evaluation)
+        routes by the current router, so held-out accuracy measures the policy itself.
+        """
         if self._engine.model is not self._module:
             self.__dict__["_rr"] = RoutingReplay(self._engine.model)
             self.__dict__["_module"] = self._engine.model
+        self._rr.predictor = None if getattr(params, "greedy", False) else self.predictor
+        try:
+            gen, routes = generate_with_routes(self._engine, self._rr, prompts, params)
+        finally:
             self._rr.predictor = self.predictor
-        gen, routes = generate_with_routes(self._engine, self._rr, prompts, params)
         self.store.put(gen, routes)
         return gen
 
