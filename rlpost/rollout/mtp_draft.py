@@ -27,9 +27,21 @@ What is here:
 * :func:`train_mtp_head`: fits a head to a policy on given token sequences with :func:`e2e_tv_loss`
   (or cross-entropy to the policy's next-next token, for comparison); the policy is frozen.
 * :class:`MTPSpeculativeEngine`: the hf self-speculative verify loop of
-  :mod:`rlpost.rollout.self_spec` with the head as drafter (``rollout.speculative.drafter=mtp_head``
-  is not a config option: a head must be trained for the policy first; tests and benchmarks build
-  the engine directly).
+  :mod:`rlpost.rollout.self_spec` with the head as drafter.
+* ``rollout=hf_mtp`` (``rollout.speculative.drafter=mtp_head``; :func:`mtp_engine`, called by
+  :func:`rlpost.rollout.build_engine`): the way Bebop uses its heads. The head is fitted ONCE,
+  before RL, then kept fixed (no online updates; only the policy's own embedding and output
+  head, which it reads, follow the training): :func:`fit_mtp_head` samples one response per
+  prompt from the plain engine for ``mtp_head_prompts`` training prompts of the run's task
+  (:func:`task_prompts`, a seeded draw), builds pairs from the positions a rollout drafts from,
+  trains with ``mtp_head_loss`` (``tv`` by default), logs the head's acceptance once and saves it
+  to ``<run_dir>/mtp_head.pt`` (:func:`save_mtp_head`), which a resumed run reuses;
+  ``mtp_head_path`` loads a saved head instead (:func:`load_mtp_head` checks it fits the
+  policy's width and vocabulary). The drafts are verified by rejection sampling, so the rollouts
+  stay exact samples of the current policy; only the acceptance rate falls as the policy drifts
+  from the one the head was fitted to. Choices ours: one response per prompt, full-batch Adam,
+  top-k / top-p left out of the fit, the fit on the trainer's (fp32) policy while a bf16 rollout
+  copy verifies.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ Kim, Lee, Oh et al., arXiv:2606.18967) accelerates the rollout phase with three 
   more than ``switch_batch`` rows are live and switches to speculation for the rest.
 * **Acceptance-aware draft length** (:func:`next_draft_len`).
 
+``drafter: mtp_head`` (``rollout=hf_mtp``) swaps the quantised copy for a Bebop MTP draft head
+fitted once before RL (:mod:`rlpost.rollout.mtp_draft`; the same toggle, draft-length rule and
+acceptance step); its ``mtp_head_*`` keys live in :data:`SPEC_DEFAULTS` with the others.
+
 Exactness. Every emitted token is distributed as the policy's own next-token distribution
 (after temperature, top-k and top-p): drafts are accepted with probability ``min(1, p/q)`` and
 the first rejection is replaced by a draw from the normalised residual ``max(0, p - q)``; a fully
