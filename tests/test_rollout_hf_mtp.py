@@ -201,3 +201,22 @@ def _tiny_policy():
     from rlpost.models.loader import load_policy
 
     return load_policy(compose_config(["model=tiny"]).model, seed=0)[0]
+
+
+def test_head_follows_a_rebuilt_rollout_copy_and_keeps_its_weights():
+    """A quantised rollout copy is rebuilt at every sync: the head then reads the new copy, its own weights unchanged."""
+    from rlpost.rollout.mtp_draft import MTPDraftHead, MTPSpeculativeEngine
+    from rlpost.rollout.precision import rollout_converter
+
+    model = _tiny_llama(7)
+    target = HFRolloutEngine(model, _Tok(), share_weights=False, convert=rollout_converter("int8"))
+    eng = MTPSpeculativeEngine(target, MTPDraftHead(model).bound_to(target.model), switch_batch=8)
+    own = {k: v.clone() for k, v in eng.head.state_dict().items()}
+    old_copy = target.model
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)  # an "update" of the policy
+    eng.sync_weights(model)
+    assert target.model is not old_copy and eng.head.policy is target.model
+    assert all(torch.equal(v, eng.head.state_dict()[k]) for k, v in own.items())  # fixed, as in Bebop
+    g = eng.generate([[1, 2], [3]], SamplingParams(max_new_tokens=4, seed=2))
+    assert eng.pop_metrics()["spec/spec_tokens"] == g.num_tokens
