@@ -220,3 +220,18 @@ def test_head_follows_a_rebuilt_rollout_copy_and_keeps_its_weights():
     assert all(torch.equal(v, eng.head.state_dict()[k]) for k, v in own.items())  # fixed, as in Bebop
     g = eng.generate([[1, 2], [3]], SamplingParams(max_new_tokens=4, seed=2))
     assert eng.pop_metrics()["spec/spec_tokens"] == g.num_tokens
+
+
+def test_reused_run_dir_head_names_settings_it_was_not_fitted_with(tmp_path, caplog):
+    import logging
+
+    from rlpost.rollout.mtp_draft import mtp_engine
+
+    model = _tiny_llama(8).requires_grad_(False)
+    cfg = _mtp_cfg(mtp_head_steps=2)
+    mtp_engine(cfg, HFRolloutEngine(model, _Tok()), spec_config(cfg.rollout.speculative), run_dir=tmp_path,
+               prompts=_prompts)
+    cfg2 = _mtp_cfg(mtp_head_steps=2, mtp_head_loss="ce")
+    with caplog.at_level(logging.INFO, logger="rlpost"):
+        mtp_engine(cfg2, HFRolloutEngine(model, _Tok()), spec_config(cfg2.rollout.speculative), run_dir=tmp_path)
+    assert "mtp_head_loss='ce' (file: 'tv')" in caplog.text and "mtp_head_steps" not in caplog.text

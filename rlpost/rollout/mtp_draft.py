@@ -526,6 +526,14 @@ def task_prompts(task: Any, tokenizer: Any, seed: int, examples: Any = None) -> 
     return fn
 
 
+def _same_setting(a: Any, b: Any) -> bool:
+    """Whether two setting values agree (numbers by value: a file's 50.0 steps equal a config's 50)."""
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return str(a) == str(b)
+
+
 def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.nn.Module] = None,
                run_dir: Any = None, prompts: Optional[Callable[[int], List[List[int]]]] = None) -> MTPSpeculativeEngine:
     """``rollout.speculative.drafter=mtp_head``: an :class:`MTPSpeculativeEngine` with a head fitted once before RL.
@@ -564,6 +572,12 @@ def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.
         log.info(f"rollout.speculative.drafter=mtp_head: loaded the head {src} (fitted with loss="
                  f"{meta.get('loss', '?')}, depth {meta.get('depth', '?')}; expected accepted drafts per round on "
                  f"its fit positions {meta.get('expected_accepted', float('nan')):.3f}); kept fixed during RL")
+        if c["mtp_head_path"] is None:  # the run directory's own head: say when this config would fit another
+            differ = [f"mtp_head_{k}={c[f'mtp_head_{k}']!r} (file: {meta[k]!r})" for k in ("loss", "depth", "steps", "prompts")
+                      if k in meta and not _same_setting(meta[k], c[f"mtp_head_{k}"])]
+            if differ:
+                log.info(f"  (reused, not refitted, although rollout.speculative sets {', '.join(differ)}; delete "
+                         f"{src} to fit a new head)")
     else:
         if prompts is None:
             raise ConfigError("rollout.speculative.drafter=mtp_head has no head and nothing to fit one on here (no "
@@ -581,6 +595,7 @@ def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.
             raise ConfigError(f"rollout.speculative.drafter=mtp_head: {e} (rollout.speculative.mtp_head_prompts, "
                               f"rollout.max_new_tokens, rollout.speculative.mtp_head_depth)") from None
         meta = {**info, "loss": c["mtp_head_loss"], "depth": c["mtp_head_depth"], "lr": c["mtp_head_lr"],
+                "prompts": c["mtp_head_prompts"],
                 "model": str(cfg.model.get("name", "")) if hasattr(cfg.model, "get") else ""}
         where = ""
         if own is not None and int(os.environ.get("RANK", "0")) == 0:
