@@ -544,7 +544,9 @@ def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.
     in order: ``mtp_head_path``; ``<run_dir>/mtp_head.pt`` (a resumed run, or a rerun in the same
     directory); a fit by :func:`fit_mtp_head` on ``mtp_head_prompts`` training prompts (one
     response each at the run's rollout settings, seeded by ``cfg.seed``), saved to
-    ``<run_dir>/mtp_head.pt`` by the main process. The head's summary is logged once and reported
+    ``<run_dir>/mtp_head.pt`` by the main process (a reused run-directory head whose file records
+    other ``mtp_head_*`` settings than ``c`` is reused all the same, and the differences are
+    logged: a resume must not refit). The head's summary is logged once and reported
     by the engine's first :meth:`~MTPSpeculativeEngine.pop_metrics` as ``mtp_head/...``.
 
     Args:
