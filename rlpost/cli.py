@@ -290,8 +290,11 @@ def eval_cmd(ctx: typer.Context) -> None:
                 log.info(line)
             log.info(f"wrote {path} and {run_dir / 'harness_samples.jsonl'}")
             return
-        engine = build_engine(cfg, policy, tok, device)
+        from rlpost.rollout.mtp_draft import task_prompts
+
         t = build_task(cfg.task)
+        # rollout.speculative.drafter=mtp_head without a head file fits one on the task's training prompts
+        engine = build_engine(cfg, policy, tok, device, run_dir=run_dir, prompts=task_prompts(t, tok, cfg.seed))
         res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

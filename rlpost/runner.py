@@ -321,7 +321,11 @@ class Run:
 
             self.teacher = load_teacher(str(cfg.model.teacher), self.tokenizer, self.trainer.dtype,
                                         self.trainer.device, seed=cfg.seed)
-        self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device)
+        from rlpost.rollout.mtp_draft import task_prompts
+
+        # run_dir and prompts: rollout.speculative.drafter=mtp_head fits its head on training prompts, keeps it there
+        self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device, run_dir=self.run_dir,
+                                         prompts=task_prompts(self.task, self.tokenizer, cfg.seed, self.train_examples))
         from rlpost.models.moe_replay import attach_routing
 
         self.local_engine = attach_routing(cfg, self.trainer, self.local_engine)  # model.routing_replay

@@ -428,8 +428,10 @@ class RolloutConfig:
             cache for one sequence then has to fit in vLLM's share).
         speculative: null, or self-speculative decoding settings (``drafter``,
             ``switch_batch``, ``draft_len``, ``min_draft_len``, ``max_draft_len``,
-            ``adaptive``), checked by :func:`rlpost.rollout.self_spec.spec_config`, for
-            rollout=hf; for rollout=vllm, vLLM's speculative decoding (``method``: mtp | ngram |
+            ``adaptive``; with ``drafter: mtp_head`` a Bebop MTP draft head fitted before RL:
+            ``mtp_head_path``, ``mtp_head_loss``, ``mtp_head_depth``, ``mtp_head_steps``,
+            ``mtp_head_lr``, ``mtp_head_prompts``), checked by
+            :func:`rlpost.rollout.self_spec.spec_config`, for rollout=hf; for rollout=vllm, vLLM's speculative decoding (``method``: mtp | ngram |
             draft_model | self, ``num_speculative_tokens``, ``model``, ``quantization``,
             ``prompt_lookup_max/min``), checked by :func:`rlpost.rollout.vllm_spec.vllm_spec_settings`.
     """

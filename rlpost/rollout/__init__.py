@@ -13,23 +13,29 @@ from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams 
 ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
 
 
-def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
+def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device,
+                 run_dir: Any = None, prompts: Any = None) -> RolloutEngine:
     """The rollout engine named by ``cfg.rollout.engine`` for ``policy``.
 
     With ``rollout.speculative`` set, the hf engine is wrapped by the self-speculative engine
-    (:mod:`rlpost.rollout.self_spec`: a quantised copy of the policy drafts, the policy verifies).
+    (:mod:`rlpost.rollout.self_spec`: a quantised copy of the policy drafts, the policy verifies),
+    or, with ``drafter=mtp_head``, by the MTP-head engine (:mod:`rlpost.rollout.mtp_draft`), whose
+    head is read from ``rollout.speculative.mtp_head_path`` or ``<run_dir>/mtp_head.pt``, or fitted
+    here on ``prompts(n)`` (``n`` token-id training prompts) and saved to ``run_dir``.
 
     ``hf`` shares the trainer's module when the rollout dtype is the trainer's
     master dtype (fp32) and otherwise keeps a converted copy that is refreshed
     after each update.
 
     Raises:
-        ConfigError: unknown engine or rollout dtype.
+        ConfigError: unknown engine or rollout dtype, or bad speculative settings
+            (:func:`rlpost.rollout.self_spec.wrap_self_speculative`).
     """
     from rlpost.rollout.self_spec import check_speculative, wrap_self_speculative
 
     spec = check_speculative(cfg)  # before building: a bad setting stops the run before any weights move
-    return wrap_self_speculative(cfg, _plain_engine(cfg, policy, tokenizer, device), spec)
+    return wrap_self_speculative(cfg, _plain_engine(cfg, policy, tokenizer, device), spec, policy=policy,
+                                 run_dir=run_dir, prompts=prompts)
 
 
 def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:

@@ -12,6 +12,10 @@ Kim, Lee, Oh et al., arXiv:2606.18967) accelerates the rollout phase with three 
   more than ``switch_batch`` rows are live and switches to speculation for the rest.
 * **Acceptance-aware draft length** (:func:`next_draft_len`).
 
+``drafter: mtp_head`` (``rollout=hf_mtp``) swaps the quantised copy for a Bebop MTP draft head
+fitted once before RL (:mod:`rlpost.rollout.mtp_draft`; the same toggle, draft-length rule and
+acceptance step); its ``mtp_head_*`` keys live in :data:`SPEC_DEFAULTS` with the others.
+
 Exactness. Every emitted token is distributed as the policy's own next-token distribution
 (after temperature, top-k and top-p): drafts are accepted with probability ``min(1, p/q)`` and
 the first rejection is replaced by a draw from the normalised residual ``max(0, p - q)``; a fully
@@ -55,7 +59,21 @@ SPEC_DEFAULTS: Dict[str, Any] = {
     "min_draft_len": 1,
     "max_draft_len": 8,
     "adaptive": True,
+    # drafter=mtp_head only (Bebop, arXiv:2606.12370; rlpost.rollout.mtp_draft): the head is fitted once
+    # before RL and then kept fixed
+    "mtp_head_path": None,  # a saved head (torch file); null: reuse <run_dir>/mtp_head.pt, else fit one at start
+    "mtp_head_loss": "tv",  # tv: Bebop's end-to-end TV loss; ce: cross-entropy to the policy (comparison)
+    "mtp_head_depth": 2,  # draft depths the fit chains the head over
+    "mtp_head_steps": 50,  # full-batch Adam steps of the fit (each a pass over [positions, depth, vocab] logits)
+    "mtp_head_lr": 3e-3,
+    "mtp_head_prompts": 8,  # training prompts (one sampled response each) the fit learns the policy on
 }
+
+#: the drafter that is a trained MTP head rather than a quantised copy of the policy
+MTP_DRAFTER = "mtp_head"
+#: keys of ``rollout.speculative`` that only ``drafter=mtp_head`` reads
+MTP_KEYS = tuple(k for k in SPEC_DEFAULTS if k.startswith("mtp_head_"))
+MTP_LOSSES = ("tv", "ce")
 
 
 def next_draft_len(cur: int, accepted: int, drafted: int, lo: int, hi: int) -> int:
@@ -86,9 +104,14 @@ def next_draft_len(cur: int, accepted: int, drafted: int, lo: int, hi: int) -> i
 def spec_config(params: Any) -> Dict[str, Any]:
     """``rollout.speculative`` checked and completed with :data:`SPEC_DEFAULTS`.
 
+    ``drafter`` is a simulated rollout precision (a quantised copy of the policy drafts) or
+    ``mtp_head`` (a Bebop MTP draft head, :mod:`rlpost.rollout.mtp_draft`, configured by the
+    ``mtp_head_*`` keys).
+
     Raises:
-        ConfigError: an unknown key, ``switch_batch < 0``, bad draft-length bounds, or an
-            unknown drafter precision.
+        ConfigError: an unknown key, ``switch_batch < 0``, bad draft-length bounds, an unknown
+            drafter, an ``mtp_head_*`` key with another drafter, or a bad ``mtp_head_*`` value
+            (loss not tv|ce, depth/prompts < 1, steps < 0, lr <= 0).
     """
     from rlpost.rollout.precision import ROLLOUT_CONVERTERS
 
@@ -97,9 +120,18 @@ def spec_config(params: Any) -> Dict[str, Any]:
     if bad:
         raise ConfigError(f"rollout.speculative has unknown key(s) {bad}; valid: {', '.join(SPEC_DEFAULTS)}")
     c = {**SPEC_DEFAULTS, **given}
-    if str(c["drafter"]) not in ROLLOUT_CONVERTERS:
-        raise ConfigError(f"rollout.speculative.drafter={c['drafter']!r} is not a simulated rollout precision; "
-                          f"valid: {', '.join(ROLLOUT_CONVERTERS)}")
+    c["drafter"] = str(c["drafter"])
+    if c["drafter"] != MTP_DRAFTER and c["drafter"] not in ROLLOUT_CONVERTERS:
+        raise ConfigError(f"rollout.speculative.drafter={c['drafter']!r} is neither a simulated rollout precision nor "
+                          f"{MTP_DRAFTER}; valid: {', '.join(ROLLOUT_CONVERTERS)}, {MTP_DRAFTER}")
+    if c["drafter"] == MTP_DRAFTER:
+        _check_mtp_keys(c)
+    else:
+        stray = sorted(k for k in given if k in MTP_KEYS)
+        if stray:
+            raise ConfigError(f"rollout.speculative {stray} only apply to drafter={MTP_DRAFTER}, but drafter="
+                              f"{c['drafter']!r}. Fix: drop them, or set rollout.speculative.drafter={MTP_DRAFTER} "
+                              f"(rollout=hf_mtp)")
     for k in ("switch_batch", "draft_len", "min_draft_len", "max_draft_len"):
         c[k] = int(c[k])
     if c["switch_batch"] < 0:
@@ -109,6 +141,23 @@ def spec_config(params: Any) -> Dict[str, Any]:
                           f"{c['min_draft_len']}, {c['draft_len']}, {c['max_draft_len']}")
     c["adaptive"] = bool(c["adaptive"])
     return c
+
+
+def _check_mtp_keys(c: Dict[str, Any]) -> None:
+    """Check and normalise the ``mtp_head_*`` values of ``c`` in place (see :func:`spec_config`)."""
+    p = c["mtp_head_path"]
+    c["mtp_head_path"] = None if p is None or str(p).strip() in ("", "null", "none", "None") else str(p)
+    c["mtp_head_loss"] = str(c["mtp_head_loss"])
+    if c["mtp_head_loss"] not in MTP_LOSSES:
+        raise ConfigError(f"rollout.speculative.mtp_head_loss={c['mtp_head_loss']!r} is not a head loss; valid: "
+                          f"tv (Bebop's end-to-end TV loss), ce (cross-entropy)")
+    for k, lo in (("mtp_head_depth", 1), ("mtp_head_prompts", 1), ("mtp_head_steps", 0)):
+        c[k] = int(c[k])
+        if c[k] < lo:
+            raise ConfigError(f"rollout.speculative.{k} must be >= {lo}, got {c[k]}")
+    c["mtp_head_lr"] = float(c["mtp_head_lr"])
+    if not c["mtp_head_lr"] > 0:
+        raise ConfigError(f"rollout.speculative.mtp_head_lr must be > 0, got {c['mtp_head_lr']}")
 
 
 class SelfSpeculativeEngine(RolloutEngine):
@@ -405,8 +454,9 @@ def check_speculative(cfg: Any) -> Optional[Dict[str, Any]]:
     Raises:
         ConfigError: ``rollout.speculative`` with an engine other than hf or vllm (vllm's keys are
             checked by :func:`rlpost.rollout.vllm_spec.vllm_spec_settings`, and None is returned:
-            vLLM speculates inside its own engine), with MoE routing replay (routes are recorded per plain decode forward), or bad speculative settings
-            (:func:`spec_config`).
+            vLLM speculates inside its own engine), with MoE routing replay (routes are recorded per plain decode forward),
+            ``drafter=mtp_head`` without ``mtp_head_path`` under ``launcher=ray`` (the workers cannot fit a head),
+            or bad speculative settings (:func:`spec_config`).
     """
     spec = cfg.rollout.get("speculative", None) if hasattr(cfg.rollout, "get") else getattr(cfg.rollout, "speculative", None)
     if not spec:
@@ -423,20 +473,42 @@ def check_speculative(cfg: Any) -> Optional[Dict[str, Any]]:
     if str(getattr(cfg.model, "routing_replay", "off") or "off") != "off":
         raise ConfigError("rollout.speculative cannot be combined with model.routing_replay (routes are "
                           "recorded per plain decode forward); set one of them off")
+    launcher = cfg.get("launcher", None) if hasattr(cfg, "get") else None
+    if c["drafter"] == MTP_DRAFTER and c["mtp_head_path"] is None and launcher is not None \
+            and str(launcher.get("name", "none")) == "ray":
+        raise ConfigError("rollout.speculative.drafter=mtp_head with launcher=ray: the Ray rollout workers cannot fit "
+                          "a head (they have no training prompts). Fix: fit one first (a launcher=none run writes "
+                          "<run_dir>/mtp_head.pt, or scripts/bench_mtp_head.py --save PATH) and set "
+                          "rollout.speculative.mtp_head_path to it")
     return c
 
 
-def wrap_self_speculative(cfg: Any, engine: Any, c: Optional[Dict[str, Any]] = None) -> Any:
-    """``engine`` wrapped by :class:`SelfSpeculativeEngine` when ``rollout.speculative`` is set, else itself.
+def wrap_self_speculative(cfg: Any, engine: Any, c: Optional[Dict[str, Any]] = None, policy: Any = None,
+                          run_dir: Any = None, prompts: Any = None) -> Any:
+    """``engine`` wrapped for ``rollout.speculative`` when it is set, else ``engine`` itself.
 
-    ``c``: settings already checked by :func:`check_speculative` (checked here when None).
+    A quantised drafter gives a :class:`SelfSpeculativeEngine`; ``drafter=mtp_head`` gives a
+    :class:`rlpost.rollout.mtp_draft.MTPSpeculativeEngine` whose head is loaded or fitted once here
+    (:func:`rlpost.rollout.mtp_draft.mtp_engine`).
 
+    Args:
+        cfg: the run config.
+        engine: the plain hf engine.
+        c: settings already checked by :func:`check_speculative` (checked here when None).
+        policy: the trainer's policy (drafter=mtp_head: the head is fitted on it; None: ``engine.model``).
+        run_dir: the run directory (drafter=mtp_head: ``mtp_head.pt`` is reused from / saved there).
+        prompts: ``fn(n) -> n`` token-id prompts of the task's training split (drafter=mtp_head:
+            what the head's fit samples the policy on; None: the head must come from a file).
     Raises:
-        ConfigError: see :func:`check_speculative`.
+        ConfigError: see :func:`check_speculative` and :func:`rlpost.rollout.mtp_draft.mtp_engine`.
     """
     c = check_speculative(cfg) if c is None else c
     if c is None:
         return engine
+    if c["drafter"] == MTP_DRAFTER:
+        from rlpost.rollout.mtp_draft import mtp_engine
+
+        return mtp_engine(cfg, engine, c, policy=policy, run_dir=run_dir, prompts=prompts)
     from rlpost.rollout.precision import rollout_converter
 
     return SelfSpeculativeEngine(engine, rollout_converter(c["drafter"]), switch_batch=c["switch_batch"],
