@@ -26,6 +26,9 @@ def _run(*args: str):
         (["config", "algo=ppo", "algo.critic.enabled=false"], "needs a critic"),
         (["config", "algo.loss=nope"], "Unknown policy loss algo.loss='nope'"),
         (["config", "trainer.lr=-1"], "trainer.lr must be > 0"),
+        # before this check, eval.limit=0 loaded the model and failed at the first evaluation (exit 4)
+        (["config", "eval.limit=0"], "eval.limit=0 must be >= 1"),
+        (["config", "eval.n_samples=0"], "eval.n_samples must be >= 1"),
     ],
 )
 def test_config_errors_exit_2_with_message(args, needle):

@@ -273,6 +273,11 @@ def _check_ranges(cfg: DictConfig) -> None:
         (cfg.trainer.max_tokens_per_micro_batch >= 0,
          "trainer.max_tokens_per_micro_batch must be >= 0 (0 = micro-batches of trainer.micro_batch_size sequences)"),
         (cfg.trainer.lr > 0, "trainer.lr must be > 0"),
+        (cfg.eval.limit is None or cfg.eval.limit >= 1,
+         f"eval.limit={cfg.eval.limit} must be >= 1 (held-out prompts evaluated; eval.limit=null: all)"),
+        (cfg.eval.n_samples >= 1, "eval.n_samples must be >= 1 (1: greedy)"),
+        (cfg.eval.batch_size >= 1, "eval.batch_size must be >= 1"),
+        (cfg.eval.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
     ]
     if a.mini_batches > 1:
         B = cfg.selector.prompts_per_step * a.n_samples_per_prompt
