@@ -457,6 +457,10 @@ def recipes_cmd(
             if rec.card is not None:
                 raw = OmegaConf.load(rec.path)["card"]
                 typer.echo(OmegaConf.to_yaml(raw).rstrip())
+            if isinstance(rec.card, R.LinkCard):  # `rlpost reproduce NAME` would refuse it: point to the method recipe
+                typer.echo(f"reproduced: see recipe {rec.card.recipe_of} (rlpost recipes {rec.card.recipe_of}); "
+                           + R.link_card_note(name, rec.card))
+                return
             res = R.load_result(name)
             typer.echo("reproduced: " + (R.format_result(res) if res else "not run (rlpost reproduce " + name + ")"))
             return
@@ -506,8 +510,8 @@ def reproduce_cmd(
         if dry_run:
             card = rec.card
             if not isinstance(card, R.Card):
-                raise ConfigError(f"recipe {name} has no claim card to reproduce"
-                                  + (f"; it deploys recipe {card.recipe_of}" if isinstance(card, R.LinkCard) else ""))
+                raise ConfigError(R.link_card_note(name, card) + f"; reproduce that one: rlpost reproduce {card.recipe_of}"
+                                  if isinstance(card, R.LinkCard) else f"recipe {name} has no claim card to reproduce")
             for s in range(first_seed, first_seed + seeds):
                 for arm, ov in R.arm_overrides(name, card, s, extra, metric).items():
                     typer.echo(f"seed {s} {arm}: " + (" ".join(ov) if ov else "(the method run's eval_start.json)"))
