@@ -387,3 +387,30 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tmp_path):
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):  # nothing of the job's process group is left running
         os.killpg(p.pid, 0)
+
+
+def test_resumed_offline_wandb_run_names_every_segment_to_upload(tmp_path):
+    """A resumed run writes a second offline-run folder with the same id; the summary's upload command used to
+    name only the last, so `wandb sync` as printed uploaded the steps after the resume and dropped the rest."""
+    from types import SimpleNamespace
+
+    from rlpost.tracking import RunLogger, format_summary
+
+    infos = []
+    for resume_step, steps in ((None, (1, 2)), (2, (3,))):
+        lg = RunLogger(tmp_path, backend="wandb", name="seg", project="rlpost-test", mode="offline",
+                       resume_step=resume_step)
+        for s in steps:
+            lg.log({"step": s, "reward/mean": 0.1 * s, "response/length_mean": 10.0})
+        lg.close()
+        infos.append(lg.wandb_info)
+        time.sleep(1.1)  # offline-run folders are named to the second
+    segs = sorted(str(p) for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(segs) == 2 and infos[0]["segments"] == segs[:1] and infos[1]["segments"] == segs
+    assert infos[1]["dir"] == segs[1]
+    cfg = SimpleNamespace(name="grpo-arithmetic", task=SimpleNamespace(name="arithmetic"))
+    lines = format_summary(tmp_path, cfg, wall_s=3.0, peak_mb={"rss": 100.0}, wandb=infos[1]).splitlines()
+    assert lines[-2] == f"  W&B (offline): {segs[1]} (and 1 earlier segment: the run was resumed)"
+    assert lines[-1] == f"  upload with: wandb sync {segs[0]} {segs[1]}"
+    one = format_summary(tmp_path, cfg, wall_s=3.0, peak_mb={"rss": 100.0}, wandb=infos[0]).splitlines()
+    assert one[-2:] == [f"  W&B (offline): {segs[0]}", f"  upload with: wandb sync {segs[0]}"]
