@@ -226,7 +226,7 @@ def eval_cmd(ctx: typer.Context) -> None:
 
       rlpost eval eval.checkpoint=outputs/grpo-arithmetic/<time>/final
 
-      rlpost eval task=gsm8k eval.limit=100        (written to outputs/eval-gsm8k/<time>/)
+      rlpost eval task=gsm8k task.path=PATH/gsm8k/test.jsonl eval.limit=100   (offline: a local copy; written to outputs/eval-gsm8k/<time>/)
 
       rlpost eval harness=gsm8k,arc_easy eval.checkpoint=outputs/<run>/final   (lm-evaluation-harness; harness.json)
 

@@ -77,3 +77,14 @@ def test_list_shows_groups_and_registries():
     res = _run("list", "loss")
     assert "ppo_clip" in res.output and "strict_double_clip" in res.output
     assert _run("list", "nosuchgroup").exit_code == 2
+
+
+def test_help_examples_quote_hydra_ranges_for_the_shell():
+    """`seed=range(3)` unquoted is a bash syntax error; `rlpost report --help` showed it so."""
+    import re
+
+    for cmd in ("train", "eval", "report", "compare", "reproduce"):
+        out = _run(cmd, "--help").output
+        for m in re.finditer(r"\S*=range\(", out):
+            assert m.group(0).startswith(("'", '"')), f"rlpost {cmd} --help: unquoted {m.group(0)}"
+    assert "'seed=range(3)'" in _run("report", "--help").output

@@ -631,7 +631,7 @@ def register_cli(app: Any) -> None:
 
         Examples:
 
-          rlpost train -m algo=grpo,dr_grpo seed=range(3) && rlpost report multirun/<time>
+          rlpost train -m algo=grpo,dr_grpo 'seed=range(3)' && rlpost report multirun/<time>
 
           rlpost report outputs/grpo-arithmetic outputs/dr_grpo-arithmetic --out report/
         """
