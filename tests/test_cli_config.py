@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -83,8 +84,12 @@ def test_help_examples_quote_hydra_ranges_for_the_shell():
     """`seed=range(3)` unquoted is a bash syntax error; `rlpost report --help` showed it so."""
     import re
 
-    for cmd in ("train", "eval", "report", "compare", "reproduce"):
-        out = _run(cmd, "--help").output
-        for m in re.finditer(r"\S*=range\(", out):
+    outs = {}
+    for cmd in ("train", "eval", "report", "compare", "reproduce"):  # the console script's app (report is added in main)
+        p = subprocess.run([sys.executable, "-m", "rlpost.cli", cmd, "--help"], capture_output=True, text=True,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert p.returncode == 0, p.stderr
+        outs[cmd] = p.stdout
+        for m in re.finditer(r"\S*=range\(", p.stdout):
             assert m.group(0).startswith(("'", '"')), f"rlpost {cmd} --help: unquoted {m.group(0)}"
-    assert "'seed=range(3)'" in _run("report", "--help").output
+    assert "'seed=range(3)'" in outs["report"]
