@@ -46,10 +46,56 @@ def _fail(err: RlpostError) -> None:
     raise typer.Exit(code=err.exit_code)
 
 
+def _check_syntax(overrides: List[str]) -> None:
+    """Arguments that are not ``key=value`` overrides: ``--steps 3`` or ``steps 3`` (argparse habits).
+
+    Hydra's own message for them is a parser exception name (``LexerNoViableAltException: --steps``);
+    this names the argument and the override to write instead.
+
+    Raises:
+        ConfigError: an argument starting with ``-`` or without ``=`` (``~key`` deletions excepted).
+    """
+    for i, o in enumerate(overrides):
+        nxt = overrides[i + 1] if i + 1 < len(overrides) else None
+        value = nxt if nxt is not None and "=" not in nxt and not nxt.startswith("-") else None
+        if o.startswith("-"):
+            key, _, val = o.lstrip("-").partition("=")
+            paths = _key_paths(key.replace("-", "_"))
+            fix = (" or ".join(f"{k}={val or value or 'VALUE'}" for k in paths[:3]) if paths
+                   else "key=value (rlpost config prints every key)")
+            raise ConfigError(f"{o!r} is not an option of this command: settings are Hydra overrides key=value, "
+                              f"so write {fix}; the command's options: --help.")
+        if "=" not in o and not o.startswith("~"):
+            paths = _key_paths(o)
+            fix = " or ".join(f"{k}={value or 'VALUE'}" for k in paths[:3]) if paths else "key=value, e.g. steps=3"
+            raise ConfigError(f"{o!r} is not an override: write {fix} (rlpost config prints every key).")
+
+
+def _key_paths(name: str) -> List[str]:
+    """Dotted config keys whose last part is ``name`` (``limit`` -> ``eval.limit``, ...), top level first."""
+    from rlpost.config.compose import _schema_keys
+
+    if "." in name:  # already a dotted key: itself, when the schema has it
+        parent, _, last = name.rpartition(".")
+        return [name] if last in _schema_keys(parent) else []
+    found, todo = [], [""]
+    while todo:  # breadth first over the schema, three levels deep at most
+        path = todo.pop(0)
+        for k in _schema_keys(path):
+            full = f"{path}.{k}" if path else k
+            if k == name:
+                found.append(full)
+            if full.count(".") < 2:
+                todo.append(full)
+    return found
+
+
 def _check_recipe(overrides: List[str]) -> None:
-    """``recipe=NAME`` without ``+``: Hydra would say "Unknown config key 'recipe'"; say how to write it."""
+    """Override syntax (:func:`_check_syntax`), and ``recipe=NAME`` without ``+``: Hydra would say
+    "Unknown config key 'recipe'"; say how to write it."""
     from rlpost.config.compose import group_choices
 
+    _check_syntax(overrides)
     for o in overrides:
         if o.split("=", 1)[0] == "recipe":
             name = o.split("=", 1)[1] if "=" in o else "NAME"

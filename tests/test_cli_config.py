@@ -93,3 +93,31 @@ def test_help_examples_quote_hydra_ranges_for_the_shell():
         for m in re.finditer(r"\S*=range\(", p.stdout):
             assert m.group(0).startswith(("'", '"')), f"rlpost {cmd} --help: unquoted {m.group(0)}"
     assert "'seed=range(3)'" in outs["report"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--steps", "3"], "'--steps' is not an option of this command: settings are Hydra overrides "
+                                    "key=value, so write steps=3; the command's options: --help."),
+        (["train", "--lr=1e-4"], "'--lr=1e-4' is not an option of this command: settings are Hydra overrides "
+                                 "key=value, so write trainer.lr=1e-4 or algo.critic.lr=1e-4; the command's options: --help."),
+        (["eval", "--max-new-tokens", "8"], "'--max-new-tokens' is not an option of this command: settings are Hydra "
+                                            "overrides key=value, so write rollout.max_new_tokens=8 or "
+                                            "eval.max_new_tokens=8; the command's options: --help."),
+        (["config", "steps", "3"], "'steps' is not an override: write steps=3 (rlpost config prints every key)."),
+        (["config", "train"], "'train' is not an override: write key=value, e.g. steps=3 (rlpost config prints every key)."),
+    ],
+)
+def test_argparse_style_arguments_name_the_override_to_write(args, message):
+    """Hydra's own message was 'Invalid config: LexerNoViableAltException: --steps'."""
+    res = _run(*args)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == f"error: {message}"
+
+
+def test_schema_keys_of_a_leaf_is_empty():
+    from rlpost.config.compose import _schema_keys
+
+    assert _schema_keys("steps") == []  # a field without a default factory (raised TypeError before)
+    assert "limit" in _schema_keys("eval") and "lr" in _schema_keys("trainer")

@@ -48,7 +48,7 @@ def group_choices(group: str) -> List[str]:
 
 def _schema_keys(path: str) -> List[str]:
     """Valid keys under a dotted config path (from the dataclass schemas)."""
-    from dataclasses import fields, is_dataclass
+    from dataclasses import MISSING, fields, is_dataclass
 
     from rlpost.config.schema import RootConfig
 
@@ -61,7 +61,7 @@ def _schema_keys(path: str) -> List[str]:
         if f is None:
             return []
         t = f.type if not isinstance(f.type, str) else None
-        default = f.default_factory() if f.default_factory is not None else None  # type: ignore[misc]
+        default = f.default_factory() if f.default_factory is not MISSING else None  # type: ignore[misc]
         node = type(default) if is_dataclass(default) else t
     if is_dataclass(node):
         return [x.name for x in fields(node) if x.name != "defaults"]
