@@ -105,17 +105,19 @@ def _check_recipe(overrides: List[str]) -> None:
 
 def _validate(overrides: List[str], multirun: bool) -> None:
     """Compose and validate every run of a (possibly swept) override list."""
-    from rlpost.config.compose import compose_config, expand_sweep, validate_config
+    from rlpost.config.compose import PATH_KEYS, compose_config, expand_sweep, validate_config
 
     _check_recipe(overrides)
 
     combos = expand_sweep(overrides) if multirun else [overrides]
     if not multirun:
         for o in overrides:
+            if o.split("=", 1)[0].lstrip("+") in PATH_KEYS:  # a path (a sweep job's directory holds commas)
+                continue
             if "," in o.split("=", 1)[-1] and not any(c in o for c in "[{'\""):
                 raise ConfigError(
                     f"{o!r} looks like a sweep; add -m (rlpost train -m {' '.join(overrides)}) to run it, "
-                    f"or quote the value to pass a literal comma: key='a, b'."
+                    f"or quote the value for Hydra to pass a literal comma, inside shell quotes: \"key='a, b'\"."
                 )
     for combo in combos:
         cfg = compose_config([o for o in combo if not o.startswith("hydra.")])
@@ -130,7 +132,7 @@ def _launch(fn: Callable[[Any], Any], overrides: List[str], multirun: bool) -> N
     from rlpost.config.schema import register_schemas
 
     register_schemas()
-    argv = ["rlpost"] + (["--multirun"] if multirun else []) + normalize_overrides(list(overrides))
+    argv = ["rlpost"] + (["--multirun"] if multirun else []) + normalize_overrides(list(overrides), quote_paths=not multirun)
     old = sys.argv
     sys.argv = argv
     try:

@@ -121,3 +121,32 @@ def test_schema_keys_of_a_leaf_is_empty():
 
     assert _schema_keys("steps") == []  # a field without a default factory (raised TypeError before)
     assert "limit" in _schema_keys("eval") and "lr" in _schema_keys("trainer")
+
+
+def test_path_values_with_hydra_syntax_are_quoted_outside_a_sweep():
+    from rlpost.config.compose import normalize_overrides, quote_path_value
+
+    job = "multirun/2026-01-01_00-00-00/0_algo=grpo,seed=1"
+    assert quote_path_value(f"hydra.run.dir={job}") == f"hydra.run.dir='{job}'"
+    assert quote_path_value("eval.checkpoint=it's,x") == "eval.checkpoint=\"it's,x\""
+    for same in ("hydra.run.dir=outputs/run", "task.path='a,b'", "algo=grpo,sao", "resume=auto", "~task.path"):
+        assert quote_path_value(same) == same
+    assert normalize_overrides(["task.path=a.jsonl,b.jsonl"], quote_paths=False) == ["task.path=a.jsonl,b.jsonl"]
+
+
+def test_resume_a_sweep_job_by_its_directory(tmp_path):
+    """A sweep job's directory is named '<n>_algo=grpo,seed=1': `hydra.run.dir=<it>` was refused as
+    "looks like a sweep" (and Hydra cannot parse it unquoted), so a killed sweep job could not be resumed
+    with the command its own interrupt message prints."""
+    from conftest import REPO, tiny_overrides
+
+    job = tmp_path / "0_algo=grpo,seed=1"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for steps in (1, 2):
+        p = subprocess.run([sys.executable, "-m", "rlpost.cli", "train",
+                            *tiny_overrides(f"steps={steps}", "eval.at_start=false", "eval.at_end=false"),
+                            "resume=auto", f"hydra.run.dir={job}"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+    assert "resume=auto: resuming from" in p.stdout and "(step 1 of 2)" in p.stdout
+    assert (job / "DONE").read_text().strip() == "2"

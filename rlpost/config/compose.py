@@ -118,13 +118,37 @@ FREE_DICTS = (
 )
 
 
-def normalize_overrides(overrides: List[str]) -> List[str]:
-    """Turn ``a.params.k=v`` into Hydra's add-or-override ``++a.params.k=v`` for :data:`FREE_DICTS`."""
+#: Keys whose value is a file system path: outside a sweep a comma, ``=`` or bracket in it is part of
+#: the path (a sweep job's directory is named ``<n>_algo=grpo,seed=1``), never Hydra syntax.
+PATH_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "task.path", "eval.checkpoint", "model.path", "resume",
+             "eval.harness.include")
+_HYDRA_SPECIAL = set(",=[]{}()'\" \t")
+
+
+def quote_path_value(override: str) -> str:
+    """``key=VALUE`` with VALUE quoted for Hydra when ``key`` is in :data:`PATH_KEYS` and VALUE holds a
+    character Hydra's override grammar reads as syntax; anything else unchanged.
+
+    ``hydra.run.dir=multirun/x/0_algo=grpo,seed=1`` -> ``hydra.run.dir='multirun/x/0_algo=grpo,seed=1'``.
+    """
+    key, sep, value = override.partition("=")
+    if not sep or key.lstrip("+") not in PATH_KEYS or not value or value[0] in "'\"":
+        return override
+    if not _HYDRA_SPECIAL & set(value):
+        return override
+    q = "'" if "'" not in value else ('"' if '"' not in value else None)
+    return f"{key}={q}{value}{q}" if q else override
+
+
+def normalize_overrides(overrides: List[str], quote_paths: bool = True) -> List[str]:
+    """Turn ``a.params.k=v`` into Hydra's add-or-override ``++a.params.k=v`` for :data:`FREE_DICTS`,
+    and (``quote_paths``, outside a sweep) quote path values that hold Hydra syntax characters
+    (:func:`quote_path_value`)."""
     out = []
     for o in overrides:
         if "=" in o and not o.startswith(("+", "~")) and o.split("=", 1)[0].startswith(FREE_DICTS):
             o = "++" + o
-        out.append(o)
+        out.append(quote_path_value(o) if quote_paths else o)
     return out
 
 
