@@ -196,7 +196,8 @@ def format_summary(run_dir: Path, cfg: Any, wall_s: float, peak_mb: Dict[str, fl
     """The closing summary of a finished run (several lines).
 
     Reads ``metrics.jsonl`` (reward and response length at the start and end:
-    means over the first and last ``min(5, ceil(steps / 2))`` logged steps),
+    means over the first and last ``min(5, max(1, steps // 2))`` logged steps: the two windows never
+    overlap),
     ``eval_start.json`` (base accuracy, ``eval.at_start``) and ``eval.json``
     (final accuracy); accuracies carry their 95% bootstrap CIs.
 
@@ -225,7 +226,7 @@ def format_summary(run_dir: Path, cfg: Any, wall_s: float, peak_mb: Dict[str, fl
     lines.append(f"  held-out accuracy ({cfg.task.name}{f', n={n}' if n else ''}, 95% CI): "
                  f"base {_acc(base)} -> final {_acc(final)}")
     if recs:
-        k = min(5, max(1, (len(recs) + 1) // 2))
+        k = min(5, max(1, len(recs) // 2))  # disjoint windows (3 steps: step 1 -> step 3, not 1-2 -> 2-3)
         first, lastk = recs[:k], recs[-k:]
 
         def mean(rs: List[Dict[str, Any]], key: str) -> float:
