@@ -152,6 +152,8 @@ def choose_precision(
     ro = "bf16" if tr == "bf16" and r["decode_bf16"] > MARGIN * r["decode_fp32"] else "fp32"
     why = (f"CPU with bf16 instructions; matmul GFLOP/s train fp32 {r['train_fp32']:.0f} / bf16 {r['train_bf16']:.0f}, "
            f"decode fp32 {r['decode_fp32']:.0f} / bf16 {r['decode_bf16']:.0f}")
+    if ro == "fp32" and r["decode_bf16"] > MARGIN * r["decode_fp32"]:  # else the figures read as contradicting the choice
+        why += "; rollouts use bf16 only when training does"
     return PrecisionChoice(tr, ro, why)
 
 

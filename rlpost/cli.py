@@ -46,10 +46,56 @@ def _fail(err: RlpostError) -> None:
     raise typer.Exit(code=err.exit_code)
 
 
+def _check_syntax(overrides: List[str]) -> None:
+    """Arguments that are not ``key=value`` overrides: ``--steps 3`` or ``steps 3`` (argparse habits).
+
+    Hydra's own message for them is a parser exception name (``LexerNoViableAltException: --steps``);
+    this names the argument and the override to write instead.
+
+    Raises:
+        ConfigError: an argument starting with ``-`` or without ``=`` (``~key`` deletions excepted).
+    """
+    for i, o in enumerate(overrides):
+        nxt = overrides[i + 1] if i + 1 < len(overrides) else None
+        value = nxt if nxt is not None and "=" not in nxt and not nxt.startswith("-") else None
+        if o.startswith("-"):
+            key, _, val = o.lstrip("-").partition("=")
+            paths = _key_paths(key.replace("-", "_"))
+            fix = (" or ".join(f"{k}={val or value or 'VALUE'}" for k in paths[:3]) if paths
+                   else "key=value (rlpost config prints every key)")
+            raise ConfigError(f"{o!r} is not an option of this command: settings are Hydra overrides key=value, "
+                              f"so write {fix}; the command's options: --help.")
+        if "=" not in o and not o.startswith("~"):
+            paths = _key_paths(o)
+            fix = " or ".join(f"{k}={value or 'VALUE'}" for k in paths[:3]) if paths else "key=value, e.g. steps=3"
+            raise ConfigError(f"{o!r} is not an override: write {fix} (rlpost config prints every key).")
+
+
+def _key_paths(name: str) -> List[str]:
+    """Dotted config keys whose last part is ``name`` (``limit`` -> ``eval.limit``, ...), top level first."""
+    from rlpost.config.compose import _schema_keys
+
+    if "." in name:  # already a dotted key: itself, when the schema has it
+        parent, _, last = name.rpartition(".")
+        return [name] if last in _schema_keys(parent) else []
+    found, todo = [], [""]
+    while todo:  # breadth first over the schema, three levels deep at most
+        path = todo.pop(0)
+        for k in _schema_keys(path):
+            full = f"{path}.{k}" if path else k
+            if k == name:
+                found.append(full)
+            if full.count(".") < 2:
+                todo.append(full)
+    return found
+
+
 def _check_recipe(overrides: List[str]) -> None:
-    """``recipe=NAME`` without ``+``: Hydra would say "Unknown config key 'recipe'"; say how to write it."""
+    """Override syntax (:func:`_check_syntax`), and ``recipe=NAME`` without ``+``: Hydra would say
+    "Unknown config key 'recipe'"; say how to write it."""
     from rlpost.config.compose import group_choices
 
+    _check_syntax(overrides)
     for o in overrides:
         if o.split("=", 1)[0] == "recipe":
             name = o.split("=", 1)[1] if "=" in o else "NAME"
@@ -59,17 +105,19 @@ def _check_recipe(overrides: List[str]) -> None:
 
 def _validate(overrides: List[str], multirun: bool) -> None:
     """Compose and validate every run of a (possibly swept) override list."""
-    from rlpost.config.compose import compose_config, expand_sweep, validate_config
+    from rlpost.config.compose import PATH_KEYS, compose_config, expand_sweep, validate_config
 
     _check_recipe(overrides)
 
     combos = expand_sweep(overrides) if multirun else [overrides]
     if not multirun:
         for o in overrides:
+            if o.split("=", 1)[0].lstrip("+") in PATH_KEYS:  # a path (a sweep job's directory holds commas)
+                continue
             if "," in o.split("=", 1)[-1] and not any(c in o for c in "[{'\""):
                 raise ConfigError(
                     f"{o!r} looks like a sweep; add -m (rlpost train -m {' '.join(overrides)}) to run it, "
-                    f"or quote the value to pass a literal comma: key='a, b'."
+                    f"or quote the value for Hydra to pass a literal comma, inside shell quotes: \"key='a, b'\"."
                 )
     for combo in combos:
         cfg = compose_config([o for o in combo if not o.startswith("hydra.")])
@@ -84,7 +132,7 @@ def _launch(fn: Callable[[Any], Any], overrides: List[str], multirun: bool) -> N
     from rlpost.config.schema import register_schemas
 
     register_schemas()
-    argv = ["rlpost"] + (["--multirun"] if multirun else []) + normalize_overrides(list(overrides))
+    argv = ["rlpost"] + (["--multirun"] if multirun else []) + normalize_overrides(list(overrides), quote_paths=not multirun)
     old = sys.argv
     sys.argv = argv
     try:
@@ -226,7 +274,7 @@ def eval_cmd(ctx: typer.Context) -> None:
 
       rlpost eval eval.checkpoint=outputs/grpo-arithmetic/<time>/final
 
-      rlpost eval task=gsm8k eval.limit=100        (written to outputs/eval-gsm8k/<time>/)
+      rlpost eval task=gsm8k task.path=PATH/gsm8k/test.jsonl eval.limit=100   (offline: a local copy; written to outputs/eval-gsm8k/<time>/)
 
       rlpost eval harness=gsm8k,arc_easy eval.checkpoint=outputs/<run>/final   (lm-evaluation-harness; harness.json)
 
@@ -460,6 +508,10 @@ def recipes_cmd(
             if rec.card is not None:
                 raw = OmegaConf.load(rec.path)["card"]
                 typer.echo(OmegaConf.to_yaml(raw).rstrip())
+            if isinstance(rec.card, R.LinkCard):  # `rlpost reproduce NAME` would refuse it: point to the method recipe
+                typer.echo(f"reproduced: see recipe {rec.card.recipe_of} (rlpost recipes {rec.card.recipe_of}); "
+                           + R.link_card_note(name, rec.card))
+                return
             res = R.load_result(name)
             typer.echo("reproduced: " + (R.format_result(res) if res else "not run (rlpost reproduce " + name + ")"))
             return
@@ -509,8 +561,8 @@ def reproduce_cmd(
         if dry_run:
             card = rec.card
             if not isinstance(card, R.Card):
-                raise ConfigError(f"recipe {name} has no claim card to reproduce"
-                                  + (f"; it deploys recipe {card.recipe_of}" if isinstance(card, R.LinkCard) else ""))
+                raise ConfigError(R.link_card_note(name, card) + f"; reproduce that one: rlpost reproduce {card.recipe_of}"
+                                  if isinstance(card, R.LinkCard) else f"recipe {name} has no claim card to reproduce")
             for s in range(first_seed, first_seed + seeds):
                 for arm, ov in R.arm_overrides(name, card, s, extra, metric).items():
                     typer.echo(f"seed {s} {arm}: " + (" ".join(ov) if ov else "(the method run's eval_start.json)"))

@@ -28,8 +28,10 @@ reads and validates (:class:`Card`)::
         baseline: [selector=uniform]     # overrides giving the baseline arm, or "untrained"
         expect: higher                   # higher | no_worse (within `margin` of the baseline)
 
-A GPU deployment recipe (``dapo_qwen2.5_32b``) holds ``card: {recipe_of: dapo}``
-instead: its claim and paper setting are those of the method recipe it names.
+A variant recipe holds ``card: {recipe_of: NAME}`` instead: its claim and paper
+setting are those of the method recipe it names. Variants are GPU deployments
+(``dapo_qwen2.5_32b``: ``recipe_of: dapo``) and the CPU agent recipes
+(``agent_multiply_sao``: ``recipe_of: sao``).
 
 A misspelt or missing card field is a :class:`~rlpost.errors.ConfigError`
 naming the valid fields (:func:`parse_card`), raised when the recipe is composed
@@ -168,9 +170,16 @@ class Card:
 
 @dataclass
 class LinkCard:
-    """The card of a deployment recipe: ``recipe_of`` names the method recipe holding claim and setting."""
+    """The card of a variant recipe (GPU deployment or agent setting): ``recipe_of`` names the method recipe
+    holding claim and setting."""
 
     recipe_of: str
+
+
+def link_card_note(name: str, card: LinkCard) -> str:
+    """One line saying that recipe ``name`` has no claim of its own and whose claim it shares."""
+    return (f"recipe {name} has no claim of its own: its card points to recipe {card.recipe_of} "
+            f"(claim, paper setting, CPU baseline)")
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -642,8 +651,8 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
     evaluate with the samples it needs (:func:`metric_overrides`).
 
     Raises:
-        ConfigError: unknown recipe, no card, a deployment recipe (run its method
-            recipe), or an unknown ``metric``.
+        ConfigError: unknown recipe, no card, a variant recipe (``recipe_of``: reproduce
+            its method recipe), or an unknown ``metric``.
     """
     from rlpost.checkpoint import DONE_MARKER
     from rlpost.config.compose import compose_config, validate_config
@@ -653,8 +662,7 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
     if rec.card is None:
         raise ConfigError(f"recipe {name} has no card (claim, baseline); add one (docs/RECIPES.md) to reproduce it")
     if isinstance(rec.card, LinkCard):
-        raise ConfigError(f"recipe {name} is a GPU deployment of recipe {rec.card.recipe_of}; "
-                          f"reproduce that one: rlpost reproduce {rec.card.recipe_of}")
+        raise ConfigError(link_card_note(name, rec.card) + f"; reproduce that one: rlpost reproduce {rec.card.recipe_of}")
     card = rec.card
     if seeds < 1:
         raise ConfigError(f"--seeds {seeds}: give at least 1 (2 or more for a CI that covers seed variance)")
@@ -737,7 +745,7 @@ def table_rows(names: Optional[Sequence[str]] = None) -> List[Tuple[str, str, st
         if r.card is None:
             rows.append((n, "-", "no card", "-"))
         elif isinstance(r.card, LinkCard):
-            rows.append((n, "deployment", f"GPU setting of recipe {r.card.recipe_of}", "-"))
+            rows.append((n, "variant", f"recipe {r.card.recipe_of}'s (rlpost recipes {r.card.recipe_of})", f"see {r.card.recipe_of}"))
         else:
             rows.append((n, f"{r.card.kind}={r.card.method}", claim_text(r.card), status_text(load_result(n))))
     return rows
@@ -755,7 +763,7 @@ def markdown_table(names: Optional[Sequence[str]] = None, directory: Optional[Pa
         r = load_recipe(n)
         if not isinstance(r.card, Card):
             if isinstance(r.card, LinkCard):
-                out.append(f"| `{n}` | deployment | see `{r.card.recipe_of}` | | | | |")
+                out.append(f"| `{n}` | variant | see `{r.card.recipe_of}` | | | | |")
             continue
         c = r.card
         ref = f"arXiv:{c.arxiv}" if c.arxiv else (c.code or "")

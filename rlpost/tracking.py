@@ -122,7 +122,7 @@ class RunLogger:
         self._fh = open(self.path, "a")
         self.wandb = None
         self.wandb_mode: Optional[str] = None
-        self.wandb_info: Optional[Dict[str, str]] = None  # mode, run directory and URL, kept after close()
+        self.wandb_info: Optional[Dict[str, Any]] = None  # mode, run directory, URL, offline segments; kept after close()
         if backend == "wandb":
             self._init_wandb(config or {}, name, project, entity, mode, tags or [])
 
@@ -149,6 +149,11 @@ class RunLogger:
         run_path = Path(self.wandb.dir).parent  # <run dir>/wandb/<offline-run|run>-<time>-<id>
         url = (getattr(self.wandb, "url", None) or "") if mode == "online" else ""  # offline: wandb warns on .url
         self.wandb_info = {"mode": mode, "dir": str(run_path), "url": url}
+        if mode == "offline":
+            # a resumed run (same id) writes a new offline-run-<time>-<id> folder per segment; `wandb sync` given
+            # them all uploads them in order of start time into one run, given only the last it drops the others
+            segs = sorted(str(p) for p in (self.run_dir / "wandb").glob(f"offline-run-*-{run_id}") if p.is_dir())
+            self.wandb_info["segments"] = segs if str(run_path) in segs else segs + [str(run_path)]
 
     def log(self, metrics: Dict[str, Any]) -> None:
         """Append one record (must contain ``step``)."""
@@ -191,7 +196,8 @@ def format_summary(run_dir: Path, cfg: Any, wall_s: float, peak_mb: Dict[str, fl
     """The closing summary of a finished run (several lines).
 
     Reads ``metrics.jsonl`` (reward and response length at the start and end:
-    means over the first and last ``min(5, ceil(steps / 2))`` logged steps),
+    means over the first and last ``min(5, max(1, steps // 2))`` logged steps: the two windows never
+    overlap),
     ``eval_start.json`` (base accuracy, ``eval.at_start``) and ``eval.json``
     (final accuracy); accuracies carry their 95% bootstrap CIs.
 
@@ -200,7 +206,8 @@ def format_summary(run_dir: Path, cfg: Any, wall_s: float, peak_mb: Dict[str, fl
         cfg: the run's config (task name, steps).
         wall_s: wall time in seconds.
         peak_mb: ``{"rss": MiB}`` and optionally ``{"cuda": MiB}``.
-        wandb: :attr:`RunLogger.wandb_info` or None (no W&B).
+        wandb: :attr:`RunLogger.wandb_info` or None (no W&B). Offline, ``segments`` lists the
+            offline-run folders of this run id (one per resume), all named in the upload command.
     """
     run_dir = Path(run_dir)
     recs: List[Dict[str, Any]] = []
@@ -219,7 +226,7 @@ def format_summary(run_dir: Path, cfg: Any, wall_s: float, peak_mb: Dict[str, fl
     lines.append(f"  held-out accuracy ({cfg.task.name}{f', n={n}' if n else ''}, 95% CI): "
                  f"base {_acc(base)} -> final {_acc(final)}")
     if recs:
-        k = min(5, max(1, (len(recs) + 1) // 2))
+        k = min(5, max(1, len(recs) // 2))  # disjoint windows (3 steps: step 1 -> step 3, not 1-2 -> 2-3)
         first, lastk = recs[:k], recs[-k:]
 
         def mean(rs: List[Dict[str, Any]], key: str) -> float:
@@ -240,8 +247,11 @@ def format_summary(run_dir: Path, cfg: Any, wall_s: float, peak_mb: Dict[str, fl
         lines.append(f"  eval.json: {run_dir / 'eval.json'}")
     if wandb:
         if wandb.get("mode") == "offline":
-            lines.append(f"  W&B (offline): {wandb['dir']}")
-            lines.append(f"  upload with: wandb sync {wandb['dir']}")
+            segs = wandb.get("segments") or [wandb["dir"]]
+            earlier = len(segs) - 1
+            lines.append(f"  W&B (offline): {wandb['dir']}" + (
+                f" (and {earlier} earlier segment{'s' if earlier > 1 else ''}: the run was resumed)" if earlier else ""))
+            lines.append(f"  upload with: wandb sync {' '.join(segs)}")
         else:
             lines.append(f"  W&B: {wandb.get('url') or wandb['dir']}")
     return "\n".join(lines)

@@ -6,12 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # pip's build step (rlpost's own editable build, DeepSpeed's sdist) prints setuptools'
-# deprecation notices: blocks that start with "...SetuptoolsDeprecationWarning: ..." and
-# end with a "!!" line and the offending source line. They concern packaging metadata,
+# notices: blocks that start with "...SetuptoolsDeprecationWarning: ..." (or the editable
+# build's "...BuildBackendWarning: Editable installation.") and end with a "!!" line and
+# the offending source line. They concern packaging metadata,
 # not the user, so they are dropped; everything else pip prints is kept.
 quiet() {
   awk '
-    /Setuptools[A-Za-z]*Warning/ { skip = 1; bangs = 0; next }
+    /Setuptools[A-Za-z]*Warning|BuildBackendWarning/ { skip = 1; bangs = 0; next }
     skip && /^[[:space:]]*!!/ { bangs++; if (bangs == 2) { skip = 2 }; next }
     skip == 2 { skip = 0; next }   # the source line printed after the closing "!!"
     skip { next }

@@ -32,6 +32,9 @@ def test_cpu_with_bf16_instructions_follows_the_measurement():
     # (a faster decode matmul alone does not make bf16 rollouts faster: the engine stays fp32)
     c = choose_precision("cpu", flags=flags, measure=rates(291, 154, 10, 20))
     assert (c.trainer_dtype, c.rollout_dtype) == ("fp32", "fp32")
+    # the printed reason says why a faster bf16 decode figure did not pick bf16 rollouts
+    assert c.reason.endswith("decode fp32 10 / bf16 20; rollouts use bf16 only when training does")
+    assert "only when training" not in choose_precision("cpu", flags=flags, measure=rates(291, 154, 20, 10)).reason
     # AMD EPYC of issue 15: 169 fp32 vs 408 bf16
     c = choose_precision("cpu", flags=flags, measure=rates(169, 408, 10, 20))
     assert (c.trainer_dtype, c.rollout_dtype) == ("bf16", "bf16")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -26,6 +27,9 @@ def _run(*args: str):
         (["config", "algo=ppo", "algo.critic.enabled=false"], "needs a critic"),
         (["config", "algo.loss=nope"], "Unknown policy loss algo.loss='nope'"),
         (["config", "trainer.lr=-1"], "trainer.lr must be > 0"),
+        # before this check, eval.limit=0 loaded the model and failed at the first evaluation (exit 4)
+        (["config", "eval.limit=0"], "eval.limit=0 must be >= 1"),
+        (["config", "eval.n_samples=0"], "eval.n_samples must be >= 1"),
     ],
 )
 def test_config_errors_exit_2_with_message(args, needle):
@@ -74,3 +78,75 @@ def test_list_shows_groups_and_registries():
     res = _run("list", "loss")
     assert "ppo_clip" in res.output and "strict_double_clip" in res.output
     assert _run("list", "nosuchgroup").exit_code == 2
+
+
+def test_help_examples_quote_hydra_ranges_for_the_shell():
+    """`seed=range(3)` unquoted is a bash syntax error; `rlpost report --help` showed it so."""
+    import re
+
+    outs = {}
+    for cmd in ("train", "eval", "report", "compare", "reproduce"):  # the console script's app (report is added in main)
+        p = subprocess.run([sys.executable, "-m", "rlpost.cli", cmd, "--help"], capture_output=True, text=True,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert p.returncode == 0, p.stderr
+        outs[cmd] = p.stdout
+        for m in re.finditer(r"\S*=range\(", p.stdout):
+            assert m.group(0).startswith(("'", '"')), f"rlpost {cmd} --help: unquoted {m.group(0)}"
+    assert "'seed=range(3)'" in outs["report"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--steps", "3"], "'--steps' is not an option of this command: settings are Hydra overrides "
+                                    "key=value, so write steps=3; the command's options: --help."),
+        (["train", "--lr=1e-4"], "'--lr=1e-4' is not an option of this command: settings are Hydra overrides "
+                                 "key=value, so write trainer.lr=1e-4 or algo.critic.lr=1e-4; the command's options: --help."),
+        (["eval", "--max-new-tokens", "8"], "'--max-new-tokens' is not an option of this command: settings are Hydra "
+                                            "overrides key=value, so write rollout.max_new_tokens=8 or "
+                                            "eval.max_new_tokens=8; the command's options: --help."),
+        (["config", "steps", "3"], "'steps' is not an override: write steps=3 (rlpost config prints every key)."),
+        (["config", "train"], "'train' is not an override: write key=value, e.g. steps=3 (rlpost config prints every key)."),
+    ],
+)
+def test_argparse_style_arguments_name_the_override_to_write(args, message):
+    """Hydra's own message was 'Invalid config: LexerNoViableAltException: --steps'."""
+    res = _run(*args)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == f"error: {message}"
+
+
+def test_schema_keys_of_a_leaf_is_empty():
+    from rlpost.config.compose import _schema_keys
+
+    assert _schema_keys("steps") == []  # a field without a default factory (raised TypeError before)
+    assert "limit" in _schema_keys("eval") and "lr" in _schema_keys("trainer")
+
+
+def test_path_values_with_hydra_syntax_are_quoted_outside_a_sweep():
+    from rlpost.config.compose import normalize_overrides, quote_path_value
+
+    job = "multirun/2026-01-01_00-00-00/0_algo=grpo,seed=1"
+    assert quote_path_value(f"hydra.run.dir={job}") == f"hydra.run.dir='{job}'"
+    assert quote_path_value("eval.checkpoint=it's,x") == "eval.checkpoint=\"it's,x\""
+    for same in ("hydra.run.dir=outputs/run", "task.path='a,b'", "algo=grpo,sao", "resume=auto", "~task.path"):
+        assert quote_path_value(same) == same
+    assert normalize_overrides(["task.path=a.jsonl,b.jsonl"], quote_paths=False) == ["task.path=a.jsonl,b.jsonl"]
+
+
+def test_resume_a_sweep_job_by_its_directory(tmp_path):
+    """A sweep job's directory is named '<n>_algo=grpo,seed=1': `hydra.run.dir=<it>` was refused as
+    "looks like a sweep" (and Hydra cannot parse it unquoted), so a killed sweep job could not be resumed
+    with the command its own interrupt message prints."""
+    from conftest import REPO, tiny_overrides
+
+    job = tmp_path / "0_algo=grpo,seed=1"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for steps in (1, 2):
+        p = subprocess.run([sys.executable, "-m", "rlpost.cli", "train",
+                            *tiny_overrides(f"steps={steps}", "eval.at_start=false", "eval.at_end=false"),
+                            "resume=auto", f"hydra.run.dir={job}"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+    assert "resume=auto: resuming from" in p.stdout and "(step 1 of 2)" in p.stdout
+    assert (job / "DONE").read_text().strip() == "2"

@@ -222,7 +222,7 @@ def test_format_summary_hand_computed(tmp_path):
     assert text.splitlines() == [
         "done: grpo-arithmetic, 6 steps",
         "  held-out accuracy (arithmetic, n=20, 95% CI): base 0.250 [0.100, 0.400] -> final 0.500 [0.300, 0.700]",
-        "  reward/mean: 0.200 (steps 1-3) -> 0.600 (steps 4-6)",  # k = min(5, ceil(6 / 2)) = 3
+        "  reward/mean: 0.200 (steps 1-3) -> 0.600 (steps 4-6)",  # k = min(5, 6 // 2) = 3
         "  response length: 28.0 -> 18.0 tokens",
         "  wall time 2 min 5 s, peak memory 1.50 GiB resident, 0.50 GiB GPU",
         f"  run directory: {tmp_path}",
@@ -387,3 +387,44 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tmp_path):
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):  # nothing of the job's process group is left running
         os.killpg(p.pid, 0)
+
+
+def test_resumed_offline_wandb_run_names_every_segment_to_upload(tmp_path):
+    """A resumed run writes a second offline-run folder with the same id; the summary's upload command used to
+    name only the last, so `wandb sync` as printed uploaded the steps after the resume and dropped the rest."""
+    from types import SimpleNamespace
+
+    from rlpost.tracking import RunLogger, format_summary
+
+    infos = []
+    for resume_step, steps in ((None, (1, 2)), (2, (3,))):
+        lg = RunLogger(tmp_path, backend="wandb", name="seg", project="rlpost-test", mode="offline",
+                       resume_step=resume_step)
+        for s in steps:
+            lg.log({"step": s, "reward/mean": 0.1 * s, "response/length_mean": 10.0})
+        lg.close()
+        infos.append(lg.wandb_info)
+        time.sleep(1.1)  # offline-run folders are named to the second
+    segs = sorted(str(p) for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(segs) == 2 and infos[0]["segments"] == segs[:1] and infos[1]["segments"] == segs
+    assert infos[1]["dir"] == segs[1]
+    cfg = SimpleNamespace(name="grpo-arithmetic", task=SimpleNamespace(name="arithmetic"))
+    lines = format_summary(tmp_path, cfg, wall_s=3.0, peak_mb={"rss": 100.0}, wandb=infos[1]).splitlines()
+    assert lines[-2] == f"  W&B (offline): {segs[1]} (and 1 earlier segment: the run was resumed)"
+    assert lines[-1] == f"  upload with: wandb sync {segs[0]} {segs[1]}"
+    one = format_summary(tmp_path, cfg, wall_s=3.0, peak_mb={"rss": 100.0}, wandb=infos[0]).splitlines()
+    assert one[-2:] == [f"  W&B (offline): {segs[0]}", f"  upload with: wandb sync {segs[0]}"]
+
+
+def test_summary_windows_do_not_overlap_on_an_odd_number_of_steps(tmp_path):
+    """3 steps used to print 'reward/mean: ... (steps 1-2) -> ... (steps 2-3)', step 2 in both means."""
+    from types import SimpleNamespace
+
+    from rlpost.tracking import format_summary
+
+    recs = [{"step": s, "reward/mean": r, "response/length_mean": ln} for s, r, ln in [(1, 0.1, 30), (2, 0.4, 20), (3, 0.7, 10)]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = SimpleNamespace(name="grpo-arithmetic", task=SimpleNamespace(name="arithmetic"))
+    lines = format_summary(tmp_path, cfg, wall_s=3.0, peak_mb={"rss": 100.0}).splitlines()
+    assert lines[2] == "  reward/mean: 0.100 (step 1) -> 0.700 (step 3)"
+    assert lines[3] == "  response length: 30.0 -> 10.0 tokens"

@@ -287,9 +287,30 @@ def test_reproduce_cli_dry_run_and_errors():
     r = CliRunner().invoke(app, ["reproduce", "vaed", "--dry-run"])
     assert r.exit_code == 2 and "Unknown recipe 'vaed'" in r.output
     r = CliRunner().invoke(app, ["reproduce", "dapo_qwen2.5_32b", "--dry-run"])
-    assert r.exit_code == 2 and "deploys recipe dapo" in r.output
+    assert r.exit_code == 2 and "points to recipe dapo" in r.output and "rlpost reproduce dapo" in r.output
     r = CliRunner().invoke(app, ["recipes"])
     assert r.exit_code == 0 and "vade  [selector=vade]" in r.output
+
+
+def test_cpu_agent_recipes_are_not_called_gpu_deployments_and_point_to_their_claim():
+    """agent_multiply_sao is a CPU multi-turn recipe with ``card: {recipe_of: sao}``: the listing used to call
+    it a "GPU setting of recipe sao" and its card view offered `rlpost reproduce agent_multiply_sao`, which
+    then refused it as "a GPU deployment"."""
+    from rlpost.cli import app
+
+    rows = {n: (kind, claim, status) for n, kind, claim, status in R.table_rows(["agent_multiply_sao", "vade"])}
+    assert rows["agent_multiply_sao"] == ("variant", "recipe sao's (rlpost recipes sao)", "see sao")
+    assert rows["vade"][0] == "selector=vade"
+    r = CliRunner().invoke(app, ["recipes", "agent_multiply_sao"])
+    assert r.exit_code == 0 and "GPU" not in r.output
+    assert r.output.splitlines()[-1].startswith("reproduced: see recipe sao (rlpost recipes sao)")
+    assert "rlpost reproduce agent_multiply_sao" not in r.output
+    r = CliRunner().invoke(app, ["reproduce", "agent_multiply_sao", "--seeds", "1"])
+    assert r.exit_code == 2 and "GPU" not in r.output and "Traceback" not in r.output
+    assert "has no claim of its own: its card points to recipe sao" in r.output
+    assert r.output.strip().endswith("reproduce that one: rlpost reproduce sao")
+    md = R.markdown_table(["agent_multiply_sao"]).splitlines()
+    assert md[-1] == "| `agent_multiply_sao` | variant | see `sao` | | | | |"
 
 
 # --------------------------------------------------------------------------- pass@k claims

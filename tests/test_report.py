@@ -198,3 +198,45 @@ def test_summary_marks_failed_and_incomplete_jobs(tmp_path):
     assert s["jobs"][1]["error"] == "DataError: task.path='x' does not exist"
     assert s["jobs"][2]["final"]["reward/mean"] == 0.5 and s["jobs"][2]["train_wall_s"] == 1.5
     assert write_summary(tmp_path / ".submitit") is None
+
+
+def test_report_leaves_out_a_run_that_failed_before_its_first_step(tmp_path):
+    """A folder of runs with one that stopped before step 1 (empty metrics.jsonl, FAILED): the report covers
+    the others and names the skipped one; before, the whole report stopped with exit 4."""
+    from rlpost.errors import DataError
+    from rlpost.eval.report import make_report
+
+    good = tmp_path / "runs" / "2026-01-01_10-00-00"
+    bad = tmp_path / "runs" / "2026-01-01_11-00-00"
+    for d in (good, bad):
+        d.mkdir(parents=True)
+        (d / "config.yaml").write_text("seed: 0\nlogger: {backend: jsonl}\n")
+    (good / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.25 * s, "time/step_s": 1.0})
+                                                + "\n" for s in (1, 2)))
+    (bad / "metrics.jsonl").write_text("")
+    (bad / "FAILED").write_text("DataError: task 'arithmetic' has no evaluation examples\n")
+    rep = make_report([tmp_path / "runs"], tmp_path / "out", wandb="off")
+    assert rep["runs"] == [str(good)]
+    assert rep["skipped"] == [f"{bad / 'metrics.jsonl'} holds no logged step "
+                              "(FAILED: DataError: task 'arithmetic' has no evaluation examples)"]
+    assert rep["final"][0]["final_reward"]["mean"] == pytest.approx(0.5)
+    with pytest.raises(DataError, match="holds no logged step"):  # nothing left to report: still an error
+        make_report([bad], tmp_path / "out2", wandb="off")
+    p = _cli("report", str(tmp_path / "runs"), "--out", str(tmp_path / "out3"), "--wandb", "off", timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == f"skipped: {rep['skipped'][0]}"
+
+
+def test_a_resumed_run_is_the_same_method_as_a_fresh_one(tmp_path):
+    """``resume=auto`` continues a run; it used to split two seeds of one method into two "methods"."""
+    from rlpost.eval.report import discover, group_runs, load_run_curves
+
+    for name, seed, resume, ovs in (("a", 0, "null", "- seed=0\n"), ("b", 1, "auto", "- seed=1\n- resume=auto\n")):
+        d = tmp_path / name
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(ovs)
+        (d / "config.yaml").write_text(f"seed: {seed}\nresume: {resume}\ntrainer: {{lr: 2.0e-05}}\n")
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5, "time/step_s": 1.0}) + "\n")
+    groups = group_runs([load_run_curves(p) for p in discover([tmp_path])])
+    assert len(groups) == 1 and [r.path.name for r in groups[0][1]] == ["a", "b"]
+    assert "resume" not in groups[0][0]

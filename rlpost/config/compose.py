@@ -48,7 +48,7 @@ def group_choices(group: str) -> List[str]:
 
 def _schema_keys(path: str) -> List[str]:
     """Valid keys under a dotted config path (from the dataclass schemas)."""
-    from dataclasses import fields, is_dataclass
+    from dataclasses import MISSING, fields, is_dataclass
 
     from rlpost.config.schema import RootConfig
 
@@ -61,7 +61,7 @@ def _schema_keys(path: str) -> List[str]:
         if f is None:
             return []
         t = f.type if not isinstance(f.type, str) else None
-        default = f.default_factory() if f.default_factory is not None else None  # type: ignore[misc]
+        default = f.default_factory() if f.default_factory is not MISSING else None  # type: ignore[misc]
         node = type(default) if is_dataclass(default) else t
     if is_dataclass(node):
         return [x.name for x in fields(node) if x.name != "defaults"]
@@ -118,13 +118,37 @@ FREE_DICTS = (
 )
 
 
-def normalize_overrides(overrides: List[str]) -> List[str]:
-    """Turn ``a.params.k=v`` into Hydra's add-or-override ``++a.params.k=v`` for :data:`FREE_DICTS`."""
+#: Keys whose value is a file system path: outside a sweep a comma, ``=`` or bracket in it is part of
+#: the path (a sweep job's directory is named ``<n>_algo=grpo,seed=1``), never Hydra syntax.
+PATH_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "task.path", "eval.checkpoint", "model.path", "resume",
+             "eval.harness.include")
+_HYDRA_SPECIAL = set(",=[]{}()'\" \t")
+
+
+def quote_path_value(override: str) -> str:
+    """``key=VALUE`` with VALUE quoted for Hydra when ``key`` is in :data:`PATH_KEYS` and VALUE holds a
+    character Hydra's override grammar reads as syntax; anything else unchanged.
+
+    ``hydra.run.dir=multirun/x/0_algo=grpo,seed=1`` -> ``hydra.run.dir='multirun/x/0_algo=grpo,seed=1'``.
+    """
+    key, sep, value = override.partition("=")
+    if not sep or key.lstrip("+") not in PATH_KEYS or not value or value[0] in "'\"":
+        return override
+    if not _HYDRA_SPECIAL & set(value):
+        return override
+    q = "'" if "'" not in value else ('"' if '"' not in value else None)
+    return f"{key}={q}{value}{q}" if q else override
+
+
+def normalize_overrides(overrides: List[str], quote_paths: bool = True) -> List[str]:
+    """Turn ``a.params.k=v`` into Hydra's add-or-override ``++a.params.k=v`` for :data:`FREE_DICTS`,
+    and (``quote_paths``, outside a sweep) quote path values that hold Hydra syntax characters
+    (:func:`quote_path_value`)."""
     out = []
     for o in overrides:
         if "=" in o and not o.startswith(("+", "~")) and o.split("=", 1)[0].startswith(FREE_DICTS):
             o = "++" + o
-        out.append(o)
+        out.append(quote_path_value(o) if quote_paths else o)
     return out
 
 
@@ -273,6 +297,11 @@ def _check_ranges(cfg: DictConfig) -> None:
         (cfg.trainer.max_tokens_per_micro_batch >= 0,
          "trainer.max_tokens_per_micro_batch must be >= 0 (0 = micro-batches of trainer.micro_batch_size sequences)"),
         (cfg.trainer.lr > 0, "trainer.lr must be > 0"),
+        (cfg.eval.limit is None or cfg.eval.limit >= 1,
+         f"eval.limit={cfg.eval.limit} must be >= 1 (held-out prompts evaluated; eval.limit=null: all)"),
+        (cfg.eval.n_samples >= 1, "eval.n_samples must be >= 1 (1: greedy)"),
+        (cfg.eval.batch_size >= 1, "eval.batch_size must be >= 1"),
+        (cfg.eval.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
     ]
     if a.mini_batches > 1:
         B = cfg.selector.prompts_per_step * a.n_samples_per_prompt

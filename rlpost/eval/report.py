@@ -153,7 +153,9 @@ def load_run_curves(run_dir: str | Path) -> RunCurves:
         if isinstance(r, dict) and r.get("step") is not None:
             recs.append(r)
     if not recs:
-        raise DataError(f"{f} holds no logged step")
+        failed = d / "FAILED"
+        why = failed.read_text().strip().splitlines()[:1] if failed.is_file() else []
+        raise DataError(f"{f} holds no logged step" + (f" (FAILED: {why[0]})" if why else ""))
     cfg: Dict[str, Any] = {}
     if (d / "config.yaml").is_file():
         cfg = _flatten(OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=False))
@@ -194,8 +196,14 @@ def discover(specs: Sequence[str | Path]) -> List[Path]:
     return runs
 
 
-#: Config keys that do not tell methods apart: the seed (what a band is over) and where a run logs.
-IGNORED_PREFIXES = ("seed", "logger.", "name")
+#: Config keys that do not tell methods apart: the seed (what a band is over), where a run logs, and
+#: ``resume`` (a resumed run is the same run continued).
+IGNORED_PREFIXES = ("seed", "logger.", "name", "resume")
+
+
+def _ignored(key: str) -> bool:
+    """Whether config key ``key`` is one of :data:`IGNORED_PREFIXES` (it does not tell methods apart)."""
+    return any(key == p or key.startswith(p) for p in IGNORED_PREFIXES)
 
 
 def group_runs(runs: List[RunCurves]) -> List[Tuple[str, List[RunCurves]]]:
@@ -205,8 +213,7 @@ def group_runs(runs: List[RunCurves]) -> List[Tuple[str, List[RunCurves]]]:
     overrides files, the config keys) whose values differ between methods.
     """
     def ident(r: RunCurves) -> Tuple[Tuple[str, str], ...]:
-        return tuple(sorted((k, str(v)) for k, v in r.config.items()
-                            if not any(k == p or k.startswith(p) for p in IGNORED_PREFIXES)))
+        return tuple(sorted((k, str(v)) for k, v in r.config.items() if not _ignored(k)))
 
     groups: Dict[Tuple[Tuple[str, str], ...], List[RunCurves]] = {}
     for r in runs:
@@ -214,11 +221,11 @@ def group_runs(runs: List[RunCurves]) -> List[Tuple[str, List[RunCurves]]]:
     members = list(groups.values())
     if len(members) == 1:
         ovs = members[0][0].overrides
-        label = ",".join(f"{k}={v}" for k, v in ovs.items() if k != "seed") or str(members[0][0].config.get("name", "runs"))
+        label = ",".join(f"{k}={v}" for k, v in ovs.items() if not _ignored(k)) or str(members[0][0].config.get("name", "runs"))
         return [(label if len(label) <= 80 else label[:77] + "...", members[0])]
 
     def labels_from(dicts: List[Dict[str, Any]]) -> List[str]:
-        keys = sorted({k for d in dicts for k in d if k != "seed" and not k.startswith("logger.")})
+        keys = sorted({k for d in dicts for k in d if not _ignored(k)})
         varying = [k for k in keys if len({str(d.get(k)) for d in dicts}) > 1]
         return [",".join(f"{k}={d.get(k)}" for k in varying) for d in dicts]
 
@@ -541,14 +548,27 @@ def make_report(specs: Sequence[str | Path], out_dir: Optional[str | Path] = Non
         n_boot: bootstrap replicates of the paired comparison.
     Returns:
         the report dict (also written as ``report.json``) with ``files``: the paths written.
+    Runs with no logged step (a run that failed or was stopped before its first
+    step) are left out and listed under ``skipped``, so one failed run in a folder
+    does not stop the report of the others.
+
     Raises:
-        DataError: a spec holds no run; ConfigError: bad ``band`` / ``wandb``.
+        DataError: a spec holds no run, or no run logged a step; ConfigError: bad ``band`` / ``wandb``.
     """
     if band not in BANDS:
         raise ConfigError(f"--band {band!r}: choose one of {', '.join(BANDS)}")
     if not specs:
         raise DataError("rlpost report needs run directories or sweep folders: rlpost report multirun/<time>")
-    runs = [load_run_curves(p) for p in discover(specs)]
+    runs: List[RunCurves] = []
+    skipped: List[str] = []  # runs that stopped before their first step (a FAILED run, a config error)
+    for p in discover(specs):
+        try:
+            runs.append(load_run_curves(p))
+        except DataError as e:
+            skipped.append(str(e))
+    if not runs:
+        raise DataError(skipped[0] if len(skipped) == 1 else f"none of the {len(skipped)} runs logged a step "
+                        f"(first: {skipped[0]})")
     use_wandb = _wandb_on(runs, wandb)
     groups = group_runs(runs)
     out = Path(out_dir) if out_dir else (Path(specs[0]) / "report" if len(specs) == 1
@@ -567,6 +587,7 @@ def make_report(specs: Sequence[str | Path], out_dir: Optional[str | Path] = Non
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "band": band,
         "runs": [str(r.path) for r in runs],
+        "skipped": skipped,
         "groups": {lab: [{"path": str(r.path), "seed": r.seed,
                           "steps": max((int(x["step"]) for x in r.records), default=0)} for r in rs]
                    for lab, rs in groups},
@@ -610,7 +631,7 @@ def register_cli(app: Any) -> None:
 
         Examples:
 
-          rlpost train -m algo=grpo,dr_grpo seed=range(3) && rlpost report multirun/<time>
+          rlpost train -m algo=grpo,dr_grpo 'seed=range(3)' && rlpost report multirun/<time>
 
           rlpost report outputs/grpo-arithmetic outputs/dr_grpo-arithmetic --out report/
         """
@@ -621,6 +642,8 @@ def register_cli(app: Any) -> None:
         except RlpostError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(code=e.exit_code)
+        for why in rep.get("skipped", []):
+            typer.echo(f"skipped: {why}")
         typer.echo(f"{len(rep['runs'])} runs, {len(rep['groups'])} method(s): {', '.join(rep['groups'])}")
         for c in rep["comparisons"]:
             if "error" in c:

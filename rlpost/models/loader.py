@@ -192,8 +192,8 @@ def load_model(model_cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0
         except OSError as e:
             raise ModelLoadError(_hub_message(path, e)) from None
     model.config.use_cache = True
-    if getattr(model_cfg, "gradient_checkpointing", False):
-        model.gradient_checkpointing_enable()
+    if getattr(model_cfg, "gradient_checkpointing", False):  # transformers >= 5 renamed it (the old name warns)
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     from rlpost.models.lora import apply_lora, lora_rank
 
     if lora_rank(model_cfg) > 0:

@@ -257,8 +257,10 @@ class HFRolloutEngine(RolloutEngine):
 
         # LoRA: a plain model holding the merged weights W + (alpha/r) B A (no adapter matmuls per token)
         m = merged_model(model) if is_lora(model) else copy.deepcopy(model)
-        if getattr(m, "is_gradient_checkpointing", False):
-            m.gradient_checkpointing_disable()
+        # the layers' own flag and activation_checkpointing_disable where transformers has it: its older
+        # gradient_checkpointing names now warn (FutureWarning) on every use, on the console of every run
+        if any(getattr(mod, "gradient_checkpointing", False) for mod in m.modules()):
+            (getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable)()
         if self.convert is not None:
             m = self.convert(m)
         m.requires_grad_(False)
