@@ -37,7 +37,7 @@ def test_predictor_velocity_and_predicted_route_by_hand():
     p = RouterEvolutionPredictor(horizon=2.0, ema=0.5)
     h = torch.tensor([[1.0, 0.2]])
     logits = r(h).detach()  # [1.0, 0.2, 0.6]
-    assert p.route(0, h, logits, 1).tolist() == [[0]]  # no velocity yet: the router's own top-1
+    assert p.route(0, h, logits, torch.topk(logits, 1).indices).tolist() == [[0]]  # no velocity yet: the router's own
     p.begin_update([r])
     with torch.no_grad():
         r.weight += torch.tensor([[-0.2, 0.0], [0.0, 0.0], [0.1, 0.0]])  # expert 0 falls, expert 2 rises
@@ -53,7 +53,9 @@ def test_predictor_velocity_and_predicted_route_by_hand():
     # [0.4 - 0.6, 0.2, 1.0 + 0.4] = [-0.2, 0.2, 1.4] -> top-2 {2, 1}, while the own top-2 is {2, 0}
     logits = r(h).detach()
     assert torch.allclose(logits, torch.tensor([[0.4, 0.2, 1.0]]))
-    assert sorted(p.route(0, h, logits, 2)[0].tolist()) == [1, 2]
+    own = torch.topk(logits, 2).indices
+    assert sorted(own[0].tolist()) == [0, 2]
+    assert sorted(p.route(0, h, logits, own)[0].tolist()) == [1, 2]
     assert p.stats == [1, 1]
     sd = p.state_dict()
     q = RouterEvolutionPredictor(horizon=2.0, ema=0.5)

@@ -111,17 +111,17 @@ class RouterEvolutionPredictor:
         self.updates += 1
         self._before = None
 
-    def route(self, layer: int, h: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tensor:
-        """Top-``k`` experts ``[N, k]`` of the predicted logits of router ``layer``.
+    def route(self, layer: int, h: torch.Tensor, logits: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """Top-k experts ``[N, k]`` of the predicted logits of router ``layer``.
 
         Args:
-            h: router inputs ``[N, H]``; logits: the current router's logits ``[N, E]``.
+            h: router inputs ``[N, H]``; logits: the current router's logits ``[N, E]``;
+            own: the current router's own top-k ``[N, k]`` (returned as is without a velocity).
         """
-        own = torch.topk(logits, k, dim=-1).indices
         if not self.velocity or self.horizon == 0.0:
             return own
         v = self.velocity[layer].to(device=h.device, dtype=h.dtype)
-        pred = torch.topk(logits + self.horizon * F.linear(h, v), k, dim=-1).indices
+        pred = torch.topk(logits + self.horizon * F.linear(h, v), own.shape[-1], dim=-1).indices
         with torch.no_grad():
             self.stats[0] += int((pred.sort(-1).values != own.sort(-1).values).any(-1).sum())
             self.stats[1] += int(pred.shape[0])
@@ -164,8 +164,7 @@ class RoutingReplay:
         self.calls: List[List[torch.Tensor]] = [[] for _ in self.routers]
         self._routes: Optional[torch.Tensor] = None
         self._enforce = True
-        #: PR2's predictor (:class:`RouterEvolutionPredictor`): routes recorded rollout forwards when set
-        self.predictor: Optional[RouterEvolutionPredictor] = None
+        self._predictor: Optional[RouterEvolutionPredictor] = None  # set by record(predictor=...) only
         #: ``[disagreeing, compared]`` token-layer counts since :meth:`reset_stats`: positions with a
         #: replayed route where the router's own top-k set differs from it
         self.stats = [0, 0]
@@ -196,8 +195,8 @@ class RoutingReplay:
                     self.stats[1] += int(have.sum())
                 if self._enforce:
                     idx = torch.where(missing, own, rep)
-            elif self.recording and self.predictor is not None:  # PR2 rollout: top-k of the predicted router
-                idx = self.predictor.route(layer, h, logits, router.top_k)
+            elif self._predictor is not None:  # PR2 rollout: top-k of the predicted router
+                idx = self._predictor.route(layer, h, logits, own)
             vals = probs.gather(-1, idx)
             if getattr(router, "norm_topk_prob", False):
                 vals = vals / vals.sum(-1, keepdim=True)
@@ -208,14 +207,18 @@ class RoutingReplay:
         return forward
 
     @contextlib.contextmanager
-    def record(self) -> Iterator["RoutingReplay"]:
-        """Within the block, every router call appends its ``[N, k]`` expert indices to :attr:`calls`."""
+    def record(self, predictor: Optional[RouterEvolutionPredictor] = None) -> Iterator["RoutingReplay"]:
+        """Within the block, every router call appends its ``[N, k]`` expert indices to :attr:`calls`.
+
+        ``predictor`` (PR2, a rollout's forwards): calls without replayed routes take the top-k of
+        its predicted router instead of the router's own.
+        """
         self.calls = [[] for _ in self.routers]
-        self.recording = True
+        self.recording, self._predictor = True, predictor
         try:
             yield self
         finally:
-            self.recording = False
+            self.recording, self._predictor = False, None
 
     def reset_stats(self) -> None:
         """Zero :attr:`stats`."""
@@ -243,18 +246,20 @@ class RoutingReplay:
             self._routes, self._enforce = None, True
 
 
-def generate_with_routes(engine: Any, replayer: RoutingReplay, prompts: List[List[int]], params: Any):
+def generate_with_routes(engine: Any, replayer: RoutingReplay, prompts: List[List[int]], params: Any,
+                         predictor: Optional[RouterEvolutionPredictor] = None):
     """Generate with the hf engine and record each token's routed experts.
 
     Args:
         engine: a :class:`rlpost.rollout.hf.HFRolloutEngine` whose model is ``replayer``'s.
         prompts, params: as :meth:`HFRolloutEngine.generate`.
+        predictor: PR2's predictor: the tokens are routed (and recorded) by its predicted router.
     Returns:
         ``(GenerationResult, routes [B, P + R, n_layers, k] long)`` (see the module docstring).
     """
     engine.forward_log = []
     try:
-        with replayer.record():
+        with replayer.record(predictor):
             gen = engine.generate(prompts, params)
         log = engine.forward_log
     finally:
@@ -377,7 +382,6 @@ class RouteRecordingEngine:
         self.__dict__["predictor"] = predictor
         self.__dict__["_rr"] = replayer if replayer is not None else RoutingReplay(engine.model)
         self.__dict__["_module"] = engine.model
-        self._rr.predictor = predictor
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -394,11 +398,8 @@ class RouteRecordingEngine:
         if self._engine.model is not self._module:
             self.__dict__["_rr"] = RoutingReplay(self._engine.model)
             self.__dict__["_module"] = self._engine.model
-        self._rr.predictor = None if getattr(params, "greedy", False) else self.predictor
-        try:
-            gen, routes = generate_with_routes(self._engine, self._rr, prompts, params)
-        finally:
-            self._rr.predictor = self.predictor
+        predictor = None if getattr(params, "greedy", False) else self.predictor
+        gen, routes = generate_with_routes(self._engine, self._rr, prompts, params, predictor)
         self.store.put(gen, routes)
         return gen
 
@@ -426,22 +427,21 @@ class TrainerRouting:
 
     Args:
         policy: the trained MoE module; mode: ``record``, ``replay`` or ``pr2``;
-        store: the route store (a new one when None); pr2_horizon, pr2_ema: see
-            :class:`RouterEvolutionPredictor`.
+        store: the route store (a new one when None);
+        predictor: ``pr2``'s predictor (None: one with the default settings); ignored by the other modes.
     Raises:
-        ValueError: an unknown mode, a model without top-k routers, bad PR2 settings.
+        ValueError: an unknown mode, a model without top-k routers.
     """
 
     def __init__(self, policy: torch.nn.Module, mode: str, store: Optional[RouteStore] = None,
-                 pr2_horizon: float = 1.0, pr2_ema: float = 0.5) -> None:
+                 predictor: Optional[RouterEvolutionPredictor] = None) -> None:
         if mode not in ROUTING_MODES[1:]:
             raise ValueError(f"routing mode must be one of {ROUTING_MODES[1:]}, got {mode!r}")
         self.mode = mode
         self.rr = RoutingReplay(policy)
         self.store = store if store is not None else RouteStore()
         self.rows = [0, 0]  # found, forwarded
-        self.predictor = RouterEvolutionPredictor(pr2_horizon, pr2_ema) if mode == "pr2" else None
-        self.rr.predictor = self.predictor
+        self.predictor = (predictor or RouterEvolutionPredictor()) if mode == "pr2" else None
 
     def begin_update(self) -> None:
         """Called by the trainer before a policy update (PR2: snapshot the routers)."""
@@ -516,15 +516,15 @@ def attach_routing(cfg: Any, trainer: Any, engine: Any) -> Any:
     if getattr(cfg.model, "gradient_checkpointing", False):
         raise ConfigError(f"model.routing_replay={mode} cannot replay inside recomputed (checkpointed) forwards; "
                           "set model.gradient_checkpointing=false")
-    pr2 = getattr(cfg.model, "pr2", None)
-    horizon, ema = float(getattr(pr2, "horizon", 1.0)), float(getattr(pr2, "ema", 0.5))
+    predictor = None
     if mode == "pr2":
+        pr2 = getattr(cfg.model, "pr2", None)
         try:
-            RouterEvolutionPredictor(horizon, ema)
+            predictor = RouterEvolutionPredictor(float(getattr(pr2, "horizon", 1.0)), float(getattr(pr2, "ema", 0.5)))
         except ValueError as e:
             raise ConfigError(f"model.pr2: {e}") from None
     try:
-        trainer.routing = TrainerRouting(trainer.policy, mode, pr2_horizon=horizon, pr2_ema=ema)
+        trainer.routing = TrainerRouting(trainer.policy, mode, predictor=predictor)
         shared = trainer.routing.rr if engine.model is trainer.policy else None
         return RouteRecordingEngine(engine, trainer.routing.store, shared, trainer.routing.predictor)
     except ValueError as e:

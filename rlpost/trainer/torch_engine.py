@@ -751,8 +751,9 @@ class TorchTrainer:
             sd["critic_opt"] = self.critic_opt.state_dict()
         if self.ref is not None:
             sd["ref"] = self.ref.state_dict()
-        if self.routing is not None and self.routing.state_dict():
-            sd["routing"] = self.routing.state_dict()  # PR2's predictor
+        routing = self.routing.state_dict() if self.routing is not None else {}
+        if routing:
+            sd["routing"] = routing  # PR2's predictor
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
