@@ -34,7 +34,7 @@ def test_predictor_velocity_and_predicted_route_by_hand():
     from rlpost.models.moe_replay import RouterEvolutionPredictor
 
     r = _router([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])  # E=3 experts, H=2
-    p = RouterEvolutionPredictor(horizon=2.0, ema=0.5)
+    p = RouterEvolutionPredictor(horizon=2.0, ema=0.25)  # not 0.5: the weights of old and new must differ
     h = torch.tensor([[1.0, 0.2]])
     logits = r(h).detach()  # [1.0, 0.2, 0.6]
     assert p.route(0, h, logits, torch.topk(logits, 1).indices).tolist() == [[0]]  # no velocity yet: the router's own
@@ -47,10 +47,10 @@ def test_predictor_velocity_and_predicted_route_by_hand():
     with torch.no_grad():
         r.weight += torch.tensor([[-0.4, 0.0], [0.0, 0.0], [0.3, 0.0]])
     p.end_update([r])
-    v = torch.tensor([[-0.3, 0.0], [0.0, 0.0], [0.2, 0.0]])  # 0.5 * first + 0.5 * second
+    v = torch.tensor([[-0.35, 0.0], [0.0, 0.0], [0.25, 0.0]])  # 0.25 * first + 0.75 * second
     assert torch.allclose(p.velocity[0], v)
     # now W = [[0.4, 0], [0, 1], [0.9, 0.5]]: logits [0.4, 0.2, 1.0]; predicted 2 updates ahead:
-    # [0.4 - 0.6, 0.2, 1.0 + 0.4] = [-0.2, 0.2, 1.4] -> top-2 {2, 1}, while the own top-2 is {2, 0}
+    # [0.4 - 0.7, 0.2, 1.0 + 0.5] = [-0.3, 0.2, 1.5] -> top-2 {2, 1}, while the own top-2 is {2, 0}
     logits = r(h).detach()
     assert torch.allclose(logits, torch.tensor([[0.4, 0.2, 1.0]]))
     own = torch.topk(logits, 2).indices
@@ -58,7 +58,7 @@ def test_predictor_velocity_and_predicted_route_by_hand():
     assert sorted(p.route(0, h, logits, own)[0].tolist()) == [1, 2]
     assert p.stats == [1, 1]
     sd = p.state_dict()
-    q = RouterEvolutionPredictor(horizon=2.0, ema=0.5)
+    q = RouterEvolutionPredictor(horizon=2.0, ema=0.25)
     q.load_state_dict(sd)
     assert q.updates == 2 and torch.equal(q.velocity[0], p.velocity[0])
     with pytest.raises(ValueError, match="horizon"):
