@@ -171,10 +171,10 @@ class RolloutWorker:
             c.model.lora.rank = 0  # merged weights: a plain model
         self.index = index
         self.device = torch.device("cuda" if gpu else "cpu")
-        # vLLM holds its own weights on the GPU: the worker's torch copy only seeds vLLM's model directory,
-        # stays on the CPU in 16 bits, and pushes go straight into vLLM (model.load_weights)
+        # vLLM holds its own weights: the worker's torch copy only seeds vLLM's model directory (on a GPU
+        # node in 16 bits, on the CPU in fp32, vLLM's CPU rollout dtype) and pushes go straight into vLLM
         self.vllm = str(c.rollout.engine) == "vllm"
-        self.policy, self.tokenizer = load_policy(c.model, torch.bfloat16 if self.vllm else torch.float32,
+        self.policy, self.tokenizer = load_policy(c.model, torch.bfloat16 if self.vllm and gpu else torch.float32,
                                                   seed=int(c.seed))
         self.policy.eval().requires_grad_(False)
         if not self.vllm:

@@ -79,6 +79,7 @@ rather than silently reporting other log-probs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -121,6 +122,26 @@ def vllm_weight_items(state: Dict[str, torch.Tensor] | Iterable[Tuple[str, torch
         if tie_word_embeddings and name == "lm_head.weight":
             continue
         yield name, t.detach()
+
+
+def reload_items(state: Dict[str, torch.Tensor] | Iterable[Tuple[str, torch.Tensor]],
+                 tie_word_embeddings: bool) -> List[Tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` list for vLLM's in-place reload (``collective_rpc("reload_weights")``).
+
+    As :func:`vllm_weight_items`, except that a model with tied embeddings also sends
+    ``lm_head.weight`` (the embedding tensor, added when ``state`` lacks it, as a ZeRO-3 gather
+    may). The reload re-processes only layers that received a tensor: a tied head that gets
+    none keeps its old processed weights, although it shares the embedding's storage
+    (measured on vLLM 0.32's CPU backend with SmolLM2: after a push that moved only the
+    embedding, the engine's log-probs were off the trainer's by up to 1.37 nats; with the
+    head sent, 3e-5).
+    """
+    items = list(vllm_weight_items(state, tie_word_embeddings=False))
+    if tie_word_embeddings and not any(n == "lm_head.weight" for n, _ in items):
+        emb = [t for n, t in items if n.endswith("embed_tokens.weight")]
+        if emb:
+            items.append(("lm_head.weight", emb[0]))
+    return items
 
 
 VLLM_MIN_TEMPERATURE = 0.01  # vllm/sampling_params.py ``_MAX_TEMP``: SamplingParams raises (0, 0.01) to this
@@ -315,6 +336,9 @@ def _require_vllm():
         RlpostError: vLLM missing (with the install command for this machine), older than
             :data:`MIN_VLLM`, or imported but unusable (a CUDA build on a machine without a GPU).
     """
+    # vLLM's own INFO lines (engine config, KV-cache size, per-push layer notes) would fill the run's
+    # console; rlpost keeps its warnings and errors unless the user chose a level
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -609,6 +633,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm = _build_llm(vllm, kwargs)
             self.threads = None
         self._SamplingParams = vllm.SamplingParams
+        # every in-place reload warns "<Layer>: Failed to load weights" for layers with no checkpoint
+        # tensor of their own (rotary embeddings)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.sleeping: set = set()  # which of {"weights", "kv_cache"} are offloaded
         self._in_session = 0  # > 0: inside session(): stay awake between generate calls (prefix cache kept)
         self.last_cached_tokens: Optional[int] = None  # prompt tokens vLLM served from its prefix cache in the last call
@@ -730,11 +757,11 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         self._wake("weights")
         state = policy.state_dict() if isinstance(policy, torch.nn.Module) else policy
-        items = vllm_weight_items(state, self.tie)
         if self.push_method == "reload_weights":
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(items),
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": reload_items(state, self.tie),
                                                               "is_checkpoint_format": True})
         else:
+            items = vllm_weight_items(state, self.tie)
             self.llm.apply_model(lambda model: model.load_weights(items))
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' KV values
 

@@ -334,6 +334,8 @@ class EpisodeSampler(Sampler):
         for e in eps:
             e.parent = new_row[e.parent] if e.parent >= 0 else -1
         res = self._assemble(eps, [e.pos for e in eps], engine, prompts, left_pad)
+        if stats.get("prompt_tokens"):  # engines that report prefix-cache hits (rollout=vllm)
+            res.metrics["episode/prefix_cached_frac"] = stats["cached_tokens"] / stats["prompt_tokens"]
         if self.branching != "none":
             res.metrics["episode/branches"] = float(stats["branches"])
             res.metrics["episode/global_per_prompt"] = float(sum(self.n_global(c) for c in counts) / max(1, len(counts)))
@@ -394,6 +396,10 @@ class EpisodeSampler(Sampler):
                 if e.after_tool and e.can_branch and budget[e.pos] > 0:
                     snaps[id(e)] = copy.deepcopy(e)
         gen = engine.generate([e.prompt + e.ids for e in live], sp)
+        cached = getattr(engine, "last_cached_tokens", None)  # rollout=vllm: prompt tokens served from its prefix cache
+        if cached is not None:
+            stats["cached_tokens"] = stats.get("cached_tokens", 0) + int(cached)
+            stats["prompt_tokens"] = stats.get("prompt_tokens", 0) + sum(len(e.prompt) + len(e.ids) for e in live)
         for j, e in enumerate(live):
             keep = gen.response_mask[j] > 0
             ids, lps, temps = gen.response_ids[j][keep], gen.rollout_logprobs[j][keep], gen.temperatures[j][keep]
