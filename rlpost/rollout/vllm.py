@@ -305,10 +305,16 @@ class PlatformPlan:
     push_method: str
 
 
-def platform_plan(device: str, rollout_dtype: str, world_size: int = 1) -> PlatformPlan:
-    """The :class:`PlatformPlan` for vLLM's platform ``device`` and ``precision.rollout_dtype``.
+def platform_plan(device: str, rollout_dtype: str, world_size: int = 1, speculative: Optional[str] = None) -> PlatformPlan:
+    """The :class:`PlatformPlan` for vLLM's platform ``device``, ``precision.rollout_dtype`` and
+    ``rollout.speculative.method`` (``speculative``, None when off).
 
     Raises:
+        RlpostError: speculative decoding on CPU: vLLM 0.32's CPU backend returns wrong log-probs
+            for speculated tokens (measured with n-gram drafts on SmolLM2: NaN and gaps up to
+            12 nats against the trainer's recompute, where plain decoding agrees to 3e-5;
+            ``tests/test_vllm_engine.py::test_ngram_speculation_logprobs_on_cpu_are_still_wrong``),
+            and rollouts need the log-probs of what was sampled.
         RlpostError: a platform other than cuda / cpu; fp8 rollouts on CPU (vLLM's fp8
             quantisation needs a GPU); several torchrun ranks on CPU (one in-process engine
             per machine there: use launcher=ray for several rollout workers).
@@ -318,6 +324,11 @@ def platform_plan(device: str, rollout_dtype: str, world_size: int = 1) -> Platf
     if device != "cpu":
         raise RlpostError(f"rollout=vllm runs on vLLM's cuda and cpu platforms; this vLLM reports {device!r}. "
                           "Fix: use rollout=hf.")
+    if speculative:
+        raise RlpostError(f"rollout.speculative.method={speculative} with rollout=vllm needs a CUDA GPU: on vLLM's CPU "
+                          "backend the log-probs of speculated tokens are wrong (NaN or nats off the model's), and "
+                          "rlpost trains on them. Fix: drop rollout.speculative (rollout=vllm), or use rollout=hf_self_spec "
+                          "for exact speculative rollouts on CPU.")
     if rollout_dtype == "fp8":
         raise RlpostError("precision.rollout_dtype=fp8 (vLLM's fp8 quantisation) needs a CUDA GPU; vLLM here runs on "
                           "its CPU backend. Fix: precision=fp32 or bf16 with rollout=vllm, or rollout=hf "
@@ -456,7 +467,8 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
         raise RlpostError(f"rollout=vllm supports precision.rollout_dtype in {sorted(VLLMRolloutEngine.DTYPES)}, "
                           f"got {rd!r}. Fix: use rollout=hf for int8 / fp8_sim / fp4_sim.")
     r = cfg.rollout
-    plan = platform_plan(device, rd, world_size)
+    spec = _get(r, "speculative")
+    plan = platform_plan(device, rd, world_size, _get(spec, "method") if spec else None)
     kw: Dict[str, Any] = dict(
         model=str(model_dir), tokenizer=str(model_dir), dtype=VLLMRolloutEngine.DTYPES[rd], seed=int(cfg.seed),
         enforce_eager=bool(r.enforce_eager), max_num_seqs=int(r.batch_size), logprobs_mode="processed_logprobs",
@@ -493,7 +505,6 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
         kw.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
     if world_size > 1:
         kw["distributed_executor_backend"] = "external_launcher"
-    spec = _get(r, "speculative")
     sc = vllm_speculative_config(vllm_spec_settings(spec), hf, str(model_dir),
                                  checkpoint=getattr(cfg.model, "path", None))
     if sc is not None:
@@ -605,7 +616,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise RlpostError(f"rollout.speculative with rollout=vllm needs vLLM >= {'.'.join(map(str, MIN_VLLM_SPEC))}: "
                                   f"vLLM {ver} turns speculation off for requests that ask for log-probs. "
                                   "Fix: pip install -U vllm, or drop rollout.speculative.")
-        self.plan = platform_plan(device, rd, world_size)
+        self.plan = platform_plan(device, rd, world_size, _get(spec, "method") if spec else None)
         self.push_method = self.plan.push_method
         if device == "cuda" and rd == "fp8" and not _fp8_reload_supported():
             raise RlpostError("precision.rollout_dtype=fp8 needs vLLM's in-place reload (GPUModelRunner.reload_weights "
