@@ -351,3 +351,57 @@ def test_rlpost_train_with_rollout_vllm_trains_and_logs_a_small_logprob_gap(tmp_
     for r in steps:
         assert abs(r["rollout/logprob_gap"]) < 1e-3, r["rollout/logprob_gap"]
     assert any("eval/accuracy" in r for r in rows)
+
+
+VLLM_TINY = ("rollout=vllm", "model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2",
+             "model.tiny.num_key_value_heads=1", "rollout.cpu_kv_cache_gib=0.25")
+
+
+def _two_steps(tmp_path, name, *extra):
+    """Two RL steps through the configured executor; the batches' tokens and rewards, and the final weights."""
+    from rlpost.config.compose import compose_config
+    from rlpost.executor import build_executor
+    from rlpost.runner import Run
+
+    cfg = compose_config(tiny_overrides(*VLLM_TINY, "steps=2", f"model.cache_dir={tmp_path / 'cache'}", *extra))
+    r = Run(cfg, tmp_path / name)
+    out = []
+    learn = r.learn
+
+    def recording_learn(c, sync_engine=True):
+        m = learn(c, sync_engine)
+        out.append((c.batch.response_ids.clone(), c.batch.rollout_logprobs.clone(), m))
+        return m
+
+    r.learn = recording_learn
+    ex = build_executor(cfg, r)
+    try:
+        for _ in range(2):
+            ex.step()
+        return out, {k: v.detach().clone() for k, v in r.trainer.policy.state_dict().items()}
+    finally:
+        ex.close()
+        r.close()
+
+
+def test_ray_rollout_workers_with_vllm_give_the_single_process_run(tmp_path):
+    """launcher=ray with one vLLM rollout worker (a Ray actor with its own in-process engine, weights through the
+    object store): the same tokens, rollout log-probs and final weights as rollout=vllm in this process."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    here = os.path.dirname(os.path.abspath(__file__))
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+             configure_logging=False, runtime_env={"env_vars": {
+                 "PYTHONPATH": os.path.dirname(here), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
+    try:
+        single, w1 = _two_steps(tmp_path, "single")
+        pooled, w2 = _two_steps(tmp_path, "ray", "launcher=ray", "launcher.num_rollout_workers=1")
+    finally:
+        ray.shutdown()
+    for (ids1, lp1, m1), (ids2, lp2, m2) in zip(single, pooled, strict=True):
+        assert torch.equal(ids1, ids2)
+        assert (lp1 - lp2).abs().max().item() < TOL
+    assert pooled[1][2]["rollout/policy_version"] > 0  # step 2 sampled from the pushed weights
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
