@@ -343,3 +343,31 @@ def test_init_dir_is_renamed_into_place_and_a_lost_race_keeps_the_winner(compose
     wide, _ = load_policy(ModelConfig(source="tiny", tiny=TinyConfig(hidden_size=128, num_attention_heads=2)), seed=0)
     other, fresh = VLLMRolloutEngine._init_dir(cfg, wide, tok)
     assert fresh and other != path and other.name.startswith("tiny-")
+
+
+def test_cpu_platform_plan_and_engine_arguments(compose, tmp_path):
+    """vLLM's CPU platform: no sleep mode, pushes through the in-place reload, KV cache from rollout.cpu_kv_cache_gib,
+    eager by default; fp8, several torchrun ranks and speculative decoding are refused with the fix."""
+    from rlpost.errors import RlpostError
+    from rlpost.rollout.vllm import engine_kwargs, platform_plan, reload_items
+
+    assert platform_plan("cpu", "fp32") == platform_plan("cpu", "bf16")
+    p = platform_plan("cpu", "fp32")
+    assert (p.sleep_mode, p.push_method) == (False, "reload_weights")
+    assert platform_plan("cuda", "bf16").push_method == "load_weights" and platform_plan("cuda", "fp8").push_method == "reload_weights"
+    for args, msg in [(("cpu", "fp8"), "needs a CUDA GPU"), (("cpu", "fp32", 2), "WORLD_SIZE=2"),
+                      (("cpu", "fp32", 1, "ngram"), "speculated tokens are wrong"), (("xpu", "fp32"), "'xpu'")]:
+        with pytest.raises(RlpostError, match=msg):
+            platform_plan(*args)
+    cfg = compose(tiny_overrides("rollout=vllm", "rollout.cpu_kv_cache_gib=0.5"))
+    cpu, gpu = engine_kwargs(cfg, str(tmp_path), device="cpu"), engine_kwargs(cfg, str(tmp_path), device="cuda")
+    assert "enable_sleep_mode" not in cpu and "gpu_memory_utilization" not in cpu
+    assert cpu["kv_cache_memory_bytes"] == 2**29 and cpu["enforce_eager"] is True
+    assert gpu["enable_sleep_mode"] is True and gpu["gpu_memory_utilization"] == 0.4 and gpu["enforce_eager"] is False
+    assert engine_kwargs(compose(tiny_overrides("rollout=vllm", "rollout.enforce_eager=false")), str(tmp_path),
+                         device="cpu")["enforce_eager"] is False  # an explicit setting wins
+    # the tied head travels with every reload; a gather without it gets the embedding tensor under its name
+    emb = torch.ones(3, 2)
+    names = [n for n, _ in reload_items({"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(2)}, True)]
+    assert names == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert [n for n, _ in reload_items({"model.embed_tokens.weight": emb}, False)] == ["model.embed_tokens.weight"]

@@ -422,8 +422,11 @@ class RolloutConfig:
         temperature, top_p, top_k: sampling (top_k 0 = off).
         stop: extra stop strings (the tokenizer's EOS always stops).
         batch_size: sequences generated together.
-        gpu_memory_utilization, enforce_eager: vLLM settings (GPU; on vLLM's CPU
-            backend the KV cache is sized by ``cpu_kv_cache_gib`` instead).
+        gpu_memory_utilization: vLLM's share of GPU memory (on vLLM's CPU backend
+            the KV cache is sized by ``cpu_kv_cache_gib`` instead).
+        enforce_eager: vLLM without compilation / CUDA graphs; null: by platform,
+            false on CUDA, true on CPU (there torch.compile took 95 s per engine build
+            for no measurable decode speed-up on SmolLM2: docs/ENGINES.md).
         cpu_kv_cache_gib: rollout=vllm on CPU: GiB of memory for vLLM's KV cache
             (vLLM's ``kv_cache_memory_bytes``, what ``VLLM_CPU_KVCACHE_SPACE`` sets).
         cpu_threads: rollout=vllm on CPU: intra-op threads of the in-process
@@ -450,7 +453,7 @@ class RolloutConfig:
     stop: List[str] = field(default_factory=list)
     batch_size: int = 64
     gpu_memory_utilization: float = 0.4
-    enforce_eager: bool = False
+    enforce_eager: Optional[bool] = None
     cpu_kv_cache_gib: float = 1.0
     cpu_threads: Optional[int] = None
     max_model_len: Optional[int] = None

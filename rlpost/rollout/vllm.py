@@ -445,7 +445,8 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
     ``quantization="fp8"``, dynamic scales); ``max_model_len`` from
     ``rollout.max_model_len``, capped at the model's ``max_position_embeddings`` (null: the model's own limit, which for an 8B model's
     40k-token context makes vLLM reserve KV cache for one such sequence);
-    ``gpu_memory_utilization`` and ``enforce_eager`` from ``rollout``; with
+    ``gpu_memory_utilization`` and ``enforce_eager`` from ``rollout`` (``enforce_eager`` null:
+    eager on CPU, compiled with CUDA graphs on CUDA); with
     ``model.lora.rank > 0``, ``enable_lora`` and ``max_lora_rank`` (the smallest of
     :data:`VLLM_LORA_RANKS` holding the rank; ``max_loras=1``); sleep mode on
     (colocated); ``max_num_seqs`` = ``rollout.batch_size``. With ``world_size > 1``
@@ -471,7 +472,7 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
     plan = platform_plan(device, rd, world_size, _get(spec, "method") if spec else None)
     kw: Dict[str, Any] = dict(
         model=str(model_dir), tokenizer=str(model_dir), dtype=VLLMRolloutEngine.DTYPES[rd], seed=int(cfg.seed),
-        enforce_eager=bool(r.enforce_eager), max_num_seqs=int(r.batch_size), logprobs_mode="processed_logprobs",
+        enforce_eager=bool(_get(r, "enforce_eager", device == "cpu")), max_num_seqs=int(r.batch_size), logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,  # multi-turn episodes: turn k+1's prompt is turn k's prompt + response + tool text
     )
     if plan.sleep_mode:
