@@ -340,6 +340,33 @@ def platform_plan(device: str, rollout_dtype: str, world_size: int = 1, speculat
     return PlatformPlan("cpu", False, "reload_weights")
 
 
+@contextlib.contextmanager
+def quiet_vllm_start() -> Iterator[None]:
+    """Import and build vLLM without its start-up notices on the console and in ``cli.log``.
+
+    On vLLM's CPU backend the import and the build log that Triton has no CPU backend (three
+    lines, through the root logger before vLLM configures its own), that Model Runner V2 needs
+    Triton, and two ``FutureWarning`` s about ``torch.distributed.reduce_op``: true, harmless,
+    and repeated by every run. Inside, the ``vllm`` logger passes errors only and those warnings
+    are ignored; a user's ``VLLM_LOGGING_LEVEL=DEBUG`` or ``INFO`` keeps everything.
+    """
+    import warnings
+
+    if os.environ.get("VLLM_LOGGING_LEVEL", "WARNING").upper() in ("DEBUG", "INFO"):
+        yield
+        return
+    lg = logging.getLogger("vllm")
+    old = lg.level
+    lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+            warnings.filterwarnings("ignore", message=r".*reduce_op.*")
+            yield
+    finally:
+        lg.setLevel(old)
+
+
 def _require_vllm():
     """Import vLLM and return ``(vllm, platform device type)``.
 
@@ -351,7 +378,8 @@ def _require_vllm():
     # console; rlpost keeps its warnings and errors unless the user chose a level
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
-        import vllm  # noqa: F401
+        with quiet_vllm_start():
+            import vllm  # noqa: F401
     except ImportError as e:
         raise RlpostError(
             f"rollout=vllm needs the vllm package ({e}). Fix: on a CPU machine `bash scripts/setup.sh` installs "
@@ -638,11 +666,12 @@ class VLLMRolloutEngine(RolloutEngine):
             from rlpost.rollout.vllm_spec import read_hf_config
 
             check_cpu_head_size(read_hf_config(str(path)), CPUAttentionBackend.get_supported_head_sizes())
-            with cpu_threads_kept(_get(cfg.rollout, "cpu_threads")) as n:
+            with cpu_threads_kept(_get(cfg.rollout, "cpu_threads")) as n, quiet_vllm_start():
                 self.llm = _build_llm(vllm, kwargs)
             self.threads: Optional[int] = n
         else:
-            self.llm = _build_llm(vllm, kwargs)
+            with quiet_vllm_start():
+                self.llm = _build_llm(vllm, kwargs)
             self.threads = None
         self._SamplingParams = vllm.SamplingParams
         # every in-place reload warns "<Layer>: Failed to load weights" for layers with no checkpoint
