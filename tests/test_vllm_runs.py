@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from test_vllm_engine import REAL, TOL, _batch, _overrides, _prompts, _trainer  # noqa: F401  (skips without vLLM)
+from test_vllm_engine import TOL, _batch, _overrides, _prompts, _trainer  # (skips this module without vLLM)
 
 pytestmark = pytest.mark.vllm
 
