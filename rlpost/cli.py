@@ -223,8 +223,14 @@ def train(
       rlpost train resume=auto hydra.run.dir=outputs/myrun   (continue a killed run)
     """
     overrides = list(ctx.args)
+    note = None
     try:
         _validate(overrides, multirun)
+        if not multirun:  # resume=...: the run's own overrides, checked before Hydra writes anything
+            from rlpost.resume import plan_resume
+
+            plan = plan_resume(overrides)
+            overrides, note = plan.overrides, plan.note
         if not multirun:  # trainer.num_procs > 1: re-run this command under torchrun
             from rlpost.config.compose import compose_config
             from rlpost.trainer.launch import needs_launch, relaunch
@@ -240,7 +246,10 @@ def train(
 
         from rlpost.config.compose import window_rollout_overrides
         from rlpost.runner import train as run_train
+        from rlpost.tracking import log
 
+        if note:
+            log.info(note)
         for o in window_rollout_overrides(cfg, overrides):  # algo=t_ppo: window-cut rollouts (as compose_config)
             key, val = o.split("=", 1)
             OmegaConf.update(cfg, key, val == "true", force_add=False)

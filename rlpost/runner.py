@@ -37,7 +37,7 @@ from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.regularizers import kl_penalty
 from rlpost.algos.validate import adv_overrides
 from rlpost.batch import RolloutBatch
-from rlpost.checkpoint import DONE_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
+from rlpost.checkpoint import DONE_MARKER, FAILED_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
 from rlpost.rollout.base import SamplingParams
 
 
@@ -917,6 +917,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     from rlpost.errors import Interrupted
     from rlpost.executor import build_executor
     from rlpost.interrupts import StopRequest
+    from rlpost.resume import continue_command
     from rlpost.tracking import RunLogger, format_summary, log, step_line
 
     t_wall = time.time()
@@ -1001,7 +1002,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
                     what = (f"saved {describe_checkpoint(saved['path'])}" if saved["step"] > start_step or ckpt is None
                             else f"no step finished since the checkpoint it resumed from, {saved['path']}")
                     msg = (f"interrupted ({stop.name}) after step {run.step} of {cfg.steps}: {what}. "
-                           f"Continue with: rlpost train resume=auto hydra.run.dir={run_dir}")
+                           f"Continue with: {continue_command(run_dir)}")
                 else:
                     msg = (f"interrupted ({stop.name}) before the first step finished: nothing to save "
                            f"(no checkpoint exists); the next run starts fresh")
@@ -1009,6 +1010,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             if main:
                 export_final(run.trainer.policy, run.tokenizer, run_dir / "final", cfg.model)
                 (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
+                (run_dir / FAILED_MARKER).unlink(missing_ok=True)  # an earlier failure, resumed past
         finally:
             executor.close()
             progress.close()
