@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from rlpost.errors import ConfigError, RlpostError
+from rlpost.errors import ConfigError, Interrupted, RlpostError
 
 app = typer.Typer(
     add_completion=False,
@@ -586,6 +586,9 @@ def reproduce_cmd(
                           metric=metric)
     except RlpostError as e:
         _fail(e)
+    except Interrupted as e:  # Ctrl-C in an arm: exit 130 (the next call reruns unfinished arms from scratch)
+        typer.echo(str(e), err=True)
+        raise typer.Exit(code=e.exit_code)
     typer.echo(R.format_result(res))
     if record:
         typer.echo(f"recorded in {res['record']}")
