@@ -304,7 +304,7 @@ def eval_cmd(ctx: typer.Context) -> None:
         from omegaconf import OmegaConf
 
         from rlpost.eval.evaluate import evaluate
-        from rlpost.tracking import log
+        from rlpost.tracking import eval_line, log
         from rlpost.models.loader import load_policy
         from rlpost.rollout import build_engine
         from rlpost.runner import pick_device, seed_everything
@@ -352,14 +352,12 @@ def eval_cmd(ctx: typer.Context) -> None:
         t = build_task(cfg.task)
         # rollout.speculative.drafter=mtp_head without a head file fits one on the task's training prompts
         engine = build_engine(cfg, policy, tok, device, run_dir=run_dir, prompts=task_prompts(t, tok, cfg.seed))
-        res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout)
+        res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout,
+                       progress=f"evaluating {cfg.task.name}")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         (run_dir / "eval.json").write_text(json.dumps(res, indent=1, default=str))
-        line = f"{cfg.task.name}: accuracy={res['accuracy']:.3f} (n={res['n']})"
-        if "ci_low" in res:
-            line += f" 95% CI [{res['ci_low']:.3f}, {res['ci_high']:.3f}]"
-        log.info(line)
+        log.info(eval_line(res, f"of {cfg.eval.checkpoint or 'the base model'}"))
         log.info(f"wrote {run_dir / 'eval.json'}")
 
     _launch(_guard(task), overrides, False)

@@ -240,7 +240,10 @@ def test_eval_lands_in_an_eval_named_directory_and_failed_runs_are_marked(tmp_pa
     runs = list((tmp_path / "outputs" / "eval-arithmetic").iterdir())
     assert len(runs) == 1 and (runs[0] / "eval.json").exists()
     assert not (tmp_path / "outputs" / "grpo-arithmetic").exists()
-    assert "arithmetic: accuracy=" in (runs[0] / "cli.log").read_text()
+    res = json.loads((runs[0] / "eval.json").read_text())
+    assert (f"evaluation of the base model: arithmetic accuracy {res['accuracy']:.3f} 95% CI [{res['ci_low']:.3f}, "
+            f"{res['ci_high']:.3f}] (n=4) in ") in (runs[0] / "cli.log").read_text()
+    assert "evaluating arithmetic: 100%" in err  # the console's progress bar
 
     bad = tmp_path / "bad"
     p = _cli("train", *tiny_overrides("task=jsonl", "task.path=/nonexistent/train.jsonl"), f"hydra.run.dir={bad}")
