@@ -289,9 +289,11 @@ def compare(
     if len(specs) == 1:
         groups = split_sweep(specs[0])
         if len(groups) < 2:
-            raise DataError(f"{specs[0]!r} holds one method (its runs differ in seed only), and rlpost compare needs "
-                            f"at least two: rlpost compare RUN_A RUN_B, or a sweep of two methods "
-                            f"(rlpost train -m algo=grpo,dr_grpo seed=1,2; rlpost compare multirun/<time>)")
+            n = len(groups[0][1]) if groups else 0
+            raise DataError(f"{specs[0]!r} holds one method: its {n} run(s) differ in seed only, and rlpost compare "
+                            f"pairs runs of two methods on the same seed (two of its runs share none). For that method's curves and "
+                            f"spread over seeds: rlpost report {specs[0]}. To compare methods, sweep two or more: "
+                            f"rlpost train -m algo=grpo,dr_grpo seed=1,2, then rlpost compare multirun/<time>")
     elif not specs:
         raise DataError("rlpost compare needs a sweep folder or two methods: rlpost compare multirun/<time> | RUN_A RUN_B")
     else:
