@@ -25,11 +25,20 @@ from typing import Any, Dict, List, Optional
 log = logging.getLogger("rlpost")
 
 
+#: loggers whose records below ERROR stay off the console (``cli.log`` still gets them): Ray's start-up
+#: notices ("Started a local Ray instance", the token-authentication notice), routed here by launcher=ray
+QUIET_LOGGERS = ("ray",)
+
+
 class ConsoleFilter(logging.Filter):
-    """Keeps the per-step lines (logger ``rlpost.step``) off the console; ``cli.log`` still gets them."""
+    """Keeps the per-step lines (logger ``rlpost.step``) and :data:`QUIET_LOGGERS`' chatter below ERROR off
+    the console; ``cli.log`` still gets them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.name.startswith("rlpost.step")
+        if record.name.startswith("rlpost.step"):
+            return False
+        quiet = any(record.name == q or record.name.startswith(q + ".") for q in QUIET_LOGGERS)
+        return not (quiet and record.levelno < logging.ERROR)
 
 
 class OnceFilter(logging.Filter):
