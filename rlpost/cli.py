@@ -248,8 +248,8 @@ def train(
         from rlpost.runner import train as run_train
         from rlpost.tracking import log
 
-        if note:
-            log.info(note)
+        for line in (note or "").splitlines():
+            log.info(line)
         for o in window_rollout_overrides(cfg, overrides):  # algo=t_ppo: window-cut rollouts (as compose_config)
             key, val = o.split("=", 1)
             OmegaConf.update(cfg, key, val == "true", force_add=False)

@@ -7,7 +7,8 @@ and the command repeats neither), the checkpoint does not fit the model and the 
 :func:`plan_resume` therefore runs before Hydra writes anything: it puts the run's saved
 overrides (``DIR/.hydra/overrides.yaml``) in front of the command's, so a bare
 ``resume=auto`` continues the run as it was started (and says so), and refuses, naming the
-differing keys, when the command's own overrides change the run's saved config.
+differing keys, when the command's own overrides change the run's saved config (other than the
+:data:`CHANGEABLE` keys: how long the run goes on and how it is evaluated, logged, checkpointed).
 :func:`continue_command` is the command that the interrupt message prints.
 """
 
@@ -22,6 +23,9 @@ from rlpost.errors import ConfigError
 
 #: keys whose values may differ between a run and its resume (they say how to resume, not what runs)
 IGNORED_KEYS = ("resume",)
+#: keys a resume may change: how long the run goes on and how it is evaluated, logged and checkpointed,
+#: not what it trains (``steps=100`` extends a finished 60-step run); they are named in the log
+CHANGEABLE = ("steps", "eval.", "logger.", "checkpoint.")
 
 
 @dataclass
@@ -31,7 +35,8 @@ class ResumePlan:
     Attributes:
         overrides: the overrides to launch with (the run's saved ones first, then the command's).
         run_dir: the run directory whose checkpoint is resumed, or None (nothing to resume).
-        note: a line for the log when the run's saved overrides were added, else None.
+        note: lines for the log (the run's saved overrides that were added, the :data:`CHANGEABLE`
+            keys the command changes), else None.
     """
 
     overrides: List[str]
@@ -74,12 +79,19 @@ def continue_command(run_dir: Path) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def config_differences(saved: Dict[str, Any], requested: Dict[str, Any]) -> List[str]:
-    """``key (saved A, requested B)`` for each dotted key whose value differs (:data:`IGNORED_KEYS` left out)."""
+def _changeable(key: str) -> bool:
+    return any(key == c or (c.endswith(".") and key.startswith(c)) for c in CHANGEABLE)
+
+
+def config_differences(saved: Dict[str, Any], requested: Dict[str, Any], changeable: bool = False) -> List[str]:
+    """``key (saved A, requested B)`` for each dotted key whose value differs (:data:`IGNORED_KEYS` left out).
+
+    ``changeable``: list only the :data:`CHANGEABLE` keys; else only the others.
+    """
     a, b = _flatten(saved), _flatten(requested)
     out = []
     for k in list(a) + [k for k in b if k not in a]:
-        if k.split(".", 1)[0] in IGNORED_KEYS:
+        if k.split(".", 1)[0] in IGNORED_KEYS or _changeable(k) != changeable:
             continue
         if a.get(k, "<absent>") != b.get(k, "<absent>"):
             out.append(f"{k} (saved {a.get(k, '<absent>')!r}, requested {b.get(k, '<absent>')!r})")
@@ -138,23 +150,31 @@ def plan_resume(overrides: List[str]) -> ResumePlan:
     own = saved_overrides(run_dir)
     cmd = continue_command(run_dir)
     if own is None:
-        diff = config_differences(saved, _requested(overrides))
+        req = _requested(overrides)
+        diff = config_differences(saved, req)
         if not diff:
-            return ResumePlan(list(overrides), run_dir)
+            return ResumePlan(list(overrides), run_dir, _changed_note(resume[-1], saved, req))
         raise ConfigError(f"resume={resume[-1]}: {run_dir}/config.yaml differs from this command's config in "
                           f"{_listing(diff)}, and the run has no .hydra/overrides.yaml to take its own from. "
                           f"Fix: repeat the run's overrides (see {saved_file}) or start a new run elsewhere.")
     named = {_key(o) for o in overrides}
     added = [o for o in own if _key(o) not in named and not _key(o).startswith("hydra.")]
     merged = added + list(overrides)  # the command's own keys once each (Hydra refuses a key given twice)
-    diff = config_differences(saved, _requested(merged))
+    req = _requested(merged)
+    diff = config_differences(saved, req)
     if diff:
         raise ConfigError(f"resume={resume[-1]}: this command would change the config of the run in {run_dir}: "
                           f"{_listing(diff)}. Nothing was written. Fix: resume it as it was started, "
                           f"{cmd}, or start a new run in another hydra.run.dir.")
-    note = (f"resume={resume[-1]}: using the run's own overrides from {run_dir}/.hydra/overrides.yaml: "
-            f"{' '.join(added)}" if added else None)
-    return ResumePlan(merged, run_dir, note)
+    notes = [f"resume={resume[-1]}: using the run's own overrides from {run_dir}/.hydra/overrides.yaml: "
+             f"{' '.join(added)}" if added else None, _changed_note(resume[-1], saved, req)]
+    return ResumePlan(merged, run_dir, "\n".join(n for n in notes if n) or None)
+
+
+def _changed_note(resume: str, saved: Dict[str, Any], requested: Dict[str, Any]) -> Optional[str]:
+    """The log line naming the :data:`CHANGEABLE` keys this resume changes, or None."""
+    diff = config_differences(saved, requested, changeable=True)
+    return f"resume={resume}: changed from the run's saved config: {_listing(diff, 8)}" if diff else None
 
 
 def _listing(diff: List[str], most: int = 4) -> str:

@@ -65,9 +65,20 @@ def test_resume_that_changes_the_config_is_refused_naming_the_keys(tmp_path):
     with pytest.raises(ConfigError) as e:
         plan_resume(["resume=auto", f"hydra.run.dir={d}", "steps=60", "trainer.lr=0.001"])
     msg = str(e.value)
-    assert "steps (saved 50, requested 60)" in msg and "trainer.lr (saved 2e-05, requested 0.001)" in msg
+    assert "trainer.lr (saved 2e-05, requested 0.001)" in msg
+    assert "steps (saved" not in msg  # a resume may extend the run (CHANGEABLE)
     assert f"rlpost train model=tiny steps=50 logger=jsonl seed=3 resume=auto hydra.run.dir={d}" in msg
     assert "\n" not in msg
+
+
+def test_a_resume_may_extend_the_run_and_says_what_it_changes(tmp_path):
+    from rlpost.resume import plan_resume
+
+    d = _fake_run(tmp_path / "x")
+    plan = plan_resume(["resume=auto", f"hydra.run.dir={d}", "steps=80", "eval.limit=50"])
+    assert plan.overrides[-2:] == ["steps=80", "eval.limit=50"]
+    assert plan.note.splitlines()[1] == ("resume=auto: changed from the run's saved config: "
+                                         "steps (saved 50, requested 80); eval.limit (saved 200, requested 50)")
 
 
 def test_no_checkpoint_means_a_fresh_run_with_the_commands_overrides(tmp_path):
