@@ -133,7 +133,9 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               bool(ev), phase=FINISH),
         Stage("log", f"metrics.jsonl + logger={cfg.logger.backend}", phase=FINISH),
         Stage("checkpoint", (f"every {cfg.checkpoint.every} steps and " if cfg.checkpoint.every > 0 else "")
-              + f"after the last step or an interrupt, keep the last {cfg.checkpoint.keep_last}", phase=FINISH),
+              + "after the last step or an interrupt, keep the last "
+              + (str(cfg.checkpoint.keep_last) if cfg.checkpoint.keep_last is not None
+                 else "1 (CPU, full fine-tuning) or 2 (checkpoint.keep_last=null)"), phase=FINISH),
     ]
     return graph
 
@@ -284,6 +286,9 @@ class Run:
         from rlpost.autoprecision import resolve_precision
 
         resolve_precision(cfg, self.device)  # precision=auto -> concrete dtypes, printed once
+        from rlpost.checkpoint import resolve_keep_last
+
+        resolve_keep_last(cfg, self.device)  # checkpoint.keep_last=null -> 1 on CPU with full fine-tuning, else 2
         seed_everything(cfg.seed)
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.task = build_task(cfg.task)
@@ -945,6 +950,11 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         if ckpt is not None:
             run.restore(ckpt)
         start_step = run.step
+        if main:
+            from rlpost.checkpoint import disk_line, estimate_disk
+
+            keep = int(cfg.checkpoint.keep_last)
+            log.info(disk_line(run_dir, estimate_disk(run.trainer, keep, run.tokenizer), keep))
         logger = RunLogger(
             run_dir, cfg.logger.backend, OmegaConf.to_container(cfg, resolve=True), name=f"{cfg.name}",
             project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode, tags=list(cfg.logger.tags),
