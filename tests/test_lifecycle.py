@@ -300,7 +300,7 @@ def test_compare_takes_one_sweep_folder_and_compares_its_methods(tmp_path):
         (d / "eval.json").write_text(json.dumps({"task": "t", "seed": seed, "records": [{"index": 0, "correct": 1.0}]}))
     with pytest.raises(DataError, match="holds one method") as e:
         compare([str(seeds_only)])
-    assert "its 2 run(s) differ in seed only" in str(e.value) and f"rlpost report {seeds_only}." in str(e.value)
+    assert "its 2 runs differ in seed only" in str(e.value) and f"rlpost report {seeds_only}." in str(e.value)
     assert "RUN_A RUN_B" not in str(e.value)  # the suggestion that failed with "share no seed" on such a sweep
 
 

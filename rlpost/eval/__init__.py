@@ -2,9 +2,12 @@
 
 The names below are loaded on first use (PEP 562): :mod:`rlpost.eval.evaluate` imports
 torch, and ``rlpost --version`` or ``rlpost compare`` (which read only :mod:`rlpost.eval.stats`)
-should not pay for it.
+should not pay for it. ``rlpost.eval.evaluate`` is the function, as when this package imported it
+eagerly (the submodule of the same name is ``sys.modules["rlpost.eval.evaluate"]``).
 """
 
+import sys
+import types
 from typing import Any
 
 _LAZY = {
@@ -23,3 +26,15 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'rlpost.eval' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``evaluate`` binds the package attribute to the module; keep the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "evaluate" and isinstance(value, types.ModuleType):
+            value = value.evaluate
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
