@@ -150,6 +150,89 @@ def collect_states(components: Dict[str, Any]) -> Dict[str, Any]:
     return {k: c.state_dict() for k, c in components.items() if c is not None}
 
 
+def resolve_keep_last(cfg: Any, device: Any) -> int:
+    """``checkpoint.keep_last`` made concrete in ``cfg`` (in place) and returned.
+
+    ``null`` (the default) keeps 1 checkpoint for full fine-tuning on a CPU and 2 otherwise. On a
+    CPU the default run's checkpoint is 1.6 GB (SmolLM2-135M in fp32, mostly Adam's moments), a
+    second one only lets a run go back one more checkpoint, and one is enough to resume: a
+    checkpoint is written to ``step_N.tmp`` and renamed, and the older one is removed only after
+    that, so a kill during a write leaves the previous one. A LoRA checkpoint holds the adapter
+    only (small), and GPU runs are longer and worth a spare.
+
+    Raises:
+        ConfigError: ``keep_last`` < 1.
+    """
+    from omegaconf import open_dict
+
+    from rlpost.errors import ConfigError
+
+    k = cfg.checkpoint.get("keep_last")
+    if k is None:
+        lora = int((cfg.model.get("lora") or {}).get("rank", 0) or 0) > 0
+        k = 1 if str(getattr(device, "type", device)) == "cpu" and not lora else 2
+        with open_dict(cfg):
+            cfg.checkpoint.keep_last = k
+    if int(k) < 1:
+        raise ConfigError(f"checkpoint.keep_last={k}: keep at least 1 checkpoint (resume=auto needs one), "
+                          f"or null for the default (1 on CPU with full fine-tuning, else 2)")
+    return int(k)
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.data_ptr(), t.numel())
+        if key not in seen:  # tied weights (embeddings and LM head) are one tensor, saved once
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _tokenizer_bytes(tokenizer: Any) -> int:
+    """About the size of the tokenizer files ``save_pretrained`` writes (its ``tokenizer.json``); 0 if unknown."""
+    try:
+        return len(tokenizer.backend_tokenizer.to_str(pretty=True).encode())  # save_pretrained writes it pretty
+    except Exception:  # a slow (Python) tokenizer: its files are small next to the weights
+        return 0
+
+
+def estimate_disk(trainer: Any, keep_last: int, tokenizer: Any = None) -> Dict[str, float]:
+    """Expected disk use of a run directory, in bytes, from the trainer's modules.
+
+    One checkpoint holds the policy (a LoRA policy: its trainable adapter only), the
+    optimizer's two moments per trainable weight (Adam/AdamW, the trainers' optimizers), a
+    critic with its moments and a reference model when the run has them; ``final/`` holds the
+    full policy. Both hold the tokenizer's files (``tokenizer``: counted when given). The default run (SmolLM2-135M, fp32) comes to 0.54 + 1.08 GB per checkpoint
+    and 0.54 GB for ``final/``, as measured (README). Returns ``{"checkpoint", "final",
+    "total"}`` with ``total = keep_last * checkpoint + final``.
+    """
+    from rlpost.models.lora import is_lora
+
+    policy = trainer.policy
+    trainable = _tensor_bytes(p for p in policy.parameters() if p.requires_grad)
+    full = _tensor_bytes(list(policy.state_dict().values()))
+    tok = _tokenizer_bytes(tokenizer) if tokenizer is not None else 0
+    ckpt = (trainable if is_lora(policy) else full) + 2 * trainable + tok
+    full += tok
+    critic = getattr(trainer, "critic", None)
+    if critic is not None:
+        ckpt += _tensor_bytes(list(critic.state_dict().values())) + 2 * _tensor_bytes(
+            p for p in critic.parameters() if p.requires_grad)
+    ref = getattr(trainer, "ref", None)
+    if ref is not None:
+        ckpt += _tensor_bytes(list(ref.state_dict().values()))
+    return {"checkpoint": float(ckpt), "final": float(full), "total": float(keep_last * ckpt + full)}
+
+
+def disk_line(run_dir: Path, est: Dict[str, float], keep_last: int) -> str:
+    """The start-of-run line: the run directory and its expected disk use (:func:`estimate_disk`)."""
+    gb = 1e9
+    return (f"run directory: {run_dir} (expected disk use about {est['total'] / gb:.2f} GB: "
+            f"{keep_last} checkpoint(s) of {est['checkpoint'] / gb:.2f} GB (checkpoint.keep_last={keep_last}) "
+            f"and final/ {est['final'] / gb:.2f} GB; one more checkpoint while the next is written)")
+
+
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, states: Dict[str, Any],
                     keep_last: int = 2) -> Path:
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``.

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from rlpost.errors import ConfigError, RlpostError
+from rlpost.errors import ConfigError, Interrupted, RlpostError
 
 app = typer.Typer(
     add_completion=False,
@@ -223,8 +223,14 @@ def train(
       rlpost train resume=auto hydra.run.dir=outputs/myrun   (continue a killed run)
     """
     overrides = list(ctx.args)
+    note = None
     try:
         _validate(overrides, multirun)
+        if not multirun:  # resume=...: the run's own overrides, checked before Hydra writes anything
+            from rlpost.resume import plan_resume
+
+            plan = plan_resume(overrides)
+            overrides, note = plan.overrides, plan.note
         if not multirun:  # trainer.num_procs > 1: re-run this command under torchrun
             from rlpost.config.compose import compose_config
             from rlpost.trainer.launch import needs_launch, relaunch
@@ -240,7 +246,10 @@ def train(
 
         from rlpost.config.compose import window_rollout_overrides
         from rlpost.runner import train as run_train
+        from rlpost.tracking import log
 
+        for line in (note or "").splitlines():
+            log.info(line)
         for o in window_rollout_overrides(cfg, overrides):  # algo=t_ppo: window-cut rollouts (as compose_config)
             key, val = o.split("=", 1)
             OmegaConf.update(cfg, key, val == "true", force_add=False)
@@ -295,7 +304,7 @@ def eval_cmd(ctx: typer.Context) -> None:
         from omegaconf import OmegaConf
 
         from rlpost.eval.evaluate import evaluate
-        from rlpost.tracking import log
+        from rlpost.tracking import eval_line, log
         from rlpost.models.loader import load_policy
         from rlpost.rollout import build_engine
         from rlpost.runner import pick_device, seed_everything
@@ -343,14 +352,12 @@ def eval_cmd(ctx: typer.Context) -> None:
         t = build_task(cfg.task)
         # rollout.speculative.drafter=mtp_head without a head file fits one on the task's training prompts
         engine = build_engine(cfg, policy, tok, device, run_dir=run_dir, prompts=task_prompts(t, tok, cfg.seed))
-        res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout)
+        res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout,
+                       progress=f"evaluating {cfg.task.name}")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         (run_dir / "eval.json").write_text(json.dumps(res, indent=1, default=str))
-        line = f"{cfg.task.name}: accuracy={res['accuracy']:.3f} (n={res['n']})"
-        if "ci_low" in res:
-            line += f" 95% CI [{res['ci_low']:.3f}, {res['ci_high']:.3f}]"
-        log.info(line)
+        log.info(eval_line(res, f"of {cfg.eval.checkpoint or 'the base model'}"))
         log.info(f"wrote {run_dir / 'eval.json'}")
 
     _launch(_guard(task), overrides, False)
@@ -577,6 +584,9 @@ def reproduce_cmd(
                           metric=metric)
     except RlpostError as e:
         _fail(e)
+    except Interrupted as e:  # Ctrl-C in an arm: exit 130 (the next call reruns unfinished arms from scratch)
+        typer.echo(str(e), err=True)
+        raise typer.Exit(code=e.exit_code)
     typer.echo(R.format_result(res))
     if record:
         typer.echo(f"recorded in {res['record']}")

@@ -45,10 +45,13 @@ class TrainingDiverged(RlpostError):
     exit_code = 5
 
 
-class Interrupted(RlpostError):
+class Interrupted(KeyboardInterrupt):
     """The run stopped on SIGINT/SIGTERM after saving a checkpoint; the message says what was saved.
 
-    Exits with status 130 (the shell's code for Ctrl-C).
+    The ``rlpost`` command exits with status 130 (the shell's code for Ctrl-C). It is a
+    :class:`KeyboardInterrupt`, not an :class:`RlpostError`, so that a caller running
+    training in its own process (a test runner, a notebook) sees the interrupt it asked
+    for and stops, instead of taking it for one failed call and going on.
     """
 
     exit_code = 130

@@ -714,8 +714,22 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
 
 
 def claim_text(card: Card) -> str:
-    """The claim in one line: ``delta unit metric on benchmark vs baseline (source)``."""
+    """The claim in one line: ``delta unit metric on benchmark vs baseline (source)``.
+
+    A part still ``not checked`` or ``not stated`` is left out of the sentence and named at its
+    end in words (``figures, benchmark and source not yet read from the paper``), never printed
+    in its place ("accuracy on not checked vs ..." read as if "not checked" were a benchmark).
+    """
     c = card.claim
+    unread, unstated = [], []
+
+    def known(v: Any, what: str) -> bool:
+        if v == NOT_CHECKED:
+            unread.append(what)
+        elif v == NOT_STATED:
+            unstated.append(what)
+        return v not in SENTINELS and v not in (None, "")
+
     fig = ""
     if isinstance(c.delta, (int, float)):
         fig = f"{c.delta:+g} {c.unit}"
@@ -725,8 +739,22 @@ def claim_text(card: Card) -> str:
         fig = c.value
     elif c.delta not in SENTINELS and c.delta is not None:
         fig = str(c.delta)
-    head = f"{fig} {c.metric}".strip()
-    return f"{head} on {c.benchmark} vs {c.baseline} ({c.source})"
+    else:
+        known(c.value if c.value in SENTINELS else c.delta, "figures")
+    head = " ".join(x for x in (fig, c.metric if known(c.metric, "metric") else "") if x) or "a result"
+    if known(c.benchmark, "benchmark"):
+        head += f" on {c.benchmark}"
+    if known(c.baseline, "baseline"):
+        head += f" vs {c.baseline}"
+    if known(c.source, "source"):
+        head += f" ({c.source})"
+    notes = [f"{_and(unread)} not yet read from the paper" if unread else "",
+             f"{_and(unstated)} not stated in the paper" if unstated else ""]
+    return "; ".join([head] + [n for n in notes if n])
+
+
+def _and(words: List[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def status_text(res: Optional[Dict[str, Any]]) -> str:
@@ -771,7 +799,8 @@ def markdown_table(names: Optional[Sequence[str]] = None, directory: Optional[Pa
         base = c.cpu.baseline if isinstance(c.cpu.baseline, str) else " ".join(f"`{o}`" for o in c.cpu.baseline)
         if c.cpu.expect == "no_worse":
             base += f" (no worse by {100 * c.cpu.margin:.0f} pts)"
-        claim = claim_text(c) if c.claim.source not in SENTINELS else f"{c.claim.summary} (figures not checked)"
+        claim = (claim_text(c) if c.claim.source not in SENTINELS
+                 else f"{c.claim.summary} (figures and source not yet read from the paper)")
         out.append(f"| `{n}` | {c.kind} | {c.paper.split(':')[0]} ({ref}) | {claim} | {n_fields - unread}/{n_fields} | "
                    f"{base} | {status_text(load_result(n, directory))} |")
     return "\n".join(out)

@@ -37,7 +37,7 @@ from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.regularizers import kl_penalty
 from rlpost.algos.validate import adv_overrides
 from rlpost.batch import RolloutBatch
-from rlpost.checkpoint import DONE_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
+from rlpost.checkpoint import DONE_MARKER, FAILED_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
 from rlpost.rollout.base import SamplingParams
 
 
@@ -133,7 +133,9 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               bool(ev), phase=FINISH),
         Stage("log", f"metrics.jsonl + logger={cfg.logger.backend}", phase=FINISH),
         Stage("checkpoint", (f"every {cfg.checkpoint.every} steps and " if cfg.checkpoint.every > 0 else "")
-              + f"after the last step or an interrupt, keep the last {cfg.checkpoint.keep_last}", phase=FINISH),
+              + "after the last step or an interrupt, keep the last "
+              + (str(cfg.checkpoint.keep_last) if cfg.checkpoint.keep_last is not None
+                 else "1 (CPU, full fine-tuning) or 2 (checkpoint.keep_last=null)"), phase=FINISH),
     ]
     return graph
 
@@ -284,6 +286,9 @@ class Run:
         from rlpost.autoprecision import resolve_precision
 
         resolve_precision(cfg, self.device)  # precision=auto -> concrete dtypes, printed once
+        from rlpost.checkpoint import resolve_keep_last
+
+        resolve_keep_last(cfg, self.device)  # checkpoint.keep_last=null -> 1 on CPU with full fine-tuning, else 2
         seed_everything(cfg.seed)
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.task = build_task(cfg.task)
@@ -848,8 +853,11 @@ class Run:
         m["memory/peak_rss_mb"] = peak_rss_mb()
         return m
 
-    def evaluate(self):
+    def evaluate(self, progress: Optional[str] = None, leave: bool = True):
         """Greedy evaluation on the task's held-out split and on every ``eval.tasks`` entry.
+
+        ``progress`` labels a console progress bar over the training task's responses (None: no
+        bar); ``leave=False`` removes it when done (an evaluation inside training's own bar).
 
         Returns:
             ``(metrics, result)``: flat ``eval/...`` scalars (``eval/accuracy`` is the
@@ -862,12 +870,12 @@ class Run:
             from rlpost.eval.episodes import evaluate_episodes
 
             res = evaluate_episodes(self.sampler, self.local_engine, self.tokenizer, self.task, self.reward_fn,
-                                    self.cfg.eval, seed=self.cfg.seed)
+                                    self.cfg.eval, seed=self.cfg.seed, progress=progress, leave=leave)
             out = {"eval/accuracy": res["accuracy"],
                    **{f"eval/{name}/{k}": res[k] for k in ("tool_call_frac", "turns_mean", "truncated_frac")}}
         else:
             res = evaluate(self.local_engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed,
-                           rollout_cfg=self.cfg.rollout)
+                           rollout_cfg=self.cfg.rollout, progress=progress, leave=leave)
             out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
         if self.cfg.eval.get("tasks"):
             if self._eval_tasks is None:
@@ -917,7 +925,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     from rlpost.errors import Interrupted
     from rlpost.executor import build_executor
     from rlpost.interrupts import StopRequest
-    from rlpost.tracking import RunLogger, format_summary, log, step_line
+    from rlpost.resume import continue_command
+    from rlpost.tracking import RunLogger, eval_line, format_summary, log, step_line
 
     t_wall = time.time()
     main = is_main_process()  # under trainer.num_procs > 1 only rank 0 logs, evaluates and writes files
@@ -941,6 +950,11 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         if ckpt is not None:
             run.restore(ckpt)
         start_step = run.step
+        if main:
+            from rlpost.checkpoint import disk_line, estimate_disk
+
+            keep = int(cfg.checkpoint.keep_last)
+            log.info(disk_line(run_dir, estimate_disk(run.trainer, keep, run.tokenizer), keep))
         logger = RunLogger(
             run_dir, cfg.logger.backend, OmegaConf.to_container(cfg, resolve=True), name=f"{cfg.name}",
             project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode, tags=list(cfg.logger.tags),
@@ -956,7 +970,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             if not main or not (at_end or (cfg.eval.every > 0 and run.step % cfg.eval.every == 0 and run.step < cfg.steps)):
                 return False
             with executor.paused():
-                em, res = run.evaluate()
+                em, res = run.evaluate(progress=f"evaluating at step {run.step}", leave=False)
+            step_log.info(eval_line(res, f"at step {run.step}"))
             m.update(em)
             if at_end:
                 (run_dir / "eval.json").write_text(json.dumps(_eval_summary(res), indent=1, default=str))
@@ -978,14 +993,17 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
 
         step_log = logging.getLogger("rlpost.step")  # one line per step, to cli.log only
         finish = bind_stages(run.graph, FINISH, {"evaluate": evaluate, "log": log_metrics, "checkpoint": checkpoint})
-        progress = _progress(cfg.steps, run.step, enabled=main)
+        progress = None
         try:
             if cfg.eval.at_start and run.step == 0 and main and not stop.requested:
                 with executor.paused():
-                    em, res0 = run.evaluate()
+                    em, res0 = run.evaluate(progress="evaluating the base model (step 0)")
+                step_log.info(eval_line(res0, "at step 0 (base model)"))
                 (run_dir / "eval_start.json").write_text(json.dumps(_eval_summary(res0), indent=1, default=str))
                 logger.log({"step": 0, **em})
                 run.mark(0, "evaluate", "log")
+            # after the base-model evaluation: its time is not in the training bar's elapsed time
+            progress = _progress(cfg.steps, run.step, enabled=main)
             while run.step < cfg.steps and not stop.requested:
                 m = executor.step()
                 for st in finish:
@@ -1001,7 +1019,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
                     what = (f"saved {describe_checkpoint(saved['path'])}" if saved["step"] > start_step or ckpt is None
                             else f"no step finished since the checkpoint it resumed from, {saved['path']}")
                     msg = (f"interrupted ({stop.name}) after step {run.step} of {cfg.steps}: {what}. "
-                           f"Continue with: rlpost train resume=auto hydra.run.dir={run_dir}")
+                           f"Continue with: {continue_command(run_dir)}")
                 else:
                     msg = (f"interrupted ({stop.name}) before the first step finished: nothing to save "
                            f"(no checkpoint exists); the next run starts fresh")
@@ -1009,9 +1027,11 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             if main:
                 export_final(run.trainer.policy, run.tokenizer, run_dir / "final", cfg.model)
                 (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
+                (run_dir / FAILED_MARKER).unlink(missing_ok=True)  # an earlier failure, resumed past
         finally:
             executor.close()
-            progress.close()
+            if progress is not None:
+                progress.close()
             logger.close()
             run.close()
     if main:
@@ -1043,20 +1063,32 @@ class _NullLogger:
 
 
 class _progress:
-    """Console progress bar (tqdm, on stderr) with live reward, throughput and the last eval accuracy."""
+    """Console progress bar (tqdm, on stderr) with live reward, throughput, the step's seconds and the last
+    eval accuracy.
 
-    def __init__(self, total: int, start: int, enabled: bool = True) -> None:
+    The seconds per step are the step's own ``time/step_s``, formatted by
+    :func:`rlpost.tracking.step_seconds` as ``cli.log``'s step lines print them; tqdm's own rate
+    (elapsed time over bar updates, evaluations and checkpoint writes included) is not shown.
+    """
+
+    FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+
+    def __init__(self, total: int, start: int, enabled: bool = True, file: Any = None) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, initial=start, desc="rlpost train", unit="step", dynamic_ncols=True,
-                        disable=not enabled)
+                        disable=not enabled, bar_format=self.FORMAT, file=file)
 
     def update(self, m: Dict[str, Any]) -> None:
-        # tqdm prints the s/step figure itself; the postfix adds only what it cannot know
-        post = {"reward": f"{m.get('reward/mean', 0):.3f}", "tok/s": f"{m.get('throughput/rollout_tokens_per_s', 0):.0f}"}
+        """Advance one step and show ``m``'s figures."""
+        from rlpost.tracking import step_seconds
+
+        post = [f"reward={m.get('reward/mean', 0):.3f}", f"tok/s={m.get('throughput/rollout_tokens_per_s', 0):.0f}"]
+        if step_seconds(m) is not None:
+            post.append(step_seconds(m))
         if "eval/accuracy" in m:
-            post["eval_acc"] = f"{m['eval/accuracy']:.3f}"
-        self.bar.set_postfix(post)
+            post.append(f"eval_acc={m['eval/accuracy']:.3f}")
+        self.bar.set_postfix_str(", ".join(post), refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

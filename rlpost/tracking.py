@@ -25,11 +25,20 @@ from typing import Any, Dict, List, Optional
 log = logging.getLogger("rlpost")
 
 
+#: loggers whose records below ERROR stay off the console (``cli.log`` still gets them): Ray's start-up
+#: notices ("Started a local Ray instance", the token-authentication notice), routed here by launcher=ray
+QUIET_LOGGERS = ("ray",)
+
+
 class ConsoleFilter(logging.Filter):
-    """Keeps the per-step lines (logger ``rlpost.step``) off the console; ``cli.log`` still gets them."""
+    """Keeps the per-step lines (logger ``rlpost.step``) and :data:`QUIET_LOGGERS`' chatter below ERROR off
+    the console; ``cli.log`` still gets them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.name.startswith("rlpost.step")
+        if record.name.startswith("rlpost.step"):
+            return False
+        quiet = any(record.name == q or record.name.startswith(q + ".") for q in QUIET_LOGGERS)
+        return not (quiet and record.levelno < logging.ERROR)
 
 
 class OnceFilter(logging.Filter):
@@ -54,15 +63,38 @@ class BelowWarning(logging.Filter):
         return record.levelno < logging.WARNING
 
 
+def step_seconds(m: Dict[str, Any]) -> Optional[str]:
+    """A step's seconds as both the console progress bar and ``cli.log`` print them (``"12.3 s/step"``).
+
+    The one definition: ``time/step_s``, the wall time of that step's rollout, reward and
+    update; evaluations and checkpoint writes between steps are not in it (they have their
+    own lines). None when the metrics have no ``time/step_s``.
+    """
+    v = m.get("time/step_s")
+    return None if v is None else f"{float(v):.1f} s/step"
+
+
 def step_line(m: Dict[str, Any], steps: int) -> str:
     """One human-readable line for a step's metrics (for ``cli.log``)."""
     parts = [f"step {int(m.get('step', 0))}/{steps}"]
     for key, fmt in (("reward/mean", "reward {:.3f}"), ("response/length_mean", "length {:.1f}"),
-                     ("loss/policy", "loss {:.4f}"), ("eval/accuracy", "eval/accuracy {:.3f}"),
-                     ("time/step_s", "{:.1f} s/step")):
+                     ("loss/policy", "loss {:.4f}"), ("eval/accuracy", "eval/accuracy {:.3f}")):
         if m.get(key) is not None:
             parts.append(fmt.format(float(m[key])))
+    if step_seconds(m) is not None:
+        parts.append(step_seconds(m))
     return "  ".join(parts)
+
+
+def eval_line(res: Dict[str, Any], when: str) -> str:
+    """One line for an evaluation's result and time (for ``cli.log`` and ``rlpost eval``'s console).
+
+    ``when`` says which evaluation (``"at step 0"``, ``"of the base model"``); ``res`` is an
+    :func:`rlpost.eval.evaluate.evaluate` result (``task``, ``n``, ``accuracy``, its CI, ``time_s``).
+    """
+    ci = (f" 95% CI [{res['ci_low']:.3f}, {res['ci_high']:.3f}]" if res.get("ci_low") is not None else "")
+    took = f" in {_duration(float(res['time_s']))}" if res.get("time_s") is not None else ""
+    return f"evaluation {when}: {res.get('task', '?')} accuracy {float(res['accuracy']):.3f}{ci} (n={res.get('n', '?')}){took}"
 
 
 def _clean(v: Any) -> Any:

@@ -150,3 +150,31 @@ def test_resume_a_sweep_job_by_its_directory(tmp_path):
         assert p.returncode == 0, p.stderr[-2000:]
     assert "resume=auto: resuming from" in p.stdout and "(step 1 of 2)" in p.stdout
     assert (job / "DONE").read_text().strip() == "2"
+
+
+_PROBE = """
+import sys
+from rlpost.cli import main
+sys.argv = ['rlpost'] + sys.argv[1:]
+try:
+    main()
+except SystemExit:
+    pass
+print('LOADED', ' '.join(m for m in ('torch', 'transformers', 'deepspeed', 'ray', 'vllm') if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("args, heavy_allowed", [
+    (["--version"], ""),
+    (["train", "steps=abc"], ""),  # a rejected override
+    (["train", "model=nosuch"], ""),
+    (["list"], "torch"),  # the registries are torch functions; transformers is not needed to list them
+    (["config", "model=tiny"], "torch"),
+])
+def test_trivial_commands_do_not_import_the_heavy_libraries(args, heavy_allowed):
+    from conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, env=env, timeout=300)
+    loaded = [line for line in p.stdout.splitlines() if line.startswith("LOADED")][-1]
+    assert loaded.split()[1:] == heavy_allowed.split(), (args, loaded, p.stderr[-2000:])

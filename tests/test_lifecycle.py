@@ -240,7 +240,10 @@ def test_eval_lands_in_an_eval_named_directory_and_failed_runs_are_marked(tmp_pa
     runs = list((tmp_path / "outputs" / "eval-arithmetic").iterdir())
     assert len(runs) == 1 and (runs[0] / "eval.json").exists()
     assert not (tmp_path / "outputs" / "grpo-arithmetic").exists()
-    assert "arithmetic: accuracy=" in (runs[0] / "cli.log").read_text()
+    res = json.loads((runs[0] / "eval.json").read_text())
+    assert (f"evaluation of the base model: arithmetic accuracy {res['accuracy']:.3f} 95% CI [{res['ci_low']:.3f}, "
+            f"{res['ci_high']:.3f}] (n=4) in ") in (runs[0] / "cli.log").read_text()
+    assert "evaluating arithmetic: 100%" in err  # the console's progress bar
 
     bad = tmp_path / "bad"
     p = _cli("train", *tiny_overrides("task=jsonl", "task.path=/nonexistent/train.jsonl"), f"hydra.run.dir={bad}")
@@ -295,8 +298,10 @@ def test_compare_takes_one_sweep_folder_and_compares_its_methods(tmp_path):
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "overrides.yaml").write_text(f"- seed={seed}\n")
         (d / "eval.json").write_text(json.dumps({"task": "t", "seed": seed, "records": [{"index": 0, "correct": 1.0}]}))
-    with pytest.raises(DataError, match="holds one method"):
+    with pytest.raises(DataError, match="holds one method") as e:
         compare([str(seeds_only)])
+    assert "its 2 runs differ in seed only" in str(e.value) and f"rlpost report {seeds_only}." in str(e.value)
+    assert "RUN_A RUN_B" not in str(e.value)  # the suggestion that failed with "share no seed" on such a sweep
 
 
 def test_list_descriptions_end_at_a_sentence_end():

@@ -374,3 +374,21 @@ def test_reproduce_pass_at_k_on_tiny(tmp_path):
     start = json.loads((d / "eval_start.json").read_text())["records"]
     assert math.isclose(res["acc_baseline"][0], sum(r["pass@2"] for r in start) / len(start))
     assert res["metric"] == "pass@2" and "--metric pass@2" in res["command"]
+
+
+def test_claim_text_says_in_words_what_is_unknown():
+    """A sentinel is named at the end ("not yet read from the paper"), never printed as a benchmark."""
+    import dataclasses
+
+    import rlpost.recipes as R
+
+    card = next(r.card for r in map(R.load_recipe, R.recipe_names()) if isinstance(r.card, R.Card))
+    claim = R.Claim(summary="s", metric="accuracy", benchmark=R.NOT_CHECKED, baseline="GRPO", value=R.NOT_CHECKED,
+                    baseline_value=R.NOT_CHECKED, delta=R.NOT_CHECKED, unit="points", source=R.NOT_CHECKED)
+    text = R.claim_text(dataclasses.replace(card, claim=claim))
+    assert text == "accuracy vs GRPO; figures, benchmark and source not yet read from the paper"
+    claim = dataclasses.replace(claim, delta=2.5, benchmark="AIME24", source="Table 1", metric=R.NOT_STATED)
+    assert R.claim_text(dataclasses.replace(card, claim=claim)) == ("+2.5 points on AIME24 vs GRPO (Table 1); "
+                                                                    "metric not stated in the paper")
+    for n, _, claim_line, _ in R.table_rows():
+        assert " on not checked" not in claim_line and "vs not checked" not in claim_line, n

@@ -73,7 +73,7 @@ def test_report_figures_html_and_plotted_numbers_equal_the_metrics(sweep, tmp_pa
     out = tmp_path / "rep"
     p = _cli("report", str(sweep), "--out", str(out), "--wandb", "off", "--n-boot", "200")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "4 runs, 2 method(s): algo=grpo, algo=dr_grpo" in p.stdout
+    assert "4 runs, 2 methods: algo=grpo, algo=dr_grpo" in p.stdout
     for f in ("curves_step.png", "curves_wall_time.png"):
         assert (out / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (out / "report.html").read_text()
@@ -240,3 +240,36 @@ def test_a_resumed_run_is_the_same_method_as_a_fresh_one(tmp_path):
     groups = group_runs([load_run_curves(p) for p in discover([tmp_path])])
     assert len(groups) == 1 and [r.path.name for r in groups[0][1]] == ["a", "b"]
     assert "resume" not in groups[0][0]
+
+
+def test_one_run_with_two_evaluations_is_drawn_as_points_with_integer_step_ticks(tmp_path):
+    """Two evaluations (step 0 and the end) are two points, not a line that looks like a measured trend;
+    steps are whole numbers on the axis; one run is "1 run", with no "mean over seeds"."""
+    import matplotlib.pyplot as plt
+
+    from rlpost.eval.report import FEW_POINTS, make_report, plot_curves, plural
+
+    d = tmp_path / "runs" / "only"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("seed: 0\nlogger: {backend: jsonl}\n")
+    recs = [{"step": 0, "eval/accuracy": 0.2}] + [{"step": s, "reward/mean": 0.1 * s, "time/step_s": 1.0}
+                                                  for s in range(1, 7)] + [{"step": 6, "eval/accuracy": 0.7}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rep = make_report([d], tmp_path / "out", wandb="off")
+    series = json.loads((tmp_path / "out" / "series.json").read_text())
+    fig = plot_curves(series, "step")
+    reward_ax, acc_ax = fig.axes[0], fig.axes[1]
+    (acc,) = [ln for ln in acc_ax.get_lines() if ln.get_gid().startswith("mean:")]
+    assert list(acc.get_xdata()) == [0, 6] and acc.get_linewidth() == 0 and acc.get_marker() == "o"
+    (rew,) = [ln for ln in reward_ax.get_lines() if ln.get_gid().startswith("mean:")]
+    assert len(rew.get_xdata()) == 6 > FEW_POINTS and rew.get_linewidth() > 0  # enough points: a line
+    fig.canvas.draw()
+    for ax in (reward_ax, acc_ax):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    title = fig._suptitle.get_text()
+    assert "one run per method" in title and "mean over seeds" not in title
+    plt.close(fig)
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "1 run in 1 method," in page and "mean over seeds" not in page.lower()
+    assert rep["runs"] == [str(d)] and plural(1, "run") == "1 run" and plural(2, "run") == "2 runs"

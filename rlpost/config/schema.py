@@ -624,10 +624,14 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpointing: every N steps (0 = only at the end), keeping the last ``keep_last``."""
+    """Checkpointing: every N steps (0 = only at the end), keeping the last ``keep_last``.
+
+    ``keep_last: null`` (default): 1 for full fine-tuning on a CPU, else 2
+    (:func:`rlpost.checkpoint.resolve_keep_last` says why).
+    """
 
     every: int = 10
-    keep_last: int = 2
+    keep_last: Optional[int] = None
 
 
 @dataclass

@@ -289,9 +289,14 @@ def compare(
     if len(specs) == 1:
         groups = split_sweep(specs[0])
         if len(groups) < 2:
-            raise DataError(f"{specs[0]!r} holds one method (its runs differ in seed only), and rlpost compare needs "
-                            f"at least two: rlpost compare RUN_A RUN_B, or a sweep of two methods "
-                            f"(rlpost train -m algo=grpo,dr_grpo seed=1,2; rlpost compare multirun/<time>)")
+            n = len(groups[0][1]) if groups else 0
+            what = ("holds one run, so one method" if n == 1 else
+                    f"holds one method: its {n} runs differ in seed only")
+            raise DataError(f"{specs[0]!r} {what}, and rlpost compare needs at least two methods (it pairs two "
+                            f"methods' runs of the same seed). For this method's curves"
+                            f"{'' if n == 1 else ' and spread over seeds'}: rlpost report {specs[0]}. To compare "
+                            f"methods, sweep two or more: rlpost train -m algo=grpo,dr_grpo seed=1,2, then "
+                            f"rlpost compare multirun/<time>")
     elif not specs:
         raise DataError("rlpost compare needs a sweep folder or two methods: rlpost compare multirun/<time> | RUN_A RUN_B")
     else:

@@ -4,7 +4,7 @@ sampler weights it)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -12,7 +12,7 @@ from rlpost.rollout.base import SamplingParams
 
 
 def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, reward_fn: Any, eval_cfg: Any,
-                      seed: int = 0) -> Dict[str, Any]:
+                      seed: int = 0, progress: Optional[str] = None, leave: bool = True) -> Dict[str, Any]:
     """Greedy episodes on the first ``eval.limit`` held-out examples of ``task``.
 
     One episode per problem with the sampler's environment, turn and token limits, greedy
@@ -23,9 +23,15 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
         "tool_call_frac", "turns_mean", "truncated_frac", "records"}`` (95% bootstrap CI over problems):
         ``accuracy`` is the share of episodes whose final answer the verifier scores > 0.5
         (or, with ``env_reward_weight`` set, whose total reward is > 0.5); ``records`` one
-        dict per problem (index, final text, turns, tool calls, correct).
+        dict per problem (index, final text, turns, tool calls, correct); also ``task`` and
+        ``time_s``. ``progress`` and ``leave``: the console bar, as :func:`rlpost.eval.evaluate.evaluate`'s.
     """
+    import time
+
+    from rlpost.eval.evaluate import progress_bar
     from rlpost.samplers.base import SamplerContext
+
+    t0 = time.monotonic()
 
     examples = list(task.eval_examples())[: int(eval_cfg.limit)]
     saved = (sampler.examples, sampler.transcripts)
@@ -33,6 +39,7 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
     bs = max(1, int(getattr(eval_cfg, "batch_size", 64) or 64))
     records: List[Dict[str, Any]] = []
     turns, calls, trunc = [], [], []
+    bar = progress_bar(progress, len(examples), leave=leave)
     try:
         for s in range(0, len(examples), bs):
             chunk = list(range(s, min(len(examples), s + bs)))
@@ -57,7 +64,9 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
             turns.append(res.extras["episode_turns"])
             calls.append(res.extras["episode_tool_calls"])
             trunc.append((~g.finished).float())
+            bar.update(len(chunk))
     finally:
+        bar.close()
         sampler.examples, sampler.transcripts = saved
     from rlpost.eval.evaluate import _ci_fields
 
@@ -68,5 +77,6 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
     out.update(_ci_fields("accuracy", [float(r["correct"]) for r in records], seed, int(getattr(eval_cfg, "n_boot", 1000) or 1000)))
     out["ci_low"], out["ci_high"] = out["accuracy_ci_low"], out["accuracy_ci_high"]
     out.update({"tool_call_frac": float((c > 0).float().mean()), "turns_mean": float(t.mean()),
-                "truncated_frac": float(torch.cat(trunc).mean()), "records": records})
+                "truncated_frac": float(torch.cat(trunc).mean()), "records": records,
+                "task": task.name, "time_s": time.monotonic() - t0})
     return out

@@ -42,6 +42,30 @@ def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
     return default if val is None and default is not None else val
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(desc: Optional[str], total: int, leave: bool = True) -> Any:
+    """A console progress bar (tqdm on stderr) over ``total`` responses, or a no-op one when ``desc`` is None.
+
+    Evaluations generate in chunks of ``eval.batch_size`` prompts, so the bar moves once per chunk;
+    it is drawn at the start, so a long evaluation is never silent.
+    """
+    if desc is None:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="response", dynamic_ncols=True, leave=leave)
+
+
 def _generate_scored(
     engine: RolloutEngine,
     prompts: List[List[int]],
@@ -49,6 +73,7 @@ def _generate_scored(
     params: SamplingParams,
     reward_fn: Any,
     batch_size: int,
+    bar: Any = None,
 ) -> Dict[str, Any]:
     """Generate one response per prompt in chunks and score each with the isolated verifier."""
     texts: List[str] = []
@@ -59,6 +84,8 @@ def _generate_scored(
         texts.extend(res.texts)
         lengths.extend(int(x) for x in res.response_mask.sum(-1).tolist())
         finished.extend(bool(x) for x in res.finished.tolist())
+        if bar is not None:
+            bar.update(len(res.texts))
     scores, fmts, counts = reward_fn.correctness(texts, examples)
     return {"texts": texts, "lengths": lengths, "finished": finished, "scores": scores, "format": fmts, "counts": counts}
 
@@ -77,6 +104,8 @@ def evaluate(
     reward_fn: Any = None,
     n_boot: Optional[int] = None,
     rollout_cfg: Any = None,
+    progress: Optional[str] = None,
+    leave: bool = True,
 ) -> Dict[str, Any]:
     """Evaluate ``task``'s held-out split with ``engine``.
 
@@ -109,6 +138,8 @@ def evaluate(
             must be judged on the responses training would produce (ignoring
             ``rollout.stop`` changed accuracy from 0.1875 to 0.375 on a
             16-problem check). None: no stop strings, no truncation.
+        progress: the console progress bar's label (:func:`progress_bar`); None: no bar.
+        leave: keep the finished bar on the console (False: it disappears, as inside training's bar).
     Returns:
         A dict with ``task``, ``n`` (problems), ``accuracy`` with
         ``accuracy_ci_low``/``accuracy_ci_high`` (also as ``ci_low``/``ci_high``), ``response_length_mean``
@@ -150,11 +181,12 @@ def evaluate(
     stop = [str(s) for s in (eval_stop if eval_stop is not None else (_cfg_get(rollout_cfg, "stop", None) or []))]
     top_k = int(_cfg_get(rollout_cfg, "top_k", 0) or 0)
     top_p = float(_cfg_get(rollout_cfg, "top_p", 1.0) or 1.0)
+    bar = progress_bar(progress, len(examples) * (1 + (n_samples if n_samples > 1 else 0)), leave=leave)
     try:
         prompts = [task.render_prompt(ex, tokenizer) for ex in examples]
         greedy = _generate_scored(
             engine, prompts, examples, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed, stop=stop),
-            reward_fn, batch_size,
+            reward_fn, batch_size, bar,
         )
         sampled = None
         if n_samples > 1:
@@ -162,8 +194,10 @@ def evaluate(
             rep_examples = [e for e in examples for _ in range(n_samples)]
             params = SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed, stop=stop,
                                     top_k=top_k, top_p=top_p)
-            sampled = _generate_scored(engine, rep_prompts, rep_examples, params, reward_fn, batch_size)
+            sampled = _generate_scored(engine, rep_prompts, rep_examples, params, reward_fn, batch_size, bar)
+        bar.set_postfix_str(f"accuracy={float(np.mean([float(x) for x in greedy['scores']])):.3f}")
     finally:
+        bar.close()
         if own_reward:
             reward_fn.close()
 

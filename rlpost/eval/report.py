@@ -295,11 +295,28 @@ def build_series(groups: List[Tuple[str, List[RunCurves]]], band: str = "ci95") 
     return out
 
 
+#: a curve of at most this many points is drawn as points, not joined by lines (two evaluations, at
+#: step 0 and at the end, joined by a straight line look like a measured trend), its band as error bars
+FEW_POINTS = 5
+
+
+def plural(n: int, word: str) -> str:
+    """``1 run``, ``2 runs``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def seeds_per_method(series: Dict[str, Any]) -> int:
+    """The largest number of runs any method has in any panel of ``series`` (1: no mean over seeds anywhere)."""
+    return max((len(agg["runs"]) for p in series.values() for agg in p["groups"].values()), default=0)
+
+
 def plot_curves(series: Dict[str, Any], x_axis: str, band: str = "ci95", title: str = "") -> Any:
     """A 2 x 3 matplotlib figure of the panels against ``x_axis`` (``step`` or ``wall_time``).
 
-    Per method: the mean line (with markers where a panel has few points), the
-    band as a shaded area, each seed's own curve thin and faint. The y range
+    Per method: the mean line (with markers where a panel has few points; points only,
+    not joined, at :data:`FEW_POINTS` or fewer), the band as a shaded area (error bars
+    for points), each seed's own curve thin and faint. Step axes get integer ticks. With
+    one run per method the title says so instead of "mean over seeds". The y range
     covers the curves (means and seeds) with a margin; a wider band is cut
     there (with two seeds the 95% t band is +-8.98 sd). Uses the Agg
     backend (no display needed). Returns the Figure; the caller closes it.
@@ -311,6 +328,7 @@ def plot_curves(series: Dict[str, Any], x_axis: str, band: str = "ci95", title: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     axes_names = dict(X_AXES)
     if x_axis not in axes_names:
@@ -326,6 +344,8 @@ def plot_curves(series: Dict[str, Any], x_axis: str, band: str = "ci95", title: 
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
         ax.ticklabel_format(axis="y", useOffset=False)
+        if x_axis == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if not p["groups"]:
             ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes,
                     color="gray", fontsize=9)
@@ -334,14 +354,22 @@ def plot_curves(series: Dict[str, Any], x_axis: str, band: str = "ci95", title: 
         for lab, agg in p["groups"].items():
             c = colors[lab]
             seen.extend(agg["mean"])
+            points = len(agg["step"]) <= FEW_POINTS
             for rpath, sr in agg["runs"].items():
                 if len(agg["runs"]) > 1 and sr["value"]:
-                    ax.plot(sr[x_axis], sr["value"], color=c, alpha=0.45, lw=0.7, gid=f"run:{rpath}")
+                    ax.plot(sr[x_axis], sr["value"], color=c, alpha=0.45, lw=0 if points else 0.7,
+                            marker="." if points else None, ms=4, gid=f"run:{rpath}")
                     seen.extend(sr["value"])
             few = len(agg["step"]) <= 12
-            ax.plot(agg[x_axis], agg["mean"], color=c, lw=1.8, marker="o" if few else None, ms=3.5,
-                    label=lab, gid=f"mean:{lab}")
-            if max(agg["n"]) > 1:
+            ax.plot(agg[x_axis], agg["mean"], color=c, lw=0 if points else 1.8, marker="o" if few else None,
+                    ms=5 if points else 3.5, label=lab, gid=f"mean:{lab}")
+            if max(agg["n"]) > 1 and points:
+                err = [[m - lo_ for m, lo_ in zip(agg["mean"], agg["low"])],
+                       [hi_ - m for m, hi_ in zip(agg["mean"], agg["high"])]]
+                eb = ax.errorbar(agg[x_axis], agg["mean"], yerr=err, fmt="none", ecolor=c, alpha=0.5, capsize=3)
+                for cap in eb.lines[1]:
+                    cap.set_gid(f"band:{lab}")
+            elif max(agg["n"]) > 1:
                 ax.fill_between(agg[x_axis], agg["low"], agg["high"], color=c, alpha=0.18, lw=0)
         lo, hi = min(seen), max(seen)
         pad = 0.12 * (hi - lo) if hi > lo else max(abs(hi) * 0.1, 0.05)
@@ -354,8 +382,11 @@ def plot_curves(series: Dict[str, Any], x_axis: str, band: str = "ci95", title: 
                 labs.append(lab)
     fig.legend(handles, labs, loc="upper center", ncol=min(4, max(1, len(labs))), fontsize=9, frameon=False,
                bbox_to_anchor=(0.5, 0.995))
-    sup = (title + "  |  " if title else "") + (f"mean over seeds, shaded: {band_name} (cut at the plotted range), "
-                                                "thin: each seed")
+    if seeds_per_method(series) > 1:
+        how = f"mean over seeds, shaded or bars: {band_name} (cut at the plotted range), thin: each seed"
+    else:
+        how = "one run per method: each curve is that run's own values, without a band"
+    sup = (title + "  |  " if title else "") + how
     fig.suptitle(sup, fontsize=10, y=0.955)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return fig
@@ -434,6 +465,7 @@ def _fmt_range(d: Optional[Dict[str, float]]) -> str:
 def render_html(report: Dict[str, Any], images: Dict[str, Path]) -> str:
     """The self-contained HTML page: figures inlined as base64 PNG, the tables, the runs."""
     e = html.escape
+    multi = any(len(rs) > 1 for rs in report["groups"].values())
     band = "95% CI across seeds (Student t)" if report["band"] == "ci95" else "+-1 standard deviation across seeds"
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlpost report</title><style>",
@@ -443,17 +475,20 @@ def render_html(report: Dict[str, Any], images: Dict[str, Path]) -> str:
         "text-align:left;vertical-align:top}th{background:#f3f3f3}img{width:100%;border:1px solid #eee}"
         ".sig{color:#0a6b0a;font-weight:600}.ns{color:#777}.err{color:#a00}code{font-size:12px}"
         ".note{color:#555;font-size:13px}.nw{white-space:nowrap}</style></head><body>",
-        f"<h1>rlpost report</h1><p class='note'>{len(report['runs'])} runs in {len(report['groups'])} "
-        f"method(s), made {e(report['created'])}. Lines: mean over seeds; shaded: {e(band)}; thin lines: each "
-        "seed. Wall time: the training loop's own time (steps and evaluations; no model loading or "
-        "checkpoint writing).</p>",
+        f"<h1>rlpost report</h1><p class='note'>{plural(len(report['runs']), 'run')} in "
+        f"{plural(len(report['groups']), 'method')}, made {e(report['created'])}. "
+        + (f"Lines: mean over seeds; shaded: {e(band)}; thin lines: each seed. " if multi else
+           "One run per method: each curve is that run's own values, without a band. ")
+        + f"Curves of {FEW_POINTS} points or fewer are drawn as points. Wall time: the training loop's own time "
+        "(steps and evaluations; no model loading or checkpoint writing).</p>",
     ]
     for x_axis, name in X_AXES:
         parts.append(f"<h2>Against {e(name)}</h2>")
         b64 = base64.b64encode(images[x_axis].read_bytes()).decode("ascii")
         parts.append(f"<img alt='curves against {e(name)}' src='data:image/png;base64,{b64}'>")
-    parts.append("<h2>Final figures per method</h2><p class='note'>Mean over seeds [the band]; wall time: mean "
-                 "(min-max).</p><table><tr><th>method</th><th>seeds</th><th>last step</th>"
+    parts.append("<h2>Final figures per method</h2><p class='note'>"
+                 + ("Mean over seeds [the band]; wall time: mean (min-max)." if multi else "Each run's own figures.")
+                 + "</p><table><tr><th>method</th><th>seeds</th><th>last step</th>"
                  "<th>final reward/mean</th><th>held-out accuracy (eval.json)</th><th>wall time (s)</th></tr>")
     uneven = []
     for row in report["final"]:
@@ -644,7 +679,8 @@ def register_cli(app: Any) -> None:
             raise typer.Exit(code=e.exit_code)
         for why in rep.get("skipped", []):
             typer.echo(f"skipped: {why}")
-        typer.echo(f"{len(rep['runs'])} runs, {len(rep['groups'])} method(s): {', '.join(rep['groups'])}")
+        typer.echo(f"{plural(len(rep['runs']), 'run')}, {plural(len(rep['groups']), 'method')}: "
+                   f"{', '.join(rep['groups'])}")
         for c in rep["comparisons"]:
             if "error" in c:
                 typer.echo(f"  {c['b']} vs {c['a']}: not compared: {c['error']}")

@@ -261,7 +261,10 @@ def init_ray(lc: Any) -> bool:
         return False
     env = {"PYTHONPATH": os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH", "")) if p),
            "TOKENIZERS_PARALLELISM": "false"}
-    kw: Dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True, "configure_logging": False}
+    # the workers' own output stays in Ray's session logs (its path goes to cli.log): streamed to the driver
+    # it reached the console as "(RolloutWorker pid=...)" lines with raw colour codes; a worker's error still
+    # reaches the driver as the failed call's exception
+    kw: Dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": False, "configure_logging": False}
     addr = lc.address
     if addr in (None, "", "null", "none"):
         kw["include_dashboard"] = False
@@ -276,6 +279,96 @@ def init_ray(lc: Any) -> bool:
                           f"Fix: start one with `ray start --head` on the head node (and `ray start "
                           f"--address=HEAD:6379` on the others), or launcher.address=null for a local cluster.") from None
     return True
+
+
+def _session_logs() -> str:
+    """The directory of this Ray session's logs (``/tmp/ray/session_*/logs``), or ``?``."""
+    try:
+        import ray
+
+        return str(ray._private.worker.global_worker.node.get_logs_dir_path())
+    except Exception:  # pragma: no cover - a private API of Ray
+        return "?"
+
+
+def route_ray_logging() -> Tuple[List[logging.Handler], bool]:
+    """Send Ray's logger (``ray``) through this process's handlers instead of its own stderr handler.
+
+    Under the CLI that puts Ray's start-up notices in ``cli.log`` and, below ERROR, off the
+    console (:data:`rlpost.tracking.QUIET_LOGGERS`). Returns what :func:`restore_ray_logging` restores.
+    """
+    lg = logging.getLogger("ray")
+    saved = (list(lg.handlers), lg.propagate)
+    if logging.getLogger().handlers:  # the CLI's handlers (Hydra's job logging); elsewhere leave Ray's own
+        lg.handlers, lg.propagate = [], True
+    return saved
+
+
+def restore_ray_logging(saved: Tuple[List[logging.Handler], bool]) -> None:
+    """Undo :func:`route_ray_logging`."""
+    lg = logging.getLogger("ray")
+    lg.handlers, lg.propagate = list(saved[0]), saved[1]
+
+
+def stop_actors(actors: Sequence[Any], timeout_s: float = 60.0) -> None:
+    """Stop Ray actors in an order that lets each exit cleanly, before the cluster is shut down.
+
+    Each actor (a :class:`RolloutWorker`: ``ping`` and ``close``) first closes its engine,
+    then exits by itself (``__ray_terminate__``, which runs after its pending calls), and
+    this waits until it has and, for actors on this node, until their processes are gone.
+    Only an actor that has not exited within ``timeout_s`` is killed. Before, the pool called
+    ``ray.kill`` on every worker and ``ray.shutdown`` at once, so Ray stopped the node under
+    workers that were still being torn down, and a worker could abort mid-exit ("Mutex
+    corrupt: both reader and writer lock held", SIGABRT) and print its crash dump on a run
+    that had succeeded.
+    """
+    import ray
+
+    if not actors:
+        return
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        return max(1.0, deadline - time.monotonic())
+
+    here = ray.get_runtime_context().get_node_id()
+    pings = [a.ping.remote() for a in actors]
+    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=left())
+    pids = []
+    for ref in ready:
+        try:
+            pid, node = ray.get(ref)
+        except Exception:  # a dead worker: nothing to wait for
+            continue
+        if node == here:
+            pids.append(pid)
+    closing = [a.close.remote() for a in actors]
+    ray.wait(closing, num_returns=len(closing), timeout=left())
+    done = [a.__ray_terminate__.remote() for a in actors]
+    exited, _ = ray.wait(done, num_returns=len(done), timeout=left())
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):  # the reply precedes the exit itself
+        time.sleep(0.05)
+    for a, ref in zip(actors, done):
+        if ref not in exited:
+            try:
+                ray.kill(a)
+            except Exception:  # pragma: no cover - already gone
+                pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:  # pragma: no cover - no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
 
 
 class RayRolloutPool:
@@ -303,7 +396,10 @@ class RayRolloutPool:
 
         self.lc = lc = cfg.launcher
         self.local = local_engine
+        self._ray_logging = route_ray_logging()
         self.started_ray = init_ray(lc)
+        if self.started_ray:
+            logging.getLogger("ray").info(f"Ray session logs (the rollout workers' output): {_session_logs()}")
         self.cfg_dict = OmegaConf.to_container(cfg, resolve=True)
         self.n = int(lc.num_rollout_workers)
         self.gpu = float(lc.gpus_per_worker) > 0
@@ -543,20 +639,20 @@ class RayRolloutPool:
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        """Stop the workers (and the Ray cluster when this pool started it)."""
+        """Stop the workers, each exiting by itself (:func:`stop_actors`), then the Ray cluster when this
+        pool started it; Ray's logger gets its own handlers back."""
         import ray
 
-        if not ray.is_initialized():
-            return
-        for w in self.workers:
-            try:
-                ray.kill(w)
-            except Exception:  # pragma: no cover - already dead
-                pass
-        if self.pg is not None:
-            from ray.util.placement_group import remove_placement_group
+        try:
+            if not ray.is_initialized():
+                return
+            stop_actors([self.workers[s] for s in self.live()])
+            if self.pg is not None:
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.pg)
-        self.local.close()
-        if self.started_ray:
-            ray.shutdown()
+                remove_placement_group(self.pg)
+            self.local.close()
+            if self.started_ray:
+                ray.shutdown()
+        finally:
+            restore_ray_logging(self._ray_logging)

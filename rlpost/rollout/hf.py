@@ -10,6 +10,7 @@ string even when the pad token equals EOS.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from typing import Any, List, Optional
 
@@ -20,14 +21,17 @@ from rlpost.models.logprobs import eval_mode
 from rlpost.rollout.sampling import apply_top_k_top_p
 
 
-def _cache_kw() -> str:
-    """Name of the KV-cache argument of causal-LM forward (``cache`` in transformers>=5.x)."""
+@functools.lru_cache(maxsize=None)
+def cache_kw() -> str:
+    """Name of the KV-cache argument of causal-LM forward (``cache`` in transformers>=5.x).
+
+    Asked on first use, not at import: importing transformers' model classes takes seconds,
+    and commands that never generate (``rlpost list``, ``rlpost config``) import this module
+    through the sampler registry.
+    """
     from transformers import LlamaForCausalLM
 
     return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
-_CACHE_KW = _cache_kw()
 
 
 def _get_cache(out: Any) -> Any:
@@ -328,7 +332,7 @@ class HFRolloutEngine(RolloutEngine):
             cache0 = preallocated_cache(model, ids.shape[1] + params.max_new_tokens) if self.prealloc_cache else None
             out = model(
                 input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first],
-                use_cache=True, logits_to_keep=1, **{_CACHE_KW: cache0},
+                use_cache=True, logits_to_keep=1, **{cache_kw(): cache0},
             )
             past = _get_cache(out)
             logits = out.logits[:, -1, :].float()
@@ -399,7 +403,7 @@ class HFRolloutEngine(RolloutEngine):
                     attention_mask=mask,
                     position_ids=next_pos[:, None],
                     use_cache=True,
-                    **{_CACHE_KW: past},
+                    **{cache_kw(): past},
                 )
                 past = _get_cache(out)
                 logits = out.logits[:, -1, :].float()

@@ -304,10 +304,10 @@ class MTPSpeculativeEngine(SelfSpeculativeEngine):
         return out
 
     def _fwd_h(self, toks: List[int], cache: Any) -> Tuple[torch.Tensor, torch.Tensor, Any]:
-        from rlpost.rollout.hf import _CACHE_KW, _get_cache
+        from rlpost.rollout.hf import _get_cache, cache_kw
 
         x = torch.tensor([toks], dtype=torch.long, device=self.device)
-        o = self.model(input_ids=x, use_cache=True, output_hidden_states=True, **{_CACHE_KW: cache})
+        o = self.model(input_ids=x, use_cache=True, output_hidden_states=True, **{cache_kw(): cache})
         return o.logits[0].cpu(), o.hidden_states[-1][0], _get_cache(o)
 
     def _speculate_row(self, prompt: List[int], ids: List[int], lps: List[float], params: SamplingParams,

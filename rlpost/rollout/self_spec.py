@@ -48,7 +48,7 @@ import torch
 from rlpost.errors import ConfigError
 from rlpost.models.logprobs import eval_mode
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations
-from rlpost.rollout.hf import _CACHE_KW, _get_cache, left_pad, sample_inverse_cdf
+from rlpost.rollout.hf import _get_cache, cache_kw, left_pad, sample_inverse_cdf
 from rlpost.rollout.sampling import apply_top_k_top_p
 
 #: keys of ``rollout.speculative`` and their defaults (one owner: this module)
@@ -321,7 +321,7 @@ class SelfSpeculativeEngine(RolloutEngine):
                     past.batch_select_indices(kd)
                     mask = torch.cat([mask[kd], torch.ones(len(rows), 1, dtype=mask.dtype, device=self.device)], 1)
                     o = model(input_ids=toks[:, None].to(self.device), attention_mask=mask,
-                              position_ids=next_pos[:, None], use_cache=True, **{_CACHE_KW: past})
+                              position_ids=next_pos[:, None], use_cache=True, **{cache_kw(): past})
                     self._m["target_forwards"] += 1
                     past, logits, next_pos = _get_cache(o), o.logits[:, -1, :].cpu(), next_pos + 1
                 live = rows.tolist()
@@ -347,7 +347,7 @@ class SelfSpeculativeEngine(RolloutEngine):
 
     def _forward(self, m: torch.nn.Module, toks: List[int], cache: Any) -> tuple:
         x = torch.tensor([toks], dtype=torch.long, device=self.device)
-        o = m(input_ids=x, use_cache=True, **{_CACHE_KW: cache})
+        o = m(input_ids=x, use_cache=True, **{cache_kw(): cache})
         return o.logits[0].cpu(), _get_cache(o)
 
     def _speculate_row(self, prompt: List[int], ids: List[int], lps: List[float], params: SamplingParams,
