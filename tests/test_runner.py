@@ -342,7 +342,7 @@ def test_two_steps_end_to_end_on_real_model(compose, tmp_path):
 
     cfg = compose(["logger=wandb", "steps=2", "selector.prompts_per_step=2", "algo.n_samples_per_prompt=4",
                    "rollout.max_new_tokens=24", "eval.limit=8", "eval.max_new_tokens=24", "task.train_size=64", "eval.at_start=false",
-                   "task.eval_size=16"])
+                   "task.eval_size=16", "precision=fp32"])  # auto picks bf16 on CPUs with bf16 instructions
     run_dir = tmp_path / "real"
     train(cfg, run_dir)
     recs = _metrics(run_dir)
