@@ -148,6 +148,11 @@ def _fake_vllm(monkeypatch, calls, version="0.33.0", reload_api=True, device="cu
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = NS(device_type=device)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    attn = types.ModuleType("vllm.v1.attention.backends.cpu_attn")  # vLLM 0.32's CPU attention head sizes
+    attn.CPUAttentionBackend = NS(get_supported_head_sizes=lambda: [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512])
+    for name in ("vllm.v1.attention", "vllm.v1.attention.backends"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.cpu_attn", attn)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -371,3 +376,33 @@ def test_cpu_platform_plan_and_engine_arguments(compose, tmp_path):
     names = [n for n, _ in reload_items({"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(2)}, True)]
     assert names == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     assert [n for n, _ in reload_items({"model.embed_tokens.weight": emb}, False)] == ["model.embed_tokens.weight"]
+
+
+def test_engine_on_the_cpu_platform_drives_the_calls_the_real_cpu_engine_needs(compose, monkeypatch, tmp_path):
+    """The fake follows vLLM's CPU backend (tests/test_vllm_engine.py runs the real one): no sleep mode and no
+    sleep/wake calls, every push through the worker's reload with the tied head included, threads kept, and a
+    head size the CPU kernels lack refused before any engine is built."""
+    from rlpost.errors import RlpostError
+    from rlpost.models.loader import load_policy
+    from rlpost.rollout import build_engine
+    from rlpost.rollout.base import SamplingParams
+
+    calls = []
+    _fake_vllm(monkeypatch, calls, device="cpu")
+    narrow = compose(tiny_overrides("rollout=vllm", f"model.cache_dir={tmp_path}"))  # head size 16
+    model, tok = load_policy(narrow.model, seed=0)
+    with pytest.raises(RlpostError, match="no kernel for head size 16"):
+        build_engine(narrow, model, tok, torch.device("cpu"))
+    assert not calls
+    cfg = compose(tiny_overrides("rollout=vllm", "model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2",
+                                 "model.tiny.num_key_value_heads=1", f"model.cache_dir={tmp_path}"))
+    model, tok = load_policy(cfg.model, seed=0)
+    threads = torch.get_num_threads()
+    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    assert torch.get_num_threads() == threads == eng.threads
+    init = calls[0][1]
+    assert "enable_sleep_mode" not in init and init["kv_cache_memory_bytes"] == 2**30 and init["enforce_eager"] is True
+    eng.generate([[1, 2]], SamplingParams(max_new_tokens=2, seed=0))
+    eng.sync_weights(model)
+    assert _kinds(calls[1:]) == ["generate", "rpc('reload_weights',)", "reset_prefix_cache"]
+    assert "lm_head.weight" in calls[2][2] and "model.embed_tokens.weight" in calls[2][2]
