@@ -155,13 +155,16 @@ def test_engine_follows_the_trainers_weights_over_three_updates(engine, cfg, pol
 
 
 def _engine_scores(eng, gen) -> torch.Tensor:
-    """The engine's temperature-1 log-probs of ``gen``'s response tokens, read as prompt log-probs of prompt + response."""
+    """The engine's temperature-1 log-probs of ``gen``'s response tokens, read as prompt log-probs of prompt + response
+    (with the engine's current LoRA adapter, if any)."""
     out = torch.zeros_like(gen.rollout_logprobs)
+    extra = {"lora_request": eng.lora_request} if eng.lora_request is not None else {}
     for i in range(gen.response_ids.shape[0]):
         p = gen.prompt_ids[i][gen.prompt_mask[i] > 0].tolist()
         r = gen.response_ids[i][gen.response_mask[i] > 0].tolist()
         res = eng.llm.generate([{"prompt_token_ids": p + r}],
-                               eng._SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0), use_tqdm=False)
+                               eng._SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0), use_tqdm=False,
+                               **extra)
         plp = res[0].prompt_logprobs
         out[i, :len(r)] = torch.tensor([plp[len(p) + k][tok].logprob for k, tok in enumerate(r)])
     return out

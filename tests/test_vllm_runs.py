@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from test_vllm_engine import TOL, _batch, _overrides, _prompts, _trainer  # (skips this module without vLLM)
+from test_vllm_engine import TOL, _batch, _engine_scores, _overrides, _prompts, _trainer  # (skips this module without vLLM)
 
 pytestmark = pytest.mark.vllm
 
@@ -63,7 +63,7 @@ def test_lora_adapters_are_served_through_lora_requests_and_never_stale(cfg):
                         p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + k)))
             eng.sync_weights(model)
             assert eng.lora_request.lora_int_id == k + 1
-            got = _engine_scores_lora(eng, gen)
+            got = _engine_scores(eng, gen)
             want, _ = t.compute_logprobs(_batch(gen))
             assert (got - want)[m].abs().max().item() < 5 * TOL, k
             seen.append(got)
@@ -71,19 +71,6 @@ def test_lora_adapters_are_served_through_lora_requests_and_never_stale(cfg):
         assert (seen[1] - seen[0])[m].abs().max().item() > 1e-2  # the second push is what is served
     finally:
         eng.close()
-
-
-def _engine_scores_lora(eng, gen) -> torch.Tensor:
-    out = torch.zeros_like(gen.rollout_logprobs)
-    for i in range(gen.response_ids.shape[0]):
-        p = gen.prompt_ids[i][gen.prompt_mask[i] > 0].tolist()
-        r = gen.response_ids[i][gen.response_mask[i] > 0].tolist()
-        res = eng.llm.generate([{"prompt_token_ids": p + r}],
-                               eng._SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0),
-                               use_tqdm=False, lora_request=eng.lora_request)
-        plp = res[0].prompt_logprobs
-        out[i, :len(r)] = torch.tensor([plp[len(p) + k][tok].logprob for k, tok in enumerate(r)])
-    return out
 
 
 def test_speculative_decoding_on_cpu_is_refused_with_the_reason(policy):
