@@ -89,7 +89,8 @@ def test_token_budget_gives_the_gradient_of_sequence_micro_batches(compose, agg)
     m_tok, g_tok, lp_tok = _update(compose, agg, max_tokens_per_micro_batch=40)
     assert g_seq.norm() > 0
     torch.testing.assert_close(lp_tok, lp_seq, rtol=1e-5, atol=1e-5)  # no-grad passes, rows back in order
-    torch.testing.assert_close(g_tok, g_seq, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(g_tok, g_seq, rtol=1e-4, atol=5e-5 * float(g_seq.abs().max()))  # fp32 noise of
+    # batch-size-dependent matmul blocking (AVX-512): up to 1.6e-6 absolute on near-zero entries
     for k, v in m_seq.items():
         if k in ("actor/lr", "bench/padding_frac"):
             continue
@@ -102,7 +103,8 @@ def test_token_budget_with_a_batch_statistics_loss(compose):
     """clip_cov's covariance is over the whole mini-batch: responses keep its width, prompts are cut."""
     m_seq, g_seq, _ = _update(compose, "token-mean", "clip_cov", micro_batch_size=3)
     m_tok, g_tok, _ = _update(compose, "token-mean", "clip_cov", max_tokens_per_micro_batch=60)
-    torch.testing.assert_close(g_tok, g_seq, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(g_tok, g_seq, rtol=1e-4, atol=5e-5 * float(g_seq.abs().max()))  # fp32 noise of
+    # batch-size-dependent matmul blocking (AVX-512): up to 1.6e-6 absolute on near-zero entries
     assert m_tok["loss/policy"] == pytest.approx(m_seq["loss/policy"], rel=1e-4, abs=1e-6)
 
 
