@@ -80,3 +80,15 @@ def update_with_gradient(trainer, batch):
     trainer._policy_step = capture
     metrics = trainer.policy_update(batch)
     return metrics, grads["g"]
+
+
+def start_local_ray() -> None:
+    """A local Ray cluster of 2 CPUs for tests: no dashboard, a 100 MB object store, worker output kept in
+    Ray's logs, and workers that import this checkout on one thread each (a running cluster is shut down first)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+             configure_logging=False, runtime_env={"env_vars": {
+                 "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})

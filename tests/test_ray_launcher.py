@@ -22,16 +22,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from dp_worker import OVERRIDES  # noqa: E402  (the data-parallel test's config)
-from conftest import tiny_overrides  # noqa: E402
+from conftest import start_local_ray, tiny_overrides  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
-             configure_logging=False, runtime_env={"env_vars": {
-                 "PYTHONPATH": str(HERE.parent), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
+    start_local_ray()
     yield
     ray.shutdown()
 

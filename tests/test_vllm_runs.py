@@ -8,8 +8,6 @@ without vLLM except under CI.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from test_vllm_engine import TOL, _batch, _engine_scores, _overrides, _prompts, 
 
 pytestmark = pytest.mark.vllm
 
-from conftest import tiny_overrides  # noqa: E402
+from conftest import start_local_ray, tiny_overrides  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +138,7 @@ def test_ray_rollout_workers_with_vllm_give_the_single_process_run(tmp_path):
     object store): the same tokens, rollout log-probs and final weights as rollout=vllm in this process."""
     import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
-    here = os.path.dirname(os.path.abspath(__file__))
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
-             configure_logging=False, runtime_env={"env_vars": {
-                 "PYTHONPATH": os.path.dirname(here), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
+    start_local_ray()
     try:
         single, w1 = _two_steps(tmp_path, "single")
         pooled, w2 = _two_steps(tmp_path, "ray", "launcher=ray", "launcher.num_rollout_workers=1")
