@@ -152,3 +152,15 @@ class RolloutBatch:
             extras[k] = pad_cat(ts, 0, width=R) if ts[0].dim() == 2 else torch.cat(ts)
         out["extras"] = extras
         return RolloutBatch(**out)
+
+
+def left_pad(seqs: List[List[int]], pad_id: int):
+    """Left-pad token lists to ``[B, P]`` ids and mask (long)."""
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, P - len(s):] = 1
+    return ids, mask

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from rlpost.errors import RlpostError
+from rlpost.models.loader import resolve_model_dir, save_hf  # noqa: F401  (save_hf: re-exported)
 
 DONE_MARKER = "DONE"
 FAILED_MARKER = "FAILED"
@@ -59,41 +60,6 @@ class GeneratorState:
     def load_state_dict(self, sd: torch.Tensor) -> None:
         """Restore :meth:`state_dict`."""
         self.gen.set_state(sd)
-
-
-def save_hf(policy, tokenizer, path: Path) -> None:
-    """``save_pretrained`` of the policy and tokenizer into ``path``, quietly.
-
-    No "Writing model shards" progress bar (a checkpoint is one line of the
-    run's log), and no DeepSpeed import when DeepSpeed is not in use:
-    ``save_pretrained`` asks accelerate to unwrap the model, which imports
-    DeepSpeed whenever it is installed (printing "Setting accelerator to CPU"
-    on a CPU machine) only to test whether the model is a ``DeepSpeedEngine``;
-    a model is one only if DeepSpeed was already imported.
-    """
-    import contextlib
-    import sys
-    from unittest import mock
-
-    from transformers.utils import logging as hf_logging
-
-    no_ds = contextlib.nullcontext()
-    if "deepspeed" not in sys.modules:
-        try:
-            import accelerate.utils.other as acc_other
-
-            no_ds = mock.patch.object(acc_other, "is_deepspeed_available", lambda: False)
-        except (ImportError, AttributeError):  # another accelerate layout: save as is
-            pass
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        with no_ds:
-            policy.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def save_policy(policy, tokenizer, path: Path, base_model: Optional[str] = None) -> None:
@@ -130,8 +96,6 @@ def export_final(policy, tokenizer, path: Path, model_cfg: Any = None) -> None:
         return
     base = None
     if model_cfg is not None and str(model_cfg.source) != "tiny":
-        from rlpost.models.loader import resolve_model_dir
-
         base = resolve_model_dir(model_cfg)
     merged = model_cfg is None or bool(model_cfg.lora.get("export_merged", True))
     if merged:

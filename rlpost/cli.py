@@ -233,7 +233,7 @@ def train(
             overrides, note = plan.overrides, plan.note
         if not multirun:  # trainer.num_procs > 1: re-run this command under torchrun
             from rlpost.config.compose import compose_config
-            from rlpost.trainer.launch import needs_launch, relaunch
+            from rlpost.trainer.torchrun import needs_launch, relaunch
 
             cfg0 = compose_config([o for o in overrides if not o.startswith("hydra.")])
             if needs_launch(cfg0):
@@ -347,7 +347,7 @@ def eval_cmd(ctx: typer.Context) -> None:
                 log.info(line)
             log.info(f"wrote {path} and {run_dir / 'harness_samples.jsonl'}")
             return
-        from rlpost.rollout.mtp_draft import task_prompts
+        from rlpost.tasks.base import task_prompts
 
         t = build_task(cfg.task)
         # rollout.speculative.drafter=mtp_head without a head file fits one on the task's training prompts
@@ -463,7 +463,6 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
     """
     import importlib
 
-    import rlpost.algos  # noqa: F401
     import rlpost.tasks  # noqa: F401
     from rlpost.config.compose import conf_dir, group_choices
     from rlpost.config.schema import GROUP_SCHEMAS

@@ -804,3 +804,13 @@ def markdown_table(names: Optional[Sequence[str]] = None, directory: Optional[Pa
         out.append(f"| `{n}` | {c.kind} | {c.paper.split(':')[0]} ({ref}) | {claim} | {n_fields - unread}/{n_fields} | "
                    f"{base} | {status_text(load_result(n, directory))} |")
     return "\n".join(out)
+
+
+def check_card_config(cfg: Any) -> None:
+    """A recipe's ``card``: every field known, every cited number sourced (:func:`parse_card`).
+
+    Raises:
+        ConfigError: as :func:`parse_card`.
+    """
+    if cfg.get("card") is not None:
+        parse_card(cfg.card, "card")

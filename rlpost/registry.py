@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import inspect
 from dataclasses import dataclass, field
 from enum import Enum
@@ -63,6 +64,17 @@ def param_rows(params: type) -> List[Tuple[str, str, Any, str]]:
         t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         rows.append((f.name, str(t), plain(default), f.metadata.get("doc", "")))
     return rows
+
+
+def as_dict(x: Any) -> dict:
+    """A config node (``DictConfig``, mapping or None) as a plain dict, interpolations resolved."""
+    if x is None:
+        return {}
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(x, DictConfig):
+        return dict(OmegaConf.to_container(x, resolve=True))  # type: ignore[arg-type]
+    return dict(x)
 
 
 def plain(value: Any) -> Any:
@@ -196,6 +208,9 @@ class Registry:
 
     Args:
         kind: human-readable kind, used in error messages ("advantage estimator").
+        catalog: a module that imports every component of this kind, imported on the
+            first lookup (see :meth:`_load`); "" when the components register on import
+            of the registry's own module.
         config_key: the config key that selects an entry (``algo.adv_estimator``),
             used in error messages.
         typed_params: every entry declares its parameters (``params=``; none
@@ -205,11 +220,25 @@ class Registry:
             convention does not.
     """
 
-    def __init__(self, kind: str, config_key: str = "", typed_params: bool = False) -> None:
+    def __init__(self, kind: str, config_key: str = "", typed_params: bool = False, catalog: str = "") -> None:
         self.kind = kind
         self.config_key = config_key
         self.typed_params = typed_params
+        self.catalog = catalog
+        self._loaded = not catalog
         self._entries: Dict[str, Entry] = {}
+
+    def _load(self) -> None:
+        """Import the registry's catalog module (every component of its kind) on the first lookup.
+
+        The components import the registry to register themselves, so the
+        registry cannot import them at module level without a cycle; its
+        catalog (``catalog=``, a module importing each component's file) is
+        imported here instead, once.
+        """
+        if not self._loaded:
+            self._loaded = True
+            importlib.import_module(self.catalog)
 
     def register(
         self, name: str, *, paper: str = "", description: str = "", params: Optional[type] = None, **tags: Any
@@ -296,6 +325,7 @@ class Registry:
             ConfigError: unknown name; the message lists the valid choices and the
                 closest match.
         """
+        self._load()
         if name not in self._entries:
             choices = sorted(self._entries)
             close = difflib.get_close_matches(str(name), choices, n=1)
@@ -312,9 +342,11 @@ class Registry:
 
     def names(self) -> List[str]:
         """Sorted registered names."""
+        self._load()
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:
+        self._load()
         return name in self._entries
 
     def __iter__(self) -> Iterator[Entry]:

@@ -12,8 +12,10 @@ through its own callable:
 Disabled stages (no critic, no KL, ...) are printed as skipped and never run;
 :attr:`Run.executed` records what ran for each step.
 
-Everything algorithmic is a registered pure function in :mod:`rlpost.algos`; this
-module only moves tensors between stages.
+Everything algorithmic is a registered pure function in :mod:`rlpost.algos`, or
+a method's hooks in :mod:`rlpost.methods` (called here through one
+:class:`rlpost.methods.base.MethodSet`); this module names no method and only
+moves tensors between stages.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
+from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.regularizers import kl_penalty
 from rlpost.algos.validate import adv_overrides
 from rlpost.batch import RolloutBatch
+from rlpost.methods.base import MethodSet, RunServices
 from rlpost.checkpoint import DONE_MARKER, FAILED_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
 from rlpost.rollout.base import SamplingParams
 
@@ -81,18 +85,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
     (:func:`bind_stages`), the executor runs the producer stages.
     """
     a = cfg.algo
-    from rlpost.algos.stages import algo_requirements
-
-    req = algo_requirements(a)
-    inputs = [w for w, on in (("reference answers (SFT)", req.reference_responses), ("token entropy", req.entropy),
-                               ("greedy baseline rollout", req.baseline_rollout),
-                               ("per-prompt Beta baseline", req.beta_baseline),
-                               ("answer clusters", req.answers), ("subsentence ids", req.segments),
-                               (f"{req.reference_rewards} reference-policy samples per new prompt (V*)",
-                                req.reference_rewards),
-                               (f"hindsight skills (up to {req.skill} tokens) and the responses' log-probs with them (SEED)", req.skill),
-                               ("privileged-context log-prob shifts (CSCR)", req.privileged_shifts),
-                               ("hidden-state probe predictions, then its refit (POISE)", req.probe is not None)) if on]
+    methods = MethodSet.for_config(cfg)
+    inputs = methods.describe()
     async_ex = cfg.executor.name == "async"
     ev = [w for w, on in (("before the first step", cfg.eval.at_start), (f"every {cfg.eval.every} steps", cfg.eval.every > 0),
                           ("after the last step", cfg.eval.at_end)) if on]
@@ -103,7 +97,7 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               f"({cfg.precision.rollout_dtype}, T={cfg.rollout.temperature}, max_new_tokens={cfg.rollout.max_new_tokens})"
               + (f"; partial rollouts: chunks of {cfg.executor.partial_chunk_tokens} tokens, "
                  f"over_provision {cfg.executor.over_provision}, unfinished groups carried over"
-                 + (" (T-PPO window: one chunk per step, cut responses trained and continued)"
+                 + (" (a window per step: one chunk, cut responses trained and continued)"
                     if cfg.executor.get("partial_train_unfinished", False) else "")
                  if cfg.executor.get("partial_rollout", False) else "")
               + (f"; in {cfg.launcher.num_rollout_workers} Ray workers ({cfg.launcher.placement})"
@@ -111,7 +105,7 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
         Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping", phase=PRODUCE),
         Stage("algo_inputs", "algorithm inputs: " + (", ".join(inputs) or "none"), bool(inputs)),
         Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)",
-              needs_old_logprobs(a)),
+              needs_old_logprobs(a, methods)),
         Stage("ref_logprobs", f"reference-model log-probs for KL ({a.kl.estimator}, coef {a.kl.coef})"
               if not loss_needs_ref(a) else f"reference-model log-probs for loss={a.loss}",
               a.kl.coef > 0 or loss_needs_ref(a)),
@@ -141,9 +135,7 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
 
 
 def loss_needs_ref(a: Any) -> bool:
-    """``algo.loss`` is tagged ``needs_ref``: it reads the reference policy's log-probs itself (EXO)."""
-    from rlpost.algos.registries import POLICY_LOSSES
-
+    """``algo.loss`` is tagged ``needs_ref``: it reads the reference policy's log-probs itself."""
     return bool(POLICY_LOSSES.tag(str(a.loss), "needs_ref", False))
 
 
@@ -159,27 +151,17 @@ def teacher_stage(cfg: DictConfig) -> "Stage":
                  + (f" and its top-{k} support per position" if k else ""), True)
 
 
-def needs_old_logprobs(a: Any) -> bool:
+def needs_old_logprobs(a: Any, methods: MethodSet) -> bool:
     """Whether the update needs a forward pass for the pre-update log-probs.
 
-    Several optimizer steps per batch anchor their ratios to them, unless
-    A-3PO's interpolation replaces them (``algo.loss_params.proximal=a3po``,
-    arXiv:2512.06547); KL-in-reward reads them too, and so does VCPO's
-    minimum-variance baseline (``algo.adv_params.baseline=min_variance``,
-    arXiv:2602.17616: sequence weights ``pi_old / pi_behav``).
+    Several optimizer steps per batch anchor their ratios to them, unless a
+    method supplies the proximal log-probs itself (``Needs.skip_old_logprobs``);
+    KL-in-reward reads them too, and so does any method that asks
+    (``Needs.old_logprobs``).
     """
-    from rlpost.algos.registries import ADV_ESTIMATORS
-    from rlpost.algos.validate import trainer_loss_params
-
-    # effective values from the declarations (their defaults live there, not here)
-    a3po = str(trainer_loss_params(a).proximal) == "a3po"
-    baseline = ADV_ESTIMATORS.kwargs(a.adv_estimator, adv_overrides(a), "algo.adv_params").get("baseline")
-    min_var = str(baseline) == "min_variance"  # estimators without a baseline parameter never need it
-    from rlpost.algos.predictive_mask import predictive_topk
-
-    # DPPO's predictive direction reads the pre-update policy's top-K, recorded in this pass
-    return ((a.ppo_epochs * a.mini_batches > 1 and not a3po) or (a.kl.coef > 0 and a.kl.in_reward) or min_var
-            or predictive_topk(a) > 0)
+    n = methods.needs()
+    return ((a.ppo_epochs * a.mini_batches > 1 and not n.skip_old_logprobs) or (a.kl.coef > 0 and a.kl.in_reward)
+            or n.old_logprobs)
 
 
 @dataclass
@@ -239,8 +221,8 @@ def step_seed(seed: int, step: int, salt: str = "rollout") -> int:
 
 def pick_device(name: str) -> torch.device:
     """``auto`` -> cuda when available, else cpu; on CUDA the local rank's GPU, made current
-    (:func:`rlpost.trainer.launch.local_device`)."""
-    from rlpost.trainer.launch import local_device
+    (:func:`rlpost.trainer.torchrun.local_device`)."""
+    from rlpost.trainer.torchrun import local_device
 
     return local_device(name)
 
@@ -303,12 +285,8 @@ class Run:
             self.sampler.attach(task=self.task, examples=self.train_examples, run_dir=self.run_dir)
         if cfg.sampler.name == "episode":
             _check_episode_rewards(cfg)
-        from rlpost.algos.stages import check_sampler
-
-        check_sampler(cfg.algo, cfg.sampler.name)  # per-token temperature: the sampler's only
-        from rlpost.algos.mipu import check_update_gate
-
-        check_update_gate(cfg)  # algo.update_gate (MIPU): its config errors stop the run before any weights load
+        # the run's hook-using methods (rlpost.methods): their config errors stop the run before any weights load
+        self.methods = MethodSet.for_config(cfg)
         # all reward shaping lives here (e.g. algo=dapo's overlong window); its config errors stop the run early too
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
                                                     preset_shaping=cfg.algo.adv_params)
@@ -317,16 +295,14 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
-        from rlpost.rollout.quads import apply_trainer_weight_quant
-
-        apply_trainer_weight_quant(cfg, self.trainer.policy)  # precision.trainer_weight_quant (QUADS), before any copy
+        self.methods.attach_trainer(self.trainer.policy)  # before any copy of the weights is made
         self.teacher = None  # the frozen distillation teacher (model.teacher): owns its parameters
         if cfg.model.get("teacher", None):
             from rlpost.models.teacher import load_teacher
 
             self.teacher = load_teacher(str(cfg.model.teacher), self.tokenizer, self.trainer.dtype,
                                         self.trainer.device, seed=cfg.seed)
-        from rlpost.rollout.mtp_draft import task_prompts
+        from rlpost.tasks.base import task_prompts
 
         # run_dir and prompts: rollout.speculative.drafter=mtp_head fits its head on training prompts, keeps it there
         self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device, run_dir=self.run_dir,
@@ -341,25 +317,14 @@ class Run:
             self.engine = ShardedEngine(self.local_engine)
         else:
             self.engine = self.local_engine
-        from rlpost.launch import build_rollout_backend
+        from rlpost.ray_pool import build_rollout_backend
 
-        # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.launch)
+        # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.ray_pool)
         self.engine = build_rollout_backend(cfg, self.engine, self.trainer.policy, self.tokenizer)
-        from rlpost.algos.mipu import build_update_gate
-
-        self.update_gate = build_update_gate(cfg)  # MIPU: accept a step only if the inference copy improves
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
-        from rlpost.algos.stages import AlgoState, algo_requirements
-
-        self.algo_state = AlgoState(algo_requirements(cfg.algo))
-        self._reference_rewards: Dict[int, List[float]] = {}  # A*-PO: rewards of reference samples, by prompt
-        self._reference_engine = None
-        if self.algo_state.req.reference_rewards and self.trainer.ref is None:
-            from rlpost.errors import ConfigError
-
-            raise ConfigError(f"adv_estimator={cfg.algo.adv_estimator} samples the frozen reference policy, which "
-                              f"model.lora shares with the policy (no separate copy). Fix: model.lora.rank=0.")
+        self.services = self._services()
+        self.methods.setup(self.services)
         self.step = 0
         self.update_rng = torch.Generator().manual_seed(cfg.seed)
         self.partial = self._build_partial()
@@ -368,7 +333,7 @@ class Run:
         self.executed: Dict[int, List[str]] = {}  # step -> names of the stages that ran for it, in order
 
     def _build_partial(self):
-        """The APRIL / CoPRIS partial-rollout producer when ``executor.partial_rollout=true``, else None."""
+        """The partial-rollout producer (:mod:`rlpost.partial`) when ``executor.partial_rollout=true``, else None."""
         ex = self.cfg.executor
         if not bool(ex.get("partial_rollout", False)):
             return None
@@ -395,7 +360,7 @@ class Run:
 
         Raises:
             ConfigError: ``trainer.shard_rollouts=true`` with the asynchronous
-                executor, partial rollouts, multi-turn episodes or HAPO's
+                executor, partial rollouts, multi-turn episodes or the
                 adaptive-temperature sampler.
         """
         from rlpost.distributed import world_size
@@ -422,10 +387,26 @@ class Run:
         if self.cfg.trainer.engine == "deepspeed":
             from rlpost.trainer.deepspeed_engine import DeepSpeedTrainer
 
-            return DeepSpeedTrainer(self.policy, self.cfg, self.device, run_dir=self.run_dir)
+            return DeepSpeedTrainer.from_config(self.policy, self.cfg, self.device, self.methods, run_dir=self.run_dir,
+                                                keep_last=self.cfg.checkpoint.keep_last)
         from rlpost.trainer.torch_engine import TorchTrainer
 
-        return TorchTrainer(self.policy, self.cfg, self.device)
+        return TorchTrainer.from_config(self.policy, self.cfg, self.device, self.methods)
+
+    def _services(self) -> RunServices:
+        """What the run lends its methods' hooks (:class:`rlpost.methods.base.RunServices`)."""
+        from rlpost.rollout import build_engine
+
+        t = self.trainer
+        return RunServices(
+            cfg=self.cfg, logprobs=t.compute_logprobs, forward_pass=t.forward_pass, policy=t.policy,
+            reference_policy=t.ref, snapshot=t.snapshot, restore=t.restore, policy_update=t.policy_update,
+            engine=self.engine, local_engine=self.local_engine, tokenizer=self.tokenizer, task=self.task,
+            examples=self.train_examples, prompt_ids=self.prompt_ids, sampling_params=self.sampling_params,
+            reward=lambda texts, examples, lengths: self.reward_fn(texts, examples, lengths)[0],
+            build_engine=lambda policy: build_engine(self.cfg, policy, self.tokenizer, self.device),
+            rows_pass=self._rows_pass,
+        )
 
     # ------------------------------------------------------------- resume
     def stateful(self) -> Dict[str, Any]:
@@ -442,7 +423,7 @@ class Run:
             "trainer": self.trainer,  # optimizer, scheduler, critic, reference (trainer.pt)
             "selector": self.selector,
             "sampler": self.sampler,
-            "algo_state": self.algo_state,  # MSSR's Beta tracker, HAPO's entropy statistics
+            "algo_state": self.methods,  # the methods' cross-step state (rlpost.methods.base.Method.state_dict)
             "update_rng": GeneratorState(self.update_rng),
             "partial": self.partial,  # the partial-rollout carry-over buffer
         }
@@ -472,15 +453,14 @@ class Run:
         return self._prompt_cache[i]
 
     def prompt_entropy(self, indices: List[int]) -> List[float]:
-        """HIVE's prompt entropy of training examples ``indices`` under the current policy.
+        """The prompt entropy of training examples ``indices`` under the current policy (for selectors).
 
         The mean next-token entropy (nats, temperature 1) over each rendered
         prompt's tokens, one no-grad prefill per prompt, ``trainer.micro_batch_size``
         prompts per pass and ``trainer.logprob_chunk_size`` positions per LM-head
-        chunk (:func:`rlpost.models.logprobs.prompt_entropy`; HIVE, "History-Informed
-        and online-VErified prompt selection", arXiv:2603.25184). Passed to the
-        selector by :meth:`rlpost.selectors.base.Selector.attach`; only ``hive``
-        calls it, from :meth:`select`, before the step's rollouts.
+        chunk (:func:`rlpost.models.logprobs.prompt_entropy`). Passed to the
+        selector by :meth:`rlpost.selectors.base.Selector.attach`; a selector that
+        reads it calls it from :meth:`select`, before the step's rollouts.
 
         Weights: the trainer's current policy (under the trainer's autocast). With
         ``executor=async`` and ``max_staleness > 0`` the learner updates that policy
@@ -500,7 +480,7 @@ class Run:
         if ex.name == "async" and int(ex.get("max_staleness", 0)) > 0:
             model = getattr(self.engine, "model", None)
             if not isinstance(model, torch.nn.Module):
-                raise ConfigError("selector=hive with executor=async max_staleness>0 computes prompt entropy on the "
+                raise ConfigError("a selector reading prompt entropy with executor=async max_staleness>0 computes it on the "
                                   "rollout engine's weights, which rollout.engine=vllm does not expose. Fix: use "
                                   "rollout.engine=hf, executor.max_staleness=0 or another selector.")
         else:
@@ -567,7 +547,7 @@ class Run:
                          scorer.seconds, weights_step, cpu_seconds() - cpu0)
 
     def _partial_rollouts(self, step: int, version: int, weights_step: int, score: Any) -> Any:
-        """The step's rollouts through the partial-rollout producer (APRIL arXiv:2509.18521; CoPRIS).
+        """The step's rollouts through the partial-rollout producer (:mod:`rlpost.partial`).
 
         Returns the same :class:`rlpost.samplers.driver.StepRollouts` as
         :func:`rlpost.samplers.driver.collect_rollouts` (rows grouped by prompt,
@@ -611,7 +591,7 @@ class Run:
         if getattr(ps, "episodes", None):  # RUN_DIR/transcripts/step_NNNNNN.json, as the per-step sampler writes
             self.sampler._write_transcript(SamplerContext(step=step, prompt_indices=ps.prompt_index), ps.episodes, res)
         done = ~ps.extras["window_truncated"] if "window_truncated" in ps.extras else torch.ones(len(gi), dtype=torch.bool)
-        # the selector learns only from complete responses (a T-PPO window-cut row has no outcome yet)
+        # the selector learns only from complete responses (a window-cut row has no outcome yet)
         observed = [(prompt_indices[g], rewards[(gi == g) & done].tolist()) for g in range(len(gmap))
                     if bool(((gi == g) & done).any())]
         out = StepRollouts(res, prompt_indices, rewards, observed)
@@ -655,54 +635,9 @@ class Run:
 
     # learn-phase stages: each reads and extends ctx.batch.extras / ctx.metrics
     def _algo_inputs(self, ctx: "LearnContext") -> None:
-        """Algorithm-specific inputs (SFT references, entropy, greedy baseline, Beta baseline)."""
-        from rlpost.algos.stages import prepare_algo_inputs
-
-        batch, step = ctx.batch, ctx.c.step
-
-        def greedy_rewards() -> torch.Tensor:
-            uniq = sorted({int(i) for i in batch.prompt_index})
-            sp = self.sampling_params(step)
-            sp.greedy, sp.temperature_hook = True, None
-            g = self.engine.generate([self.prompt_ids(i) for i in uniq], sp)
-            ex = [self.train_examples[i] for i in uniq]
-            r_g = self.reward_fn(g.texts, ex, g.response_mask.sum(-1))[0]
-            pos = {p: k for k, p in enumerate(uniq)}
-            return torch.stack([r_g[pos[int(i)]] for i in batch.prompt_index]).float()
-
-        def reference_rewards(n: int) -> torch.Tensor:
-            # A*-PO's stage 1, per prompt on first use: n samples of the frozen reference policy, scored
-            # once and cached (the same distribution as the paper's offline pass over the dataset)
-            new = sorted({int(i) for i in batch.prompt_index} - set(self._reference_rewards))
-            if new:
-                if self._reference_engine is None:
-                    from rlpost.rollout import build_engine
-
-                    self._reference_engine = build_engine(self.cfg, self.trainer.ref, self.tokenizer, self.device)
-                sp = self.sampling_params(step)
-                sp.temperature_hook = None
-                rows = [i for i in new for _ in range(n)]
-                g = self._reference_engine.generate([self.prompt_ids(i) for i in rows], sp)
-                r = self.reward_fn(g.texts, [self.train_examples[i] for i in rows], g.response_mask.sum(-1))[0]
-                for k, i in enumerate(new):
-                    self._reference_rewards[i] = [float(x) for x in r[k * n:(k + 1) * n]]
-            return torch.tensor([self._reference_rewards[int(i)] for i in batch.prompt_index], dtype=torch.float32)
-
-        def skill_logprobs(n: int):
-            # SEED: the policy that sampled the batch (the engine) writes a hindsight skill per response; the
-            # trainer's policy scores each response with its skill in context (rlpost.algos.seed)
-            from rlpost.algos.seed import batch_skill_logprobs
-
-            qs = [self.task.user_message(self.train_examples[int(i)]) for i in batch.prompt_index]
-            return batch_skill_logprobs(batch, qs, self.engine, self.trainer, self.tokenizer,
-                                        self.sampling_params(step), n)
-
-        ctx.metrics.update(prepare_algo_inputs(
-            self.algo_state, batch, self.trainer, greedy_rewards=greedy_rewards, reference_rewards=reference_rewards,
-            skill_logprobs=skill_logprobs,
-            tokenizer=self.tokenizer,
-            answer_format=self.cfg.task.answer_format, max_len=self.cfg.rollout.max_new_tokens,
-        ))
+        """The methods' inputs (:meth:`rlpost.methods.base.Method.prepare`), in their declared order."""
+        self.services.step = ctx.c.step
+        ctx.metrics.update(self.methods.prepare(ctx.batch, self.services))
 
     def _rows_pass(self, batch: RolloutBatch, fn: Callable[[RolloutBatch], torch.Tensor],
                    collective_model: bool = False) -> torch.Tensor:
@@ -720,17 +655,9 @@ class Run:
         return gather_rows(local, rows, len(batch), batch.response_mask.shape[1])
 
     def _old_logprobs(self, ctx: "LearnContext") -> None:
-        from rlpost.algos.registries import POLICY_LOSSES
-
         ctx.batch.extras["old_logprobs"] = self._rows_pass(ctx.batch, lambda b: self.trainer.compute_logprobs(b)[0])
-        from rlpost.algos.predictive_mask import anchor_topk_record, predictive_topk
-
-        k = predictive_topk(self.cfg.algo)
-        if k:  # DPPO's predictive direction: the pre-update policy's top-K support (one more no-grad pass)
-            ctx.batch.extras.update(anchor_topk_record(self.trainer, ctx.batch, k))
-        if POLICY_LOSSES.tag(self.cfg.algo.loss, "needs_old_entropy", False):  # ERC's entropy ratio (one more pass)
-            ctx.batch.extras["old_entropy"] = self._rows_pass(
-                ctx.batch, lambda b: self.trainer.compute_logprobs(b, with_entropy=True)[1])
+        self.services.step = ctx.c.step
+        ctx.metrics.update(self.methods.after_old_logprobs(ctx.batch, self.services))
 
     def _ref_logprobs(self, ctx: "LearnContext") -> None:
         ctx.batch.extras["ref_logprobs"] = self._rows_pass(ctx.batch,
@@ -761,23 +688,13 @@ class Run:
         if "turn_rewards" in batch.extras:  # multi-turn episodes: per-turn rewards on each turn's last model token
             token_rewards = batch.extras["turn_rewards"] if token_rewards is None else token_rewards + batch.extras["turn_rewards"]
         out = compute_advantages(
-            a.adv_estimator,
-            AdvantageInput(rewards=batch.rewards, response_mask=batch.response_mask, group_index=batch.group_index,
-                           values=batch.extras.get("values"), token_rewards=token_rewards,
-                           baseline_rewards=batch.extras.get("baseline_rewards"), entropy=batch.extras.get("entropy"),
-                           old_logprobs=batch.extras.get("old_logprobs"), rollout_logprobs=batch.rollout_logprobs,
-                           answer_ids=batch.extras.get("answer_ids"),
-                           teacher_logprobs=batch.extras.get("teacher_logprobs"),
-                           reference_rewards=batch.extras.get("reference_rewards"),
-                           privileged_shifts=batch.extras.pop("privileged_shifts", None),  # [B, R, 2]: not kept
-                           truncated=batch.extras.get("window_truncated"), window_mask=batch.extras.get("window_mask"),
-                           probe_values=batch.extras.get("probe_values")),
+            a.adv_estimator, AdvantageInput.from_batch(batch, token_rewards),
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages
-        if out.loss_mask is not None:  # e.g. MC-GRPO's median pivot leaves the update
+        if out.loss_mask is not None:  # tokens the estimator takes out of the update (e.g. a group's pivot)
             batch.response_mask = batch.response_mask * out.loss_mask
-        if getattr(self.sampler, "token_level", False):  # sampler=d3s token level: |A| x H token selection
+        if getattr(self.sampler, "token_level", False):  # a sampler that selects loss tokens from |A| and entropy
             from rlpost.samplers.prune import apply_loss_token_mask
 
             ent = batch.extras.get("entropy")
@@ -786,7 +703,7 @@ class Run:
             ctx.metrics.update(apply_loss_token_mask(self.sampler, batch, ent, ctx.c.step))
         if out.returns is not None:
             batch.extras["returns"] = out.returns
-        if out.value_mask is not None:  # the critic regresses only there (sapo_ar: turn starts)
+        if out.value_mask is not None:  # the critic regresses only there (e.g. turn starts)
             batch.extras["value_mask"] = out.value_mask
 
     def _critic_update(self, ctx: "LearnContext") -> None:
@@ -795,10 +712,9 @@ class Run:
     def _policy_update(self, ctx: "LearnContext") -> None:
         a = self.cfg.algo
         if ctx.c.step > a.critic.warmup_steps or not a.critic.enabled:
-            if self.update_gate is not None:  # candidate -> sync -> inference-side proxy -> accept or roll back
-                ctx.metrics.update(self.update_gate.update(self.trainer, self.local_engine, ctx.batch, self.update_rng))
-            else:
-                ctx.metrics.update(self.trainer.policy_update(ctx.batch, self.update_rng))
+            # a method may run the update its own way (e.g. accept or roll back the candidate)
+            ctx.metrics.update(self.methods.wrap_update(lambda: self.trainer.policy_update(ctx.batch, self.update_rng),
+                                                        self.services, ctx.batch))
         else:
             ctx.metrics["actor/frozen_for_critic_warmup"] = 1.0
 
@@ -832,7 +748,7 @@ class Run:
             "throughput/rollout_tokens_per_s": ntok / max(c.t_rollout, 1e-9),
             **step_out.metrics,
         })
-        if "token_policy_step" in batch.extras:  # partial rollouts: per-token staleness in RL steps (CoPRIS)
+        if "token_policy_step" in batch.extras:  # partial rollouts: per-token staleness in RL steps
             tm = batch.response_mask > 0
             st = ((step - 1) - batch.extras["token_policy_step"])[tm].float()
             m["partial/token_staleness_mean"] = float(st.mean()) if st.numel() else 0.0
@@ -926,20 +842,11 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     from rlpost.executor import build_executor
     from rlpost.interrupts import StopRequest
     from rlpost.resume import continue_command
-    from rlpost.tracking import RunLogger, eval_line, format_summary, log, step_line
+    from rlpost.tracking import RunLogger, eval_line, format_summary, log
 
     t_wall = time.time()
     main = is_main_process()  # under trainer.num_procs > 1 only rank 0 logs, evaluates and writes files
-    run_dir = Path(run_dir)
-    ckpt = find_resume_checkpoint(cfg.resume, run_dir)
-    if ckpt is not None:
-        run_dir = ckpt.parent.parent
-    if main and cfg.resume not in (None, "", "none", "null"):
-        if ckpt is not None:
-            log.info(f"resume={cfg.resume}: resuming from {ckpt} (step {int(ckpt.name.split('_')[-1])} of {cfg.steps})")
-        else:
-            log.info(f"resume={cfg.resume}: no checkpoint in {run_dir} or an unfinished run beside it; "
-                     f"starting fresh from step 0")
+    run_dir, ckpt = _resume_point(cfg, Path(run_dir), main)
     run_dir.mkdir(parents=True, exist_ok=True)
     if main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -963,36 +870,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         executor = build_executor(cfg, run)
         last: Dict[str, Any] = {}
         saved: Dict[str, Any] = {"step": start_step if ckpt is not None else None, "path": ckpt}
-
-        # the finish stages of the run graph: each decides whether this step is one of its steps
-        def evaluate(m: Dict[str, Any]) -> bool:
-            at_end = run.step == cfg.steps and cfg.eval.at_end
-            if not main or not (at_end or (cfg.eval.every > 0 and run.step % cfg.eval.every == 0 and run.step < cfg.steps)):
-                return False
-            with executor.paused():
-                em, res = run.evaluate(progress=f"evaluating at step {run.step}", leave=False)
-            step_log.info(eval_line(res, f"at step {run.step}"))
-            m.update(em)
-            if at_end:
-                (run_dir / "eval.json").write_text(json.dumps(_eval_summary(res), indent=1, default=str))
-            return True
-
-        def log_metrics(m: Dict[str, Any]) -> bool:
-            logger.log(m)
-            if main:
-                step_log.info(step_line(m, cfg.steps))
-            return True
-
-        def checkpoint(m: Dict[str, Any]) -> bool:
-            if not ((cfg.checkpoint.every > 0 and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps
-                    or stop.requested):
-                return False
-            with executor.paused():
-                saved["path"], saved["step"] = run.checkpoint(), run.step
-            return True
-
         step_log = logging.getLogger("rlpost.step")  # one line per step, to cli.log only
-        finish = bind_stages(run.graph, FINISH, {"evaluate": evaluate, "log": log_metrics, "checkpoint": checkpoint})
+        finish = _bind_finish(run, cfg, executor, logger, saved, stop, main, run_dir)
         progress = None
         try:
             if cfg.eval.at_start and run.step == 0 and main and not stop.requested:
@@ -1015,15 +894,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
                 if run.step > start_step and saved["step"] != run.step:
                     with executor.paused():
                         saved["path"], saved["step"] = run.checkpoint(), run.step
-                if saved["path"] is not None and saved["step"] is not None:
-                    what = (f"saved {describe_checkpoint(saved['path'])}" if saved["step"] > start_step or ckpt is None
-                            else f"no step finished since the checkpoint it resumed from, {saved['path']}")
-                    msg = (f"interrupted ({stop.name}) after step {run.step} of {cfg.steps}: {what}. "
-                           f"Continue with: {continue_command(run_dir)}")
-                else:
-                    msg = (f"interrupted ({stop.name}) before the first step finished: nothing to save "
-                           f"(no checkpoint exists); the next run starts fresh")
-                raise Interrupted(msg)
+                raise Interrupted(_interrupted_message(stop.name, run.step, cfg.steps, start_step, ckpt, saved,
+                                                       continue_command(run_dir)))
             if main:
                 export_final(run.trainer.policy, run.tokenizer, run_dir / "final", cfg.model)
                 (run_dir / DONE_MARKER).write_text(f"{run.step}\n")
@@ -1038,6 +910,76 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         log.info(format_summary(run_dir, cfg, wall_s=time.time() - t_wall, peak_mb=peak_memory_mb(run.device),
                                 wandb=getattr(logger, "wandb_info", None)))
     return last
+
+
+def _resume_point(cfg: DictConfig, run_dir: Path, main: bool) -> tuple:
+    """``(run directory, checkpoint or None)`` of ``cfg.resume``; says on rank 0 where the run resumes from.
+
+    A checkpoint of another run directory moves the run there.
+    """
+    from rlpost.tracking import log
+
+    ckpt = find_resume_checkpoint(cfg.resume, run_dir)
+    if ckpt is not None:
+        run_dir = ckpt.parent.parent
+    if main and cfg.resume not in (None, "", "none", "null"):
+        if ckpt is not None:
+            log.info(f"resume={cfg.resume}: resuming from {ckpt} (step {int(ckpt.name.split('_')[-1])} of {cfg.steps})")
+        else:
+            log.info(f"resume={cfg.resume}: no checkpoint in {run_dir} or an unfinished run beside it; "
+                     f"starting fresh from step 0")
+    return run_dir, ckpt
+
+
+def _interrupted_message(signal_name: str, step: int, steps: int, start_step: int, ckpt: Optional[Path],
+                         saved: Dict[str, Any], continue_cmd: str) -> str:
+    """What an interrupted run says: what it saved (or that nothing was) and how to continue."""
+    if saved["path"] is not None and saved["step"] is not None:
+        what = (f"saved {describe_checkpoint(saved['path'])}" if saved["step"] > start_step or ckpt is None
+                else f"no step finished since the checkpoint it resumed from, {saved['path']}")
+        return f"interrupted ({signal_name}) after step {step} of {steps}: {what}. Continue with: {continue_cmd}"
+    return (f"interrupted ({signal_name}) before the first step finished: nothing to save "
+            f"(no checkpoint exists); the next run starts fresh")
+
+
+def _bind_finish(run: "Run", cfg: DictConfig, executor: Any, logger: Any, saved: Dict[str, Any], stop: Any,
+                 main: bool, run_dir: Path) -> List[Stage]:
+    """The finish stages of the run graph bound to their callables; each decides whether a step is one of its own.
+
+    ``saved`` (``{"step", "path"}``) records the newest checkpoint; ``stop`` is the run's
+    :class:`rlpost.interrupts.StopRequest` (an interrupt forces a checkpoint).
+    """
+    from rlpost.tracking import eval_line, step_line
+
+    step_log = logging.getLogger("rlpost.step")  # one line per step, to cli.log only
+
+    def evaluate(m: Dict[str, Any]) -> bool:
+        at_end = run.step == cfg.steps and cfg.eval.at_end
+        if not main or not (at_end or (cfg.eval.every > 0 and run.step % cfg.eval.every == 0 and run.step < cfg.steps)):
+            return False
+        with executor.paused():
+            em, res = run.evaluate(progress=f"evaluating at step {run.step}", leave=False)
+        step_log.info(eval_line(res, f"at step {run.step}"))
+        m.update(em)
+        if at_end:
+            (run_dir / "eval.json").write_text(json.dumps(_eval_summary(res), indent=1, default=str))
+        return True
+
+    def log_metrics(m: Dict[str, Any]) -> bool:
+        logger.log(m)
+        if main:
+            step_log.info(step_line(m, cfg.steps))
+        return True
+
+    def checkpoint(m: Dict[str, Any]) -> bool:
+        if not ((cfg.checkpoint.every > 0 and run.step % cfg.checkpoint.every == 0) or run.step == cfg.steps
+                or stop.requested):
+            return False
+        with executor.paused():
+            saved["path"], saved["step"] = run.checkpoint(), run.step
+        return True
+
+    return bind_stages(run.graph, FINISH, {"evaluate": evaluate, "log": log_metrics, "checkpoint": checkpoint})
 
 
 def peak_memory_mb(device: torch.device) -> Dict[str, float]:

@@ -84,7 +84,7 @@ def child_update(mode: str, steps: int, rank: int, overrides: list) -> dict:
             "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"] if mode == "lora" else []
     cfg = compose_config([*SMALL, f"steps={steps}", *lora, *overrides])
     policy, _ = load_policy(cfg.model, torch.float32, seed=0)
-    t = TorchTrainer(policy, cfg, "cpu")
+    t = TorchTrainer.from_config(policy, cfg, "cpu")
     g = torch.Generator().manual_seed(0)
     B, P, R = 16, 32, 96
     mask = torch.ones(B, R)

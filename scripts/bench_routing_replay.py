@@ -50,7 +50,7 @@ def run(mode: str, args) -> dict:
                           f"trainer.lr={args.lr}", "trainer.grad_clip=0", "algo.kl.coef=0", "precision=fp32",
                           f"trainer.micro_batch_size={args.prompts * args.n}", f"seed={args.seed}"])
     policy, tok = load_policy(cfg.model, seed=args.seed)
-    t = TorchTrainer(policy, cfg, "cpu")
+    t = TorchTrainer.from_config(policy, cfg, "cpu")
     eng = attach_routing(cfg, t, build_engine(cfg, t.policy, tok, torch.device("cpu")))
     g = torch.Generator().manual_seed(args.seed)
     fixed = torch.randn(args.prompts * args.n, 1, generator=torch.Generator().manual_seed(args.seed + 1))

@@ -164,7 +164,7 @@ def part_tokens(a) -> None:
                 (f"max_tokens_per_micro_batch={8 * width}", [f"trainer.max_tokens_per_micro_batch={8 * width}"])]
     out, grads = [], []
     for name, ov in settings:
-        t = TorchTrainer(load_policy(cfg0.model, torch.float32, seed=0)[0], compose_config(base + ov), "cpu")
+        t = TorchTrainer.from_config(load_policy(cfg0.model, torch.float32, seed=0)[0], compose_config(base + ov), "cpu")
         captured = {}
 
         def capture(params, t=t, captured=captured):

@@ -41,7 +41,7 @@ and every row must be token-exact, the trainer's log-probs of the model tokens (
 attended to) must match vLLM's, and turns 2+ must hit vLLM's prefix cache. ``--dry-run --part agent``
 runs the same check with the hf engine on CPU.
 
-Part ``ray`` runs ``launcher=ray`` (:class:`rlpost.launch.ray_workers.RayRolloutPool`) on one node: a local
+Part ``ray`` runs ``launcher=ray`` (:class:`rlpost.ray_pool.ray_workers.RayRolloutPool`) on one node: a local
 Ray cluster, 2 rollout workers (vLLM on the GPU; ``--dry-run``: the hf engine on CPU), the trainer in this
 process. On one GPU the workers share it (``gpus_per_worker=0.4``, weights through the object store); with
 3+ GPUs each worker gets its own (``gpus_per_worker=1``, weights broadcast over NCCL). Checks: the groups are
@@ -287,7 +287,7 @@ def part_hf(device: torch.device, shape: str, dry: bool) -> None:
               "bf16 autocast over fp32 master weights, AdamW")
         cfg = rl_config(overrides)
         policy = build_model(shape, n_layers, torch.float32, device, seed=1)
-        trainer = TorchTrainer(policy, cfg, device)
+        trainer = TorchTrainer.from_config(policy, cfg, device)
         eng = HFRolloutEngine(trainer.policy, tok, B, share_weights=False, convert=lambda m: m.to(torch.bfloat16),
                               device=device)
         gen = eng.generate(prompts, sp)
@@ -340,7 +340,7 @@ def part_hf(device: torch.device, shape: str, dry: bool) -> None:
         c_layers = max(1, n_layers // 2)
         ccfg = rl_config(overrides + ["algo.critic.enabled=true", "algo.critic.lr=1e-4"])
         policy = build_model(shape, c_layers, torch.float32, device, seed=2)
-        ctr = TorchTrainer(policy, ccfg, device)
+        ctr = TorchTrainer.from_config(policy, ccfg, device)
         cb = batch_from(gen)
         vals = ctr.compute_values(cb)
         cb.extras["values"] = vals
@@ -373,7 +373,7 @@ def part_hf(device: torch.device, shape: str, dry: bool) -> None:
         policy = build_model(shape, d_layers, torch.float32, device, seed=1)
         w0 = {n: p.detach().float().clone() for n, p in list(policy.named_parameters())[-3:]}
         tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())
-        dtr = DeepSpeedTrainer(policy, dcfg, device)
+        dtr = DeepSpeedTrainer.from_config(policy, dcfg, device)
         dtr.policy_update(batch, torch.Generator().manual_seed(0))
         sync(device)
         t0 = time.perf_counter()
@@ -431,7 +431,7 @@ def part_vllm(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
                          "trainer.lr=1e-3", "trainer.grad_clip=0", "trainer.micro_batch_size=8",
                          f"rollout.batch_size={len(prompts)}", f"model.cache_dir={tmp / prec}"])
         policy = build_model(shape, layers, torch.float32, device, seed=1)
-        trainer = TorchTrainer(policy, cfg, device)
+        trainer = TorchTrainer.from_config(policy, cfg, device)
         eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
         t0 = time.perf_counter()
         gen = eng.generate(prompts, sp)
@@ -519,7 +519,7 @@ def part_spec(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
                              "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={len(prompts)}",
                              f"model.cache_dir={tmp / name}"])
             policy = build_model(shape, layers, torch.float32, device, seed=1)
-            trainer = TorchTrainer(policy, cfg, device)
+            trainer = TorchTrainer.from_config(policy, cfg, device)
             eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
             gen = eng.generate(prompts, sp)
             trainer.policy_update(batch_from(gen), torch.Generator().manual_seed(0))
@@ -605,7 +605,7 @@ def part_agent(device: torch.device, shape: str, layers: Optional[int], dry: boo
               f"{'' if layers is None else f' with {layers} layers'}, {B} prompts x {G} episodes, 3 turns")
         cfg = rl_config(over + ([] if dry else ["rollout=vllm", "rollout.gpu_memory_utilization=0.35"]))
         policy = build_model(shape, layers, torch.float32, device, seed=1)
-        trainer = TorchTrainer(policy, cfg, device)
+        trainer = TorchTrainer.from_config(policy, cfg, device)
         if dry:
             from rlpost.rollout.hf import HFRolloutEngine
 
@@ -663,7 +663,7 @@ def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool,
     """``launcher=ray`` on one node: 2 rollout workers (vLLM on a GPU, hf in --dry-run), push, kill (see module doc)."""
     import ray
 
-    from rlpost.launch.ray_workers import RayRolloutPool
+    from rlpost.ray_pool.ray_workers import RayRolloutPool
     from rlpost.rollout.base import SamplingParams
     from rlpost.rollout.hf import HFRolloutEngine
     from rlpost.trainer.torch_engine import TorchTrainer
@@ -696,7 +696,7 @@ def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool,
     try:
         with guard("ray_generate"):
             policy = build_model(shape, layers, torch.float32, device, seed=1)
-            trainer = TorchTrainer(policy, cfg, device)
+            trainer = TorchTrainer.from_config(policy, cfg, device)
             local = HFRolloutEngine(trainer.policy, tok, B, share_weights=True, device=device)
             t0 = time.perf_counter()
             pool = RayRolloutPool(cfg, local, trainer.policy)
@@ -769,7 +769,7 @@ def dp_worker(shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
     """One rank of part dp, started by ``torch.distributed.run`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set).
 
     Mirrors a ``trainer.num_procs=N`` run's rank: ``init_process_group`` (gloo on CPU, nccl on GPU, as
-    DeepSpeed's ``init_distributed`` picks), :func:`rlpost.trainer.launch.local_device`, the engine from
+    DeepSpeed's ``init_distributed`` picks), :func:`rlpost.trainer.torchrun.local_device`, the engine from
     :func:`rlpost.rollout.build_engine` (vLLM: ``world_size=N``, vLLM's external launcher, one engine per rank
     on its current device), wrapped in :class:`rlpost.distributed.ShardedEngine`. Writes ``tmp/rank{r}.pt``:
     the gathered result, this rank's rows, timings, peak memory and (rank 0) one engine's result of the
@@ -780,7 +780,7 @@ def dp_worker(shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
     from rlpost.distributed import ShardedEngine, local_run_rows
     from rlpost.rollout import build_engine
     from rlpost.rollout.base import SamplingParams
-    from rlpost.trainer.launch import local_device
+    from rlpost.trainer.torchrun import local_device
 
     dist.init_process_group("gloo" if dry else "nccl")
     r, world = dist.get_rank(), dist.get_world_size()
@@ -833,7 +833,7 @@ def part_dp(shape: str, layers: Optional[int], dry: bool, world: Optional[int], 
     """N-way data-parallel rollouts through :class:`rlpost.distributed.ShardedEngine` (see module doc).
 
     Starts N ranks of :func:`dp_worker` with PyTorch's launcher (``python -m torch.distributed.run
-    --nproc_per_node=N``, as :mod:`rlpost.trainer.launch` does for ``trainer.num_procs=N``); each builds the
+    --nproc_per_node=N``, as :mod:`rlpost.trainer.torchrun` does for ``trainer.num_procs=N``); each builds the
     same random model and its own engine (vLLM on its GPU; the hf engine on CPU in ``--dry-run``) and makes
     one sharded ``generate`` call of a step's groups. Checks: every row token-exact against one engine
     generating the whole call with the same seeds (per-row seed ``seed + row_offset + i``), every group
@@ -931,7 +931,7 @@ def part_lora(device: torch.device, shape: str, layers: Optional[int], dry: bool
         base = build_model(shape, layers, torch.float32, device, seed=1)  # the base model, kept for the KL check
         policy = build_model(shape, layers, torch.float32, device, seed=1)
         policy = apply_lora(policy, cfg.model.lora)
-        trainer = TorchTrainer(policy, cfg, device)
+        trainer = TorchTrainer.from_config(policy, cfg, device)
         if dry:
             from rlpost.rollout.hf import HFRolloutEngine
 
@@ -988,7 +988,7 @@ def part_lora(device: torch.device, shape: str, layers: Optional[int], dry: bool
         lp_ref, _ = trainer.compute_logprobs(batch, which="ref")
         lp_base = lp_of(base, batch) if dry else None
         if not dry:  # the trainer's pass runs under its own autocast: compare like with like
-            lp_base, _ = TorchTrainer(base, rl_config(over + ["model.lora.rank=0", "algo.kl.coef=0"]),
+            lp_base, _ = TorchTrainer.from_config(base, rl_config(over + ["model.lora.rank=0", "algo.kl.coef=0"]),
                                       device).compute_logprobs(batch)
         with adapters_disabled(trainer.policy):
             lp_off = lp_of(trainer.policy, batch)
@@ -1086,7 +1086,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not torch.cuda.is_available():
             print("FAIL  gpu: no CUDA GPU visible (use --dry-run on CPU)")
             return 1
-        from rlpost.trainer.launch import local_device
+        from rlpost.trainer.torchrun import local_device
 
         device = local_device("cuda")
         p = torch.cuda.get_device_properties(device)

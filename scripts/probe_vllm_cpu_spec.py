@@ -66,7 +66,7 @@ def run(method: str, tokens: int, spec: bool) -> None:
                          response_mask=gen.response_mask, rollout_logprobs=gen.rollout_logprobs,
                          group_index=torch.arange(B), prompt_index=torch.arange(B),
                          extras={"temperatures": gen.temperatures})
-    lp, _ = TorchTrainer(model, cfg, "cpu").compute_logprobs(batch)
+    lp, _ = TorchTrainer.from_config(model, cfg, "cpu").compute_logprobs(batch)
     m = gen.response_mask > 0
     gap = (lp - gen.rollout_logprobs)[m]
     fin = torch.isfinite(gap)

@@ -52,10 +52,10 @@ def make_trainer(engine: str, stage: int = 2, run_dir=None, critic: bool = False
     if engine == "deepspeed":
         from rlpost.trainer.deepspeed_engine import DeepSpeedTrainer
 
-        return DeepSpeedTrainer(policy, cfg, "cpu", run_dir=run_dir)
+        return DeepSpeedTrainer.from_config(policy, cfg, "cpu", run_dir=run_dir)
     from rlpost.trainer.torch_engine import TorchTrainer
 
-    return TorchTrainer(policy, cfg, "cpu")
+    return TorchTrainer.from_config(policy, cfg, "cpu")
 
 
 def critic_batch():

@@ -198,24 +198,24 @@ def test_reinforce_no_baseline():
     assert torch.allclose(seq_adv(compute_advantages("reinforce", x), x), torch.tensor([2.0, -1.0]))
 
 
-def test_stage_requirements_and_reference_answers():
+def test_stage_requirements_and_reference_answers(compose):
     from omegaconf import OmegaConf
 
-    from rlpost.algos.stages import AlgoState, algo_requirements, check_sampler, reference_response
-    from rlpost.errors import ConfigError
+    from rlpost.algos.inputs import reference_response
     from rlpost.config.schema import AlgoConfig
+    from rlpost.errors import ConfigError
+    from rlpost.methods.base import MethodSet
+    from rlpost.methods.hapo import check_sampler
 
-    def req(**kw):
-        c = OmegaConf.structured(AlgoConfig)
-        for k, v in kw.items():
-            OmegaConf.update(c, k, v, merge=True)
-        return algo_requirements(c)
+    def methods(*over):
+        return MethodSet.for_config(compose(["model=tiny", *over]))
 
-    assert req(adv_estimator="mssr").entropy and req(adv_estimator="mssr").beta_baseline
-    assert req(adv_estimator="remax").baseline_rollout
-    assert req(loss="sft").reference_responses
-    assert not any([req().entropy, req().baseline_rollout, req().reference_responses])
-    assert AlgoState(req()).state_dict() == {"tracker": None}
+    assert methods("algo.adv_estimator=mssr", "algo.n_samples_per_prompt=1").names == ["mssr", "rollout_entropy"]
+    assert methods("algo=remax").names == ["remax"]
+    sft = methods("algo.loss=sft")
+    assert sft.names == ["reference_responses"] and sft.needs().untruncated
+    assert methods().names == [] and not methods().needs().untruncated
+    assert MethodSet().state_dict() == {}
     # per-token temperature has one owner, the sampler: HAPO needs sampler=adaptive_temperature,
     # and the algorithm may not set a temperature range of its own
     check_sampler(OmegaConf.structured(AlgoConfig(loss="hapo")), "adaptive_temperature")

@@ -95,9 +95,7 @@ def test_adam_direction_and_shadow_update_by_hand():
 def test_masked_token_gets_no_gradient():
     lp = torch.log(torch.tensor([[0.5, 0.4, 0.3]])).requires_grad_(True)
     old = torch.log(torch.tensor([[0.45, 0.4, 0.35]]))
-    inp = PolicyLossInput(logprobs=lp, old_logprobs=old, advantages=torch.tensor([[1.0, -1.0, 2.0]]),
-                          response_mask=torch.ones(1, 3), predicted_change=torch.tensor([[0.006874609375, 0.0025, 0.0]]),
-                          predicted_kl=torch.tensor([[2.36e-5, 7.8e-7, 0.0]]))
+    inp = PolicyLossInput(logprobs=lp, old_logprobs=old, advantages=torch.tensor([[1.0, -1.0, 2.0]]), response_mask=torch.ones(1, 3), extras={'predicted_change': torch.tensor([[0.006874609375, 0.0025, 0.0]]), 'predicted_kl': torch.tensor([[2.36e-05, 7.8e-07, 0.0]])})
     loss, m = compute_policy_loss("capo", inp, tau_update=1e-2, tau_kl=1e-5)
     loss.sum().backward()
     assert loss[0, 0].item() == 0.0 and lp.grad[0, 0].item() == 0.0
@@ -117,7 +115,7 @@ def _trainer(compose, mb: int, policy, *extra):
 
     cfg = compose(tiny_overrides("algo=capo", f"trainer.micro_batch_size={mb}", "trainer.lr=1e-3", "trainer.grad_clip=0",
                                  "algo.kl.coef=0", "algo.entropy_coef=0", *extra))
-    return TorchTrainer(copy.deepcopy(policy), cfg, "cpu")
+    return TorchTrainer.from_config(copy.deepcopy(policy), cfg, "cpu")
 
 
 def test_mask_gradient_and_shadow_state_do_not_depend_on_micro_batch_size(compose):
@@ -182,8 +180,8 @@ def test_capo_two_steps_on_tiny(tmp_path):
 def test_capo_refuses_a_multi_process_engine():
     from rlpost.errors import ConfigError
 
-    class Lockstep:  # a DeepSpeed-like engine: processes step together, each would keep its own shadow state
-        lockstep = True
+    class Lockstep:  # a DeepSpeed-like engine's forward pass: processes step together, each with its own shadow state
+        multi_process = True
 
     with pytest.raises(ConfigError, match="trainer.engine=torch"):
-        capo.capo_forward(Lockstep(), None, None, False, False, {}, 0)
+        capo.capo_forward(Lockstep(), None, False, False, {}, 0)

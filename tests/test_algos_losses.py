@@ -213,10 +213,7 @@ def test_on_policy_ratio_is_one_and_loss_is_finite(name):
     """With old = current log-probs (first micro-batch of an on-policy update), every ratio is 1."""
     torch.manual_seed(0)
     lp = torch.randn(3, 4) - 2.0
-    x = PolicyLossInput(logprobs=lp.clone().requires_grad_(True), old_logprobs=lp.clone(),
-                        advantages=torch.randn(3, 4), response_mask=torch.ones(3, 4), entropy=torch.rand(3, 4),
-                        group_index=torch.tensor([0, 0, 1]), segment_ids=torch.tensor([[0, 0, 1, 1]] * 3),
-                        **teacher_inputs(name, lp))
+    x = PolicyLossInput(logprobs=lp.clone().requires_grad_(True), old_logprobs=lp.clone(), advantages=torch.randn(3, 4), response_mask=torch.ones(3, 4), entropy=torch.rand(3, 4), group_index=torch.tensor([0, 0, 1]), extras={**teacher_inputs(name, lp), 'segment_ids': torch.tensor([[0, 0, 1, 1]] * 3)})
     loss, met = compute_policy_loss(name, x)
     assert torch.isfinite(loss).all()
     assert torch.isclose(met["ratio_mean"], torch.tensor(1.0)) and torch.isclose(met["ratio_max"], torch.tensor(1.0))

@@ -144,13 +144,10 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
     lm = mask if out.loss_mask is None else out.loss_mask
     for agg in LOSS_AGGS.names():
         lp = (torch.randn(B, R) - 1.0).requires_grad_(True)
-        inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach() + 0.05 * torch.randn(B, R),
-                              advantages=out.advantages, response_mask=lm, entropy=torch.rand(B, R),
-                              group_index=torch.arange(B) // n, segment_ids=(torch.arange(R) // 2).expand(B, R),
-                              **teacher_inputs(loss, lp))
+        inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach() + 0.05 * torch.randn(B, R), advantages=out.advantages, response_mask=lm, entropy=torch.rand(B, R), group_index=torch.arange(B) // n, extras={**teacher_inputs(loss, lp), 'segment_ids': (torch.arange(R) // 2).expand(B, R)})
         loss_mat, met = compute_policy_loss(loss, inp, **loss_overrides(cfg))
         total = aggregate(agg, loss_mat, lm, norm_const=R)
         total.backward()
-        grad = lp.grad if inp.support_logprobs is None else inp.support_logprobs.grad  # distillation: the support's
+        grad = lp.grad if inp.extras.get("support_logprobs") is None else inp.extras["support_logprobs"].grad  # distillation: the support's
         assert torch.isfinite(total) and torch.isfinite(grad).all(), (adv, loss, agg)
         assert all(torch.isfinite(v) for v in met.values())

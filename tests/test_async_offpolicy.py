@@ -122,7 +122,7 @@ def test_vcpo_lr_scaling_shrinks_the_step_on_stale_batches(compose):
                                      f"+algo.loss_params.vcpo_lr={str(on).lower()}"))
         model, _ = load_policy(ModelConfig(source="tiny"), seed=3)
         w0 = {k: v.clone() for k, v in model.state_dict().items()}
-        t = TorchTrainer(model, cfg, "cpu")
+        t = TorchTrainer.from_config(model, cfg, "cpu")
         b = make_batch()
         lp, _ = t.compute_logprobs(b)
         g = torch.Generator().manual_seed(0)

@@ -72,7 +72,7 @@ def _grad(compose, batch):
     from rlpost.trainer.torch_engine import TorchTrainer
 
     cfg = compose(tiny_overrides("trainer.grad_clip=0", "algo.kl.coef=0", "algo.entropy_coef=0"))
-    t = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
+    t = TorchTrainer.from_config(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
     return update_with_gradient(t, copy.deepcopy(batch))[1]
 
 
@@ -91,7 +91,7 @@ def test_dropped_tokens_get_no_gradient(compose):
     from rlpost.models.loader import load_policy
     from rlpost.trainer.torch_engine import TorchTrainer
 
-    t = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], compose(tiny_overrides()), "cpu")
+    t = TorchTrainer.from_config(load_policy(ModelConfig(source="tiny"), seed=3)[0], compose(tiny_overrides()), "cpu")
     full = copy.deepcopy(b)
     full.response_mask = b.extras["response_attn"].float()
     del full.extras["response_attn"]

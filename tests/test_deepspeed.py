@@ -125,7 +125,7 @@ def test_cli_runs_two_processes_and_resumes(tmp_path):
 def test_zero_stage_and_launch_errors_are_clear(compose):
     from rlpost.errors import ConfigError
     from rlpost.trainer.deepspeed_engine import build_ds_config
-    from rlpost.trainer.launch import launch_command, needs_launch
+    from rlpost.trainer.torchrun import launch_command, needs_launch
 
     with pytest.raises(ConfigError, match="zero_stage"):
         build_ds_config(compose(tiny_overrides("trainer=deepspeed", "trainer.zero_stage=4")))

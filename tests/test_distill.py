@@ -36,8 +36,7 @@ def _hand_input(mask, teacher_logits=TEACHER_LOGITS, k=2):
     logits = STUDENT_LOGITS.clone().requires_grad_(True)
     s_sup = torch.log_softmax(logits, -1).gather(-1, ids)
     lp = torch.zeros(1, 2)
-    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp, advantages=torch.zeros(1, 2), response_mask=mask,
-                          support_logprobs=s_sup, teacher_support_logprobs=vals)
+    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp, advantages=torch.zeros(1, 2), response_mask=mask, extras={'support_logprobs': s_sup, 'teacher_support_logprobs': vals})
     return inp, logits, ids
 
 
@@ -127,7 +126,7 @@ def _opd_trainer(compose, mb: int):
     cfg = compose(tiny_overrides("algo=opd", "model.teacher=tiny", f"trainer.micro_batch_size={mb}",
                                  "trainer.grad_clip=0", "algo.loss_params.top_k=4"))
     model = _tiny()
-    return TorchTrainer(copy.deepcopy(model), cfg, "cpu"), Teacher(copy.deepcopy(model), "tiny")
+    return TorchTrainer.from_config(copy.deepcopy(model), cfg, "cpu"), Teacher(copy.deepcopy(model), "tiny")
 
 
 def _update(t, teacher, b):

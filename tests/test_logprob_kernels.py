@@ -133,7 +133,7 @@ def test_trainer_entropy_only_when_needed(compose):
     from conftest import tiny_overrides
 
     cfg = compose(tiny_overrides("trainer.entropy_every=2", "precision=fp32"))
-    tr = TorchTrainer(model, cfg)
+    tr = TorchTrainer.from_config(model, cfg)
     tr.updates = 0
     assert tr._entropy_need() == (True, False)  # metric update
     tr.updates = 1

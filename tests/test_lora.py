@@ -28,10 +28,10 @@ def _trainer(compose, *extra, lora=True, engine="torch"):
     if engine == "deepspeed":
         from rlpost.trainer.deepspeed_engine import DeepSpeedTrainer
 
-        return DeepSpeedTrainer(policy, cfg, "cpu")
+        return DeepSpeedTrainer.from_config(policy, cfg, "cpu")
     from rlpost.trainer.torch_engine import TorchTrainer
 
-    return TorchTrainer(policy, cfg, "cpu")
+    return TorchTrainer.from_config(policy, cfg, "cpu")
 
 
 def _update(t, seed=0):

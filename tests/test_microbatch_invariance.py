@@ -33,7 +33,7 @@ def _run(compose, loss: str, agg: str, mb: int):
                                  "trainer.grad_clip=0", "algo.kl.coef=0", "algo.entropy_coef=0"))
     if "model" not in _CACHE:
         _CACHE["model"] = load_policy(ModelConfig(source="tiny"), seed=3)[0]
-    t = TorchTrainer(copy.deepcopy(_CACHE["model"]), cfg, "cpu")
+    t = TorchTrainer.from_config(copy.deepcopy(_CACHE["model"]), cfg, "cpu")
     b = make_batch(B=B)
     # ragged masks including an empty response (its row counts in no denominator)
     b.response_mask[5] = 0

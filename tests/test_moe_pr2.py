@@ -75,7 +75,7 @@ def _built(compose, mode):
 
     cfg = compose(tiny_overrides("model=tiny_moe", f"model.routing_replay={mode}"))
     policy, tok = load_policy(cfg.model, seed=0)
-    t = TorchTrainer(policy, cfg, "cpu")
+    t = TorchTrainer.from_config(policy, cfg, "cpu")
     return t, attach_routing(cfg, t, build_engine(cfg, t.policy, tok, torch.device("cpu")))
 
 
@@ -166,7 +166,7 @@ def test_pr2_config_errors(compose):
 
     cfg = compose(tiny_overrides("model=tiny_moe", "model.routing_replay=pr2", "model.pr2.horizon=-1"))
     policy, _ = load_policy(cfg.model, seed=0)
-    t = TorchTrainer(policy, cfg, "cpu")
+    t = TorchTrainer.from_config(policy, cfg, "cpu")
     with pytest.raises(ConfigError, match="model.pr2: PR2 horizon must be >= 0"):
         attach_routing(cfg, t, object())
     with pytest.raises(Exception, match="hozizon"):

@@ -33,7 +33,7 @@ def _setup(compose, mode: str, *extra: str):
     cfg = compose(tiny_overrides("model=tiny_moe", f"model.routing_replay={mode}", "algo.kl.coef=0",
                                  "algo.entropy_coef=0", "trainer.grad_clip=0", *extra))
     policy, tok = load_policy(cfg.model, seed=0)
-    t = TorchTrainer(policy, cfg, "cpu")
+    t = TorchTrainer.from_config(policy, cfg, "cpu")
     eng = attach_routing(cfg, t, build_engine(cfg, t.policy, tok, torch.device("cpu")))
     gen = eng.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=5))
     B, R = gen.response_ids.shape
@@ -135,7 +135,7 @@ def test_config_errors(compose):
     from rlpost.trainer.torch_engine import TorchTrainer
 
     policy, tok = load_policy(cfg.model, seed=0)
-    t = TorchTrainer(policy, cfg, "cpu")
+    t = TorchTrainer.from_config(policy, cfg, "cpu")
     with pytest.raises(ConfigError, match="no top-k MoE routers"):
         attach_routing(cfg, t, object())
     cfg.trainer.engine = "deepspeed"

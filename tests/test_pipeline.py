@@ -155,7 +155,7 @@ def test_uniform_still_covers_every_prompt_once_per_pass():
 
 
 def test_hapo_preset_composes_with_the_sampler_that_owns_per_token_temperature(compose):
-    from rlpost.algos.stages import check_sampler
+    from rlpost.methods.hapo import check_sampler
     from rlpost.errors import ConfigError
 
     cfg = compose(tiny_overrides("algo=hapo"))

@@ -167,7 +167,7 @@ def test_bf16_trainer_loss_and_update_within_tolerance_of_fp32(compose):
     for prec in ("fp32", "bf16"):
         cfg = compose(tiny_overrides(f"precision={prec}", "trainer.lr=1e-3", "algo.loss_agg=token-mean"))
         model, _ = load_policy(ModelConfig(source="tiny"), seed=3)
-        t = TorchTrainer(model, cfg, "cpu")
+        t = TorchTrainer.from_config(model, cfg, "cpu")
         b = make_batch()
         if old is None:  # fp32 old log-probs, shifted so ratios != 1 (a real loss); shared by both runs
             old = t.compute_logprobs(b)[0] + 0.05 * b.response_mask

@@ -26,8 +26,7 @@ def test_exo_hand_values_two_groups():
     mask = torch.ones(4, 1)
     adv = compute_advantages("grpo", AdvantageInput(rewards=rewards, response_mask=mask, group_index=gi),
                              norm_by_std=False).advantages
-    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach(), advantages=adv, response_mask=mask,
-                          group_index=gi, ref_logprobs=ref)
+    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach(), advantages=adv, response_mask=mask, group_index=gi, extras={'ref_logprobs': ref})
     loss_mat, met = compute_policy_loss("exo", inp)
     total = aggregate("seq-mean-token-sum", loss_mat, mask)
     pf, pr = (_sig(1), _sig(-1)), (_sig(2), _sig(-2))
@@ -47,8 +46,7 @@ def test_exo_masks_padding_and_spreads_over_a_sequence():
     ref = torch.tensor([[-2.0, -2.0, 0.0], [-2.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([[0.5, 0.5, 0.0], [-0.5, 0.0, 0.0]])
-    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach(), advantages=adv, response_mask=mask,
-                          group_index=torch.tensor([0, 0]), ref_logprobs=ref)
+    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach(), advantages=adv, response_mask=mask, group_index=torch.tensor([0, 0]), extras={'ref_logprobs': ref})
     loss_mat, _ = compute_policy_loss("exo", inp)
     aggregate("seq-mean-token-sum", loss_mat, mask).backward()
     # f = 0.5 * [2, 0]: the same group as above, L0 with p_f = (s(1), s(-1)); no gradient on padding
@@ -107,7 +105,7 @@ def test_exo_loads_a_reference_model_without_kl(compose):
     assert cfg.algo.kl.coef == 0
     stage = {s.name: s for s in build_graph(cfg)}["ref_logprobs"]
     assert stage.enabled and "loss=exo" in stage.description
-    t = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
+    t = TorchTrainer.from_config(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
     assert t.has_ref and t.ref is not None and not any(p.requires_grad for p in t.ref.parameters())
     cfg = compose(["algo=sppo", "model=tiny"])
     assert not {s.name: s for s in build_graph(cfg)}["ref_logprobs"].enabled  # SPPO's pi_t is old_logprobs

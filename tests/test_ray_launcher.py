@@ -162,7 +162,7 @@ def test_bad_launcher_settings_are_one_line_config_errors(compose, monkeypatch):
 
 
 def test_state_arrays_round_trip_keeps_dtypes_and_values():
-    from rlpost.launch.ray_workers import arrays_state, state_arrays
+    from rlpost.ray_pool.ray_workers import arrays_state, state_arrays
 
     s = {"a": torch.randn(3, 2), "b": torch.randn(4).to(torch.bfloat16), "c": torch.arange(5)}
     back = arrays_state(state_arrays(s))

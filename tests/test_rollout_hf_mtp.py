@@ -1,6 +1,6 @@
 """rollout=hf_mtp: Bebop's MTP draft head as a rollout.speculative drafter (settings, pre-RL fit, head files).
 
-The exactness of the MTP verify loop is tested in tests/test_rolleff_r18b.py; here: the config
+The exactness of the MTP verify loop is tested in tests/test_rollout_mtp_vllm_spec_mipu.py; here: the config
 errors, the fit and its save/load round trip, and a 2-step training run through the runner.
 """
 
@@ -14,7 +14,7 @@ from rlpost.errors import ConfigError
 from rlpost.rollout.base import SamplingParams
 from rlpost.rollout.hf import HFRolloutEngine
 from rlpost.rollout.self_spec import MTP_KEYS, check_speculative, spec_config
-from test_rolleff_r18 import _tiny_llama, _Tok
+from test_rollout_self_spec_otr_hif4 import _tiny_llama, _Tok
 from conftest import tiny_overrides
 
 
@@ -160,7 +160,7 @@ def test_head_file_for_another_model_is_a_config_error(tmp_path):
 
 
 def test_task_prompts_seeded_and_capped():
-    from rlpost.rollout.mtp_draft import task_prompts
+    from rlpost.tasks.base import task_prompts
 
     class Task:
         def render_prompt(self, ex, tok):

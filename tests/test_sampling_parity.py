@@ -32,7 +32,7 @@ def test_trainer_logprobs_equal_hf_rollout_logprobs_under_truncation(compose, tr
         response_mask=gen.response_mask, rollout_logprobs=gen.rollout_logprobs, group_index=torch.arange(B),
         prompt_index=torch.arange(B), extras={"temperatures": gen.temperatures},
     )
-    t = TorchTrainer(model, cfg, "cpu")
+    t = TorchTrainer.from_config(model, cfg, "cpu")
     lp, ent = t.compute_logprobs(batch, with_entropy=True)
     m = gen.response_mask > 0
     assert m.sum() > 10

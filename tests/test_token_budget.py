@@ -67,7 +67,7 @@ def _trainer(compose, agg: str, loss: str = "ppo_clip", **tcfg):
                                  "algo.entropy_coef=0", "rollout.max_new_tokens=20", *over))
     if "model" not in _CACHE:
         _CACHE["model"] = load_policy(ModelConfig(source="tiny"), seed=3)[0]
-    return TorchTrainer(copy.deepcopy(_CACHE["model"]), cfg, "cpu")
+    return TorchTrainer.from_config(copy.deepcopy(_CACHE["model"]), cfg, "cpu")
 
 
 def _update(compose, agg: str, loss: str = "ppo_clip", **tcfg):

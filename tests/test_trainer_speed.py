@@ -20,7 +20,7 @@ def test_fused_adamw_matches_foreach_adamw(compose):
         model, _ = load_policy(ModelConfig(source="tiny"), seed=1)
         TorchTrainer.fused_adamw = fused
         try:
-            tr = TorchTrainer(model, cfg)
+            tr = TorchTrainer.from_config(model, cfg)
         finally:
             TorchTrainer.fused_adamw = True
         assert tr.opt.defaults.get("fused") is (True if fused else None)

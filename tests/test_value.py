@@ -49,7 +49,7 @@ def test_a_star_po_loss_hand_values_and_gradient():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     a0 = 1 - VSTAR_10
     adv = torch.tensor([[a0, a0], [-0.25, 0.0]])
-    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach(), advantages=adv, response_mask=mask, ref_logprobs=ref)
+    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp.detach(), advantages=adv, response_mask=mask, extras={'ref_logprobs': ref})
     loss_mat, met = compute_policy_loss("a_star_po", inp, beta2=0.5)
     total = aggregate("seq-mean-token-sum", loss_mat, mask)
     e0, e1 = 0.2 - a0, -0.1 + 0.25

@@ -263,7 +263,7 @@ def test_temperature_is_recorded_as_vllm_samples_it():
 def test_local_rank_sets_the_current_cuda_device(monkeypatch):
     """Under torchrun, rank k places models on cuda:k and makes it current before any engine is built."""
     from rlpost.errors import ConfigError
-    from rlpost.trainer.launch import local_device
+    from rlpost.trainer.torchrun import local_device
 
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -89,7 +89,7 @@ def _trainer(cfg, model, *extra: str):
     from rlpost.trainer.torch_engine import TorchTrainer
 
     c = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(extra)))
-    return TorchTrainer(model, c, "cpu")
+    return TorchTrainer.from_config(model, c, "cpu")
 
 
 def test_the_engine_runs_on_vllms_cpu_platform_with_its_cpu_plan(engine):

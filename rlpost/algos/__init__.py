@@ -1,18 +1,5 @@
-"""The algorithm library: registries of pure tensor functions.
+"""The algorithm library: pure tensor functions, registered by kind.
 
-Importing this package registers every estimator, loss, aggregation mode and
-regularizer. See :mod:`rlpost.algos.registries` for the calling conventions.
+See :mod:`rlpost.algos.registries` for the calling conventions; the
+registries load every component on first lookup (:mod:`rlpost.algos.catalog`).
 """
-
-from rlpost.algos import advantages, aggregation, corrections, hapo, losses, offpolicy, regularizers, shaping  # noqa: F401
-from rlpost.algos import turns  # noqa: F401  (turn-level advantages on multi-turn episodes)
-from rlpost.algos import distill, preference, value  # noqa: F401  (teacher-based losses; EXO, SPPO; A*-PO)
-from rlpost.algos import ripo, seed  # noqa: F401  (RIPO's isometric clip; SEED's hindsight-skill distillation loss)
-from rlpost.algos import cscr, r2vpo, rapid, xrpo  # noqa: F401  (CSCR; R²VPO; RAPID; XRPO's sharpening)
-from rlpost.algos import sapo_ar, tbrm  # noqa: F401  (single-rollout turn-level GAE; TBRM)
-from rlpost.algos import otr  # noqa: F401  (one-token rollouts: SFT as a token-level policy gradient)
-from rlpost.algos import capo  # noqa: F401  (CAPO's curvature-aware token mask)
-from rlpost.algos import poise, tppo  # noqa: F401  (POISE's hidden-state probe baseline; T-PPO's EGAE)
-from rlpost.algos.corrections import CORRECTIONS  # noqa: F401
-from rlpost.algos.validate import validate_algo, validate_correction  # noqa: F401
-from rlpost.algos.registries import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES  # noqa: F401

@@ -33,9 +33,10 @@ squared sequence importance weights ``pi_old / pi_behav``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -85,6 +86,8 @@ class AdvantageInput:
         probe_values: ``[B]`` each row's reward prediction by POISE's online probe
             from that row's own hidden-state features, NaN while the probe is not
             fitted yet, or None; ``poise`` forms the cross-rollout baseline from it.
+        extras: the step's other named inputs (``batch.extras``), for estimators that read one
+            a method provides (``inp.extras[key]``).
     """
 
     rewards: torch.Tensor
@@ -103,6 +106,22 @@ class AdvantageInput:
     truncated: Optional[torch.Tensor] = None
     window_mask: Optional[torch.Tensor] = None
     probe_values: Optional[torch.Tensor] = None
+    extras: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    #: the ``batch.extras`` key of a field whose key differs from its name
+    EXTRAS_KEYS = {"truncated": "window_truncated"}
+
+    @classmethod
+    def from_batch(cls, batch: Any, token_rewards: Optional[torch.Tensor] = None) -> "AdvantageInput":
+        """The estimator's input from a :class:`rlpost.batch.RolloutBatch`: every optional field from
+        ``batch.extras`` under its own name (or :attr:`EXTRAS_KEYS`), absent -> None; ``extras`` holds
+        every entry of ``batch.extras`` (a new estimator input needs no new field: a method writes it
+        there in its ``prepare`` hook and the estimator reads ``inp.extras[key]``)."""
+        opt = {f.name: batch.extras.get(cls.EXTRAS_KEYS.get(f.name, f.name)) for f in dataclasses.fields(cls)
+               if f.name not in ("rewards", "response_mask", "group_index", "token_rewards", "rollout_logprobs",
+                                 "extras")}
+        return cls(rewards=batch.rewards, response_mask=batch.response_mask, group_index=batch.group_index,
+                   token_rewards=token_rewards, rollout_logprobs=batch.rollout_logprobs, extras=dict(batch.extras), **opt)
 
 
 class Baseline(Choice):

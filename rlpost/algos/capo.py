@@ -250,7 +250,7 @@ def capo_after_step(state: Dict[str, Any], metrics: Any, **params: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- the update's forward
-def capo_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: bool, entropy_grad: bool,
+def capo_forward(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool,
                  params: Dict[str, Any], mini_key: int):
     """The policy update's forward for ``loss=capo``: log-probs plus CAPO's per-token predictions.
 
@@ -262,8 +262,8 @@ def capo_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: bo
     dropped first).
 
     Args:
-        trainer: the torch trainer (device, autocast, optimizer betas, scheduler, ``loss_state``).
-        model: the module being trained.
+        fwd: the trainer's :class:`rlpost.methods.base.ForwardPass` (device, autocast, the module being
+            trained, optimizer betas, the step's learning rate, ``loss_state``).
         mb: micro-batch; ``extras['advantages']`` ``[b, R]``.
         with_entropy, entropy_grad: also return the per-token entropy (with grad when ``entropy_grad``).
         params: the loss's resolved parameters (:class:`CAPOParams`).
@@ -279,36 +279,36 @@ def capo_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: bo
     from rlpost.errors import ConfigError
     from rlpost.models.logprobs import _chunk_logprobs, packed_response_states
 
-    if getattr(trainer, "lockstep", False):
+    if fwd.multi_process:
         raise ConfigError("algo.loss=capo keeps its shadow Adam state in one process. Fix: trainer.engine=torch.")
-    dev = trainer.device
+    dev = fwd.device
     attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
     B, R = mb.response_ids.shape
     K = int(params["top_k"])
-    beta1, beta2 = (float(b) for b in trainer.tcfg.betas)
-    lr = float(trainer.sched.get_last_lr()[0])
-    state = trainer.loss_state.get(STATE_KEY)
-    pending = trainer.loss_state.get(PENDING_KEY)
+    beta1, beta2 = (float(b) for b in fwd.betas)
+    lr = float(fwd.lr())
+    state = fwd.loss_state.get(STATE_KEY)
+    pending = fwd.loss_state.get(PENDING_KEY)
     if pending is None or pending.get("key") != mini_key:
         pending = {"key": mini_key}
-        trainer.loss_state[PENDING_KEY] = pending
-    trunc = trainer._truncation()
-    with trainer.autocast():
+        fwd.loss_state[PENDING_KEY] = pending
+    trunc = fwd.truncation
+    with fwd.autocast():
         head, flat_idx, hs, tgt, inv_temp = packed_response_states(
-            model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
-            trainer._temperature(mb))
+            fwd.model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
+            fwd.temperature(mb))
     pending.update(beta1=beta1, beta2=beta2, hidden=int(hs.shape[-1]))
     adv = mb.extras["advantages"].to(dev).float().reshape(-1).index_select(0, flat_idx)
     lmask = mb.response_mask.to(dev).float().reshape(-1).index_select(0, flat_idx)
     want_ent = with_entropy or entropy_grad
-    rows = max(1, int(trainer.tcfg.logprob_chunk_size) * B)
+    rows = max(1, int(fwd.chunk_size) * B)
     use_ckpt = torch.is_grad_enabled() and hs.shape[0] > rows
     lps, ents, mhs, mfs = [], [], [], []
     for s in range(0, hs.shape[0], rows):
         e = min(hs.shape[0], s + rows)
         it = None if inv_temp is None else inv_temp[s:e]
         args = (head, hs[s:e], tgt[s:e], it, want_ent, entropy_grad, trunc["top_k"], trunc["top_p"])
-        with trainer.autocast():
+        with fwd.autocast():
             # recompute each chunk's [n, V] logits in backward when there are several (as response_logprobs does)
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if use_ckpt else _chunk_logprobs(*args)
         lps.append(lp)
@@ -337,13 +337,13 @@ def capo_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: bo
 
 
 # ----------------------------------------------------------------------------- the loss
-@POLICY_LOSSES.register("capo", paper=_CAPO_PAPER, params=CAPOParams, capo_forward=True, after_step=capo_after_step)
+@POLICY_LOSSES.register("capo", paper=_CAPO_PAPER, params=CAPOParams, capo_forward=True, after_step=capo_after_step, extras=("predicted_change", "predicted_kl", "loss_state"))
 def capo_loss(inp: PolicyLossInput, *, eps_low: float, eps_high: float, top_k: int, tau_update: float, tau_kl: float,
               symmetric: bool) -> Tuple[torch.Tensor, Metrics]:
     """PPO's clipped surrogate on the tokens CAPO keeps; masked tokens get zero loss and zero gradient.
 
     ``L_t = keep_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))`` with ``keep_t`` from
-    :func:`capo_keep` on ``inp.predicted_change`` (``m_H``) and ``inp.predicted_kl`` (``m_F``), which
+    :func:`capo_keep` on ``inp.extras["predicted_change"]`` (``m_H``) and ``inp.extras["predicted_kl"]`` (``m_F``), which
     :func:`capo_forward` fills (``top_k`` acts there). The mask is per token, from quantities fixed
     before the step, so it does not depend on the micro-batch split.
 
@@ -354,11 +354,11 @@ def capo_loss(inp: PolicyLossInput, *, eps_low: float, eps_high: float, top_k: i
     Raises:
         ValueError: the predictions are missing (the trainer did not run :func:`capo_forward`).
     """
-    if inp.predicted_change is None or inp.predicted_kl is None:
+    if inp.extras.get("predicted_change") is None or inp.extras.get("predicted_kl") is None:
         raise ValueError("loss=capo needs predicted_change and predicted_kl from rlpost.algos.capo.capo_forward")
     ratio, log_ratio = _ratio(inp)
     m = inp.response_mask
-    mh, mf = inp.predicted_change.to(ratio.device), inp.predicted_kl.to(ratio.device)
+    mh, mf = inp.extras.get("predicted_change").to(ratio.device), inp.extras.get("predicted_kl").to(ratio.device)
     keep = capo_keep(mh, mf, tau_update, tau_kl, symmetric)
     loss, low, high, extra = _ppo_core(ratio, inp.advantages, eps_low, eps_high, None, m)
     loss = loss * keep

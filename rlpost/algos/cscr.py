@@ -68,18 +68,18 @@ def privileged_batch(batch: Any, context_ids: torch.Tensor) -> Any:
     return replace(batch, prompt_ids=ids, prompt_mask=mask, extras={})
 
 
-def privileged_shifts(batch: Any, trainer: Any, tokenizer: Any) -> torch.Tensor:
+def privileged_shifts(batch: Any, logprobs: Any, tokenizer: Any) -> torch.Tensor:
     """``[B, R, 2]`` log-prob shifts ``log pi(y_t | c, x) - log pi(y_t | x)`` of each response token under the
     correct-answer and wrong-answer contexts (:data:`CONTEXT_CORRECT`, :data:`CONTEXT_WRONG`); 0 outside the mask.
 
     Three no-grad teacher-forced passes of the current policy
-    (``trainer.compute_logprobs``): the plain prompt and the two privileged ones.
+    (``logprobs(batch) -> ([B, R], ...)``, the trainer's no-grad pass): the plain prompt and the two privileged ones.
     """
-    base = trainer.compute_logprobs(batch)[0]
+    base = logprobs(batch)[0]
     out = []
     for text in (CONTEXT_CORRECT, CONTEXT_WRONG):
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        out.append(trainer.compute_logprobs(privileged_batch(batch, ids))[0] - base)
+        out.append(logprobs(privileged_batch(batch, ids))[0] - base)
     return torch.stack(out, -1) * batch.response_mask[..., None]
 
 

@@ -63,8 +63,7 @@ class TopKReverseKLParams:
     "code https://github.com/hhh675597/revisiting_opd",
     params=TopKReverseKLParams,
     needs_teacher=True,
-    teacher_topk="top_k",
-)
+    teacher_topk="top_k", extras=("support_logprobs", "teacher_support_logprobs"))
 def topk_reverse_kl_loss(inp: PolicyLossInput, *, top_k: int, renormalise: bool) -> Tuple[torch.Tensor, Metrics]:
     """On-policy distillation by teacher top-K local support matching: a truncated reverse KL per token.
 
@@ -102,7 +101,7 @@ def topk_reverse_kl_loss(inp: PolicyLossInput, *, top_k: int, renormalise: bool)
     Raises:
         ValueError: the support tensors are missing or their K differs from ``top_k``.
     """
-    s, t = inp.support_logprobs, inp.teacher_support_logprobs
+    s, t = inp.extras.get("support_logprobs"), inp.extras.get("teacher_support_logprobs")
     if s is None or t is None:
         raise ValueError("topk_reverse_kl needs the teacher's top-K support: set model.teacher (the runner's "
                          "teacher_logprobs stage fills it)")

@@ -31,7 +31,7 @@ one; ``algo.clip.*`` writes into those (:func:`rlpost.algos.validate.loss_kwargs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -43,9 +43,9 @@ from rlpost.registry import Choice, param
 Metrics = Dict[str, torch.Tensor]
 
 
-@dataclass
+@dataclass(slots=True)  # slots: setting a field it does not have is an error, not a silent new attribute
 class PolicyLossInput:
-    """Inputs every policy loss may read. All tensors ``[B, R]``.
+    """What a policy loss reads. Tensors ``[B, R]`` unless said.
 
     Attributes:
         logprobs: log pi_theta(a_t|s_t) of the current policy, with grad, nats.
@@ -56,59 +56,28 @@ class PolicyLossInput:
         rollout_logprobs: log-probs reported by the rollout engine (behaviour
             policy), or None.
         entropy: per-token policy entropy (nats), detached, or None.
-        batch: the whole mini-batch this input is a micro-batch of (detached
-            ``logprobs``, ``old_logprobs``, ``advantages``, ``response_mask``,
-            ``entropy``; ``[N, R]``), or None when ``inp`` is the whole batch.
-            Losses tagged ``batch_statistics`` take their statistics from it.
-        rows: ``[B]`` long, the rows of ``batch`` that this input holds (with ``batch``).
-        seed: seed of the random draws a loss makes over the whole batch
-            (``clip_cov``), the same for every micro-batch of a mini-batch and every
-            process (the trainer derives it from the run seed and the step); None
-            uses torch's global RNG.
         group_index: ``[B]`` long, equal ids = rollouts of the same prompt, or
             None. Losses that couple a group (``tpo``: a softmax over the
             group's sequence log-probs) need it; with ``batch`` it must be set
             on both (the trainer passes the rows' ids).
-        segment_ids: ``[B, R]`` long, the subsentence index of each response
-            token within its row, or None; losses tagged ``needs_segments``
-            (``sspo``) read it (the runner fills ``extras['segment_ids']``).
         step: index of the training step this update belongs to (0 for the
             first batch; the trainer passes its count of earlier policy
             updates, saved with a checkpoint), or None. Losses with a schedule
             over training (``holderpo``'s exponent) read it; None means step 0.
-        old_entropy: ``[B, R]`` per-token entropy (nats) of the pre-update policy
-            ``pi_old``, detached, or None. Losses tagged ``needs_old_entropy``
-            (``erc``) read it; the runner computes it with the old log-probs
-            (``extras['old_entropy']``) when the update reuses the batch, and on a
-            single on-policy pass it is the current entropy (None here).
-        teacher_logprobs: ``[B, R]`` the frozen teacher's log-probs of the sampled
-            tokens (``model.teacher``), or None; no grad.
-        support_logprobs: ``[B, R, K]`` the current policy's log-probs (with grad)
-            at the teacher's top-K token ids of each position, or None; losses
-            tagged ``teacher_topk`` (:mod:`rlpost.algos.distill`) read it.
-        teacher_support_logprobs: ``[B, R, K]`` the teacher's log-probs at those
-            ids (full-vocabulary normalised), or None; no grad.
-        support_rewards: ``[B, R, K]`` a reward per support token (OTR's candidates:
-            1 on the reference token, ``beta`` elsewhere, :mod:`rlpost.algos.otr`), or None.
-        ref_logprobs: ``[B, R]`` the reference (initial) policy's log-probs, or None;
-            losses tagged ``needs_ref`` (``exo``) read it; no grad.
-        loss_state: the trainer's running state of losses that carry some across
-            optimizer steps (``r2vpo``'s Lagrange multiplier, ``capo``'s shadow Adam state), read-only here, or
-            None; a loss tagged ``after_step=fn`` has ``fn(state, metrics, **params)``
-            update it after each optimizer step (saved with a checkpoint).
-        first_log_normaliser: ``[B]`` ``logsumexp`` of the current policy's logits at the
-            first response position (with grad), or None; losses tagged
-            ``needs_first_log_normaliser`` (``tbrm``: its ``V(s_1)``) read it.
-        region_support_logprobs: ``[B, R, K]`` the current policy's log-probs on a per-position
-            token support (slot 0: the sampled token), or None; ``dppo``'s predictive
-            direction reads it (no gradient needed: the mask is detached).
-        region_anchor_logprobs: ``[B, R, K]`` the trust-region anchor's log-probs on the same
-            support, or None.
-        predicted_change: ``[B, R]`` CAPO's predicted change of the objective if the coming step
-            were driven by the token alone (``m_H``), or None; with ``predicted_kl`` (``m_F``, its
-            predicted Fisher KL) filled for losses tagged ``capo_forward``
-            (:func:`rlpost.algos.capo.capo_forward`); no grad.
-        predicted_kl: ``[B, R]`` see ``predicted_change``.
+        seed: seed of the random draws a loss makes over the whole batch
+            (``clip_cov``), the same for every micro-batch of a mini-batch and every
+            process (the trainer derives it from the run seed and the step); None
+            uses torch's global RNG.
+        batch: the whole mini-batch this input is a micro-batch of (detached
+            ``logprobs``, ``old_logprobs``, ``advantages``, ``response_mask``,
+            ``entropy``, ``group_index`` and the declared extras; ``[N, R]``), or
+            None when ``inp`` is the whole batch. Losses tagged
+            ``batch_statistics`` take their statistics from it.
+        rows: ``[B]`` long, the rows of ``batch`` that this input holds (with ``batch``).
+        extras: the inputs only some losses read, by key. A loss declares the keys
+            it reads when it registers (``extras=(...)``); the trainer fills exactly
+            those (:data:`EXTRA_INPUTS` says what each key holds) and config
+            validation checks that something in the run provides each.
     """
 
     logprobs: torch.Tensor
@@ -117,24 +86,40 @@ class PolicyLossInput:
     response_mask: torch.Tensor
     rollout_logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+    group_index: Optional[torch.Tensor] = None
+    step: Optional[int] = None
+    seed: Optional[int] = None
     batch: Optional["PolicyLossInput"] = None
     rows: Optional[torch.Tensor] = None
-    seed: Optional[int] = None
-    group_index: Optional[torch.Tensor] = None
-    segment_ids: Optional[torch.Tensor] = None
-    step: Optional[int] = None
-    old_entropy: Optional[torch.Tensor] = None
-    teacher_logprobs: Optional[torch.Tensor] = None
-    support_logprobs: Optional[torch.Tensor] = None
-    teacher_support_logprobs: Optional[torch.Tensor] = None
-    support_rewards: Optional[torch.Tensor] = None
-    ref_logprobs: Optional[torch.Tensor] = None
-    loss_state: Optional[Dict[str, Any]] = None
-    first_log_normaliser: Optional[torch.Tensor] = None
-    region_support_logprobs: Optional[torch.Tensor] = None
-    region_anchor_logprobs: Optional[torch.Tensor] = None
-    predicted_change: Optional[torch.Tensor] = None
-    predicted_kl: Optional[torch.Tensor] = None
+    extras: Dict[str, Any] = field(default_factory=dict)
+
+
+#: every key a loss may declare in ``extras=``, with what it holds and who provides it
+EXTRA_INPUTS: Dict[str, str] = {
+    "ref_logprobs": "[B, R] the reference (initial) policy's log-probs, no grad (the ref_logprobs stage; "
+                    "a loss that declares it gets the stage even with algo.kl.coef=0)",
+    "teacher_logprobs": "[B, R] a teacher's log-probs of the sampled tokens, no grad (model.teacher's stage, or "
+                        "a method writing a self-teacher)",
+    "support_logprobs": "[B, R, K] the current policy's log-probs (with grad) on a per-position token support",
+    "teacher_support_logprobs": "[B, R, K] the teacher's log-probs on that support, no grad",
+    "support_rewards": "[B, R, K] a reward per support token",
+    "segment_ids": "[B, R] long, the subsentence index of each response token",
+    "old_entropy": "[B, R] the pre-update policy's per-token entropy (nats), no grad; absent on a single "
+                   "on-policy pass (then the current entropy is the old one)",
+    "first_log_normaliser": "[B] logsumexp of the current policy's logits at the first response position, with grad",
+    "region_support_logprobs": "[B, R, K] the current policy's log-probs on the anchor's top-K support (slot 0: "
+                               "the sampled token)",
+    "region_anchor_logprobs": "[B, R, K] the trust-region anchor's log-probs on that support",
+    "predicted_change": "[B, R] predicted change of the objective if the coming step were driven by the token alone",
+    "predicted_kl": "[B, R] the predicted Fisher KL of that step",
+    "loss_state": "the trainer's running state of losses that carry some across optimizer steps (a dict, "
+                  "read-only in the loss; a loss tagged after_step=fn updates it after each step)",
+}
+
+
+def loss_extras(loss: str) -> Tuple[str, ...]:
+    """The extra input keys ``algo.loss=loss`` declares (its ``extras=`` tag; empty for most losses)."""
+    return tuple(POLICY_LOSSES.tag(loss, "extras", ()) or ())
 
 
 def batch_view(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tensor]:
@@ -776,7 +761,7 @@ def hapo_loss(
     HAPO's Adaptive Temperature Sampling is not part of the loss: it belongs to
     ``sampler=adaptive_temperature`` (its ``tau``), and a config that sets
     ``algo.loss_params.temperature_tau`` is refused
-    (:func:`rlpost.algos.stages.check_sampler`).
+    (:func:`rlpost.methods.hapo.check_sampler`).
 
     Raises:
         ValueError: ``inp.entropy`` is None (HAPO needs the token entropies).
@@ -1137,8 +1122,7 @@ def _binary_kl(p_anchor: torch.Tensor, lp_anchor: torch.Tensor, p: torch.Tensor,
 @POLICY_LOSSES.register(
     "dppo",
     paper="Rethinking the Trust Region in LLM Reinforcement Learning (DPPO, arXiv:2602.04879)",
-    params=DPPOParams,
-)
+    params=DPPOParams, extras=("region_support_logprobs", "region_anchor_logprobs"), optional_extras=("region_support_logprobs", "region_anchor_logprobs"))
 def dppo_loss(
     inp: PolicyLossInput,
     *,
@@ -1180,7 +1164,7 @@ def dppo_loss(
     both use the ``divergence`` (tv or KL(mu || pi)) over a top-``topk`` support of the
     anchor (``topk_estimator``), and a token is masked when it is outside the region
     and the policy-gradient step on it is predicted, in closed form, to raise that
-    divergence. Reads ``inp.region_anchor_logprobs`` / ``inp.region_support_logprobs``
+    divergence. Reads ``inp.extras["region_anchor_logprobs"]`` / ``inp.extras["region_support_logprobs"]``
     (the runner records the pre-update policy's top-K in its old-log-probs pass, so
     it needs ``anchor=old``; the rollout engines do not record the behaviour policy's).
 
@@ -1217,10 +1201,10 @@ def dppo_loss(
         if direction == "predictive":
             from rlpost.algos.predictive_mask import predictive_out_of_region
 
-            if inp.region_support_logprobs is None or inp.region_anchor_logprobs is None:
+            if inp.extras.get("region_support_logprobs") is None or inp.extras.get("region_anchor_logprobs") is None:
                 raise ValueError("dppo direction=predictive needs region_support_logprobs and region_anchor_logprobs "
                                  "(the runner records the anchor's top-K with algo.loss_params.anchor=old)")
-            bad, D, dD = predictive_out_of_region(inp.region_support_logprobs.detach(), inp.region_anchor_logprobs,
+            bad, D, dD = predictive_out_of_region(inp.extras.get("region_support_logprobs").detach(), inp.extras.get("region_anchor_logprobs"),
                                                   A, divergence, topk_estimator, eps_low, eps_high)
             ratio_dir = (A * (p - mu)) > 0
             m = inp.response_mask
@@ -1569,7 +1553,7 @@ def segment_means(x: torch.Tensor, segment_ids: torch.Tensor, mask: torch.Tensor
 
 
 @POLICY_LOSSES.register("sspo", paper=_SSPO_PAPER, params=SSPOParams, needs_entropy=True, needs_segments=True,
-                        batch_statistics=True)
+                        batch_statistics=True, extras=("segment_ids",))
 def sspo_loss(
     inp: PolicyLossInput, *, eps_low: float, eps_high: float, min_scale: float, max_scale: float
 ) -> Tuple[torch.Tensor, Metrics]:
@@ -1584,23 +1568,23 @@ def sspo_loss(
     entropy ``H_bar`` (:func:`batch_view`): ``eps_s = eps * clip(H_s / H_bar,
     min_scale, max_scale)``, so uncertain subsentences may move further and
     confident ones are held tighter. Subsentences are cut after tokens
-    containing ``, . ; : ! ?`` or a newline (``inp.segment_ids``, computed by the
-    runner from the token texts, :func:`rlpost.algos.stages.subsentence_ids`).
+    containing ``, . ; : ! ?`` or a newline (``inp.extras["segment_ids"]``, computed by the
+    runner from the token texts, :func:`rlpost.algos.inputs.subsentence_ids`).
     The abstract gives neither the entropy-to-bound map nor the constants: the
     ratio map, 0.2 and [0.5, 2] are our choices. Metrics: ``eps_high_mean``,
     ``seg_ratio_mean``.
 
     Raises:
-        ValueError: ``inp.segment_ids`` or ``inp.entropy`` is None, or ``min_scale > max_scale``.
+        ValueError: ``inp.extras["segment_ids"]`` or ``inp.entropy`` is None, or ``min_scale > max_scale``.
     """
-    if inp.segment_ids is None or inp.entropy is None:
+    if inp.extras.get("segment_ids") is None or inp.entropy is None:
         raise ValueError("sspo needs PolicyLossInput.segment_ids (subsentence of each token) and entropy; "
                          "the runner computes them")
     if min_scale > max_scale or min_scale <= 0:
         raise ValueError(f"sspo: need 0 < min_scale <= max_scale, got {min_scale}, {max_scale}")
     m = inp.response_mask
     ratio, log_ratio = _ratio(inp)
-    seg = inp.segment_ids.to(m.device).long()
+    seg = inp.extras.get("segment_ids").to(m.device).long()
     log_s = segment_means(log_ratio.detach(), seg, m)
     s_t = torch.exp((log_s + inp.logprobs - inp.logprobs.detach()).clamp(max=20.0))
     full, _rows = batch_view(inp)
@@ -2013,7 +1997,7 @@ class ERCParams:
     entropy_ratio_high: float = param(1.05, "tokens whose entropy ratio H / H_old is not below this get no gradient (script: 1.05)")
 
 
-@POLICY_LOSSES.register("erc", paper=_ERC_PAPER, params=ERCParams, needs_entropy=True, needs_old_entropy=True)
+@POLICY_LOSSES.register("erc", paper=_ERC_PAPER, params=ERCParams, needs_entropy=True, needs_old_entropy=True, extras=("old_entropy",), optional_extras=("old_entropy",))
 def erc_loss(
     inp: PolicyLossInput,
     *,
@@ -2035,7 +2019,7 @@ def erc_loss(
     0). The surrogate is PPO's with ``eps_low`` / ``eps_high`` and dual clip.
 
     ``inp.entropy`` is the current policy's entropy (tag ``needs_entropy``);
-    ``inp.old_entropy`` the old policy's (tag ``needs_old_entropy``: the runner
+    ``inp.extras["old_entropy"]`` the old policy's (tag ``needs_old_entropy``: the runner
     computes it with the old log-probs when the batch is reused). Without it
     (one on-policy pass) the old policy is the current one and every ratio is 1.
     Shapes ``[B, R]``. Metrics: ``erc_masked_frac`` (share of tokens whose
@@ -2056,7 +2040,7 @@ def erc_loss(
     loss, low, high, extra = _ppo_core(ratio, A, eps_low, eps_high, dual_clip, m)
     with torch.no_grad():
         H = inp.entropy.detach().float()
-        H_old = H if inp.old_entropy is None else inp.old_entropy.detach().float()
+        H_old = H if inp.extras.get("old_entropy") is None else inp.extras.get("old_entropy").detach().float()
         rho = (H + 1e-8) / (H_old + 1e-8)
         keep = (rho > entropy_ratio_low) & (rho < entropy_ratio_high)
     loss = torch.where(keep, loss, loss.detach())

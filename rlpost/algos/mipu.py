@@ -36,8 +36,7 @@ executor (the engine is updated by its producer).
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
@@ -124,26 +123,6 @@ def check_update_gate(cfg: Any) -> Optional[Dict[str, Any]]:
     return c
 
 
-class TrainerSnapshot:
-    """An exact copy of a :class:`~rlpost.trainer.torch_engine.TorchTrainer`'s policy weights,
-    optimizer state and learning-rate schedule, to restore after a rejected candidate."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.weights = {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
-        self.opt = copy.deepcopy(trainer.opt.state_dict())
-        self.sched = copy.deepcopy(trainer.sched.state_dict()) if getattr(trainer, "sched", None) is not None else None
-
-    def restore(self, trainer: Any) -> None:
-        """Put the saved weights (in place), optimizer state and schedule back into ``trainer``."""
-        with torch.no_grad():
-            sd = trainer.policy.state_dict()
-            for k, v in self.weights.items():
-                sd[k].copy_(v)
-        trainer.opt.load_state_dict(copy.deepcopy(self.opt))
-        if self.sched is not None:
-            trainer.sched.load_state_dict(copy.deepcopy(self.sched))
-
-
 def inference_logprobs(engine: Any, batch: Any, temperature: float = 1.0) -> torch.Tensor:
     """``[B, R]`` log-probs of ``batch``'s response tokens under the hf engine's inference copy (no gradient)."""
     from rlpost.models.logprobs import eval_mode, response_logprobs
@@ -174,17 +153,24 @@ class MIPUGate:
         self.accepted = 0
         self.rejected = 0
 
-    def update(self, trainer: Any, engine: Any, batch: Any, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
+    def update(self, update: Callable[[], Dict[str, float]], engine: Any, batch: Any, policy: torch.nn.Module,
+               snapshot: Callable[[], Any], restore: Callable[[Any], None]) -> Dict[str, float]:
         """One MIPU step on ``batch``; returns the update's metrics plus ``mipu/*``.
 
-        ``mipu/accepted`` (1/0), ``mipu/gain``, ``mipu/kl``, ``mipu/ratio_mean``,
-        ``mipu/accept_rate`` (running share of accepted candidates). After a rejection the
-        trainer holds exactly its pre-step weights, optimizer state and schedule, and ``engine``
-        has been re-synced to them.
+        Args:
+            update: runs the policy update on ``batch`` and returns its metrics.
+            engine: the hf rollout engine (its inference copy scores the candidate).
+            policy: the trainer's policy (pushed to the engine).
+            snapshot, restore: the trainer's exact state (weights, optimizer, schedule) and its restore.
+        Returns:
+            ``mipu/accepted`` (1/0), ``mipu/gain``, ``mipu/kl``, ``mipu/ratio_mean``,
+            ``mipu/accept_rate`` (running share of accepted candidates). After a rejection the
+            trainer holds exactly its pre-step weights, optimizer state and schedule, and ``engine``
+            has been re-synced to them.
         """
-        snap = TrainerSnapshot(trainer)
-        metrics = dict(trainer.policy_update(batch, rng))
-        engine.sync_weights(trainer.policy)
+        snap = snapshot()
+        metrics = dict(update())
+        engine.sync_weights(policy)
         new_lp = inference_logprobs(engine, batch, self.temperature)
         proxy = inference_gap_proxy(new_lp, batch.rollout_logprobs.float(), batch.extras["advantages"].float(),
                                     batch.response_mask)
@@ -193,17 +179,9 @@ class MIPUGate:
             self.accepted += 1
         else:
             self.rejected += 1
-            snap.restore(trainer)
-            engine.sync_weights(trainer.policy)
+            restore(snap)
+            engine.sync_weights(policy)
         metrics.update({f"mipu/{k}": v for k, v in proxy.items()})
         metrics["mipu/accepted"] = 1.0 if ok else 0.0
         metrics["mipu/accept_rate"] = self.accepted / (self.accepted + self.rejected)
         return metrics
-
-
-def build_update_gate(cfg: Any) -> Optional[MIPUGate]:
-    """The gate of ``cfg.algo.update_gate`` (None when unset). Raises ConfigError as :func:`check_update_gate`."""
-    c = check_update_gate(cfg)
-    if c is None:
-        return None
-    return MIPUGate(min_gain=c["min_gain"], max_kl=c["max_kl"], temperature=float(cfg.rollout.temperature))

@@ -88,7 +88,7 @@ def otr_candidates(logits: torch.Tensor, targets: torch.Tensor, k: int, kappa: f
     return ids, torch.where(hit, torch.ones_like(ids, dtype=torch.float32), torch.full_like(ids, float(beta), dtype=torch.float32))
 
 
-def otr_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: bool, entropy_grad: bool,
+def otr_forward(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool,
                 params: Dict[str, Any], seed: Optional[int] = None):
     """The policy update's forward for ``loss=otr``: reference log-probs plus K rewarded candidates per position.
 
@@ -97,8 +97,7 @@ def otr_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: boo
     by :func:`otr_candidates` from those logits (detached).
 
     Args:
-        trainer: the torch trainer (device, autocast).
-        model: the module being trained.
+        fwd: the trainer's :class:`rlpost.methods.base.ForwardPass` (device, autocast, the module being trained).
         mb: micro-batch (:class:`rlpost.batch.RolloutBatch`) whose responses are the reference answers.
         with_entropy, entropy_grad: also return the per-token entropy (with grad when ``entropy_grad``).
         params: the loss's resolved parameters (``k``, ``kappa``, ``beta``).
@@ -114,13 +113,13 @@ def otr_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: boo
     """
     from rlpost.models.logprobs import packed_response_states
 
-    dev = trainer.device
+    dev = fwd.device
     attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
     B, R = mb.response_ids.shape
     K = int(params["k"])
-    with trainer.autocast():
+    with fwd.autocast():
         head, flat_idx, hs, tgt, _ = packed_response_states(
-            model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev), 1.0)
+            fwd.model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev), 1.0)
         logits = head(hs).float()  # [N, V]
     logp = torch.log_softmax(logits, -1)
     u = None
@@ -154,13 +153,12 @@ def otr_forward(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: boo
     paper="One-Token Rollout: Guiding Supervised Fine-Tuning of LLMs with Policy Gradient (OTR, arXiv:2509.26313)",
     params=OTRParams,
     needs_reference_responses=True,
-    one_token_rollout=True,
-)
+    one_token_rollout=True, extras=("support_logprobs", "support_rewards"))
 def otr_loss(inp: PolicyLossInput, *, k: int = 256, kappa: float = 1.3, beta: float = -0.1) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """``loss_t = -(1/K) sum_j R_j log pi(a_{t,j} | s_t)`` over the K candidates of each reference position.
 
-    Reads ``inp.support_logprobs`` ``[B, R, K]`` (log-probs of the candidates, with grad) and
-    ``inp.support_rewards`` ``[B, R, K]`` (1 on a hit of the reference token, ``beta`` elsewhere),
+    Reads ``inp.extras["support_logprobs"]`` ``[B, R, K]`` (log-probs of the candidates, with grad) and
+    ``inp.extras["support_rewards"]`` ``[B, R, K]`` (1 on a hit of the reference token, ``beta`` elsewhere),
     both filled by :func:`otr_forward`; ``k``, ``kappa`` and ``beta`` act there. Returns the
     per-token loss ``[B, R]`` and metrics ``nll`` (masked mean ``-log pi(x_t)`` of the reference
     tokens) and ``otr_hit_rate`` (share of candidates equal to the reference token).
@@ -168,14 +166,15 @@ def otr_loss(inp: PolicyLossInput, *, k: int = 256, kappa: float = 1.3, beta: fl
     Raises:
         ValueError: the support inputs are missing (the trainer did not run :func:`otr_forward`).
     """
-    if inp.support_logprobs is None or inp.support_rewards is None:
+    sup, rew = inp.extras.get("support_logprobs"), inp.extras.get("support_rewards")
+    if sup is None or rew is None:
         raise ValueError("loss=otr needs support_logprobs and support_rewards from rlpost.algos.otr.otr_forward")
     ratio, log_ratio = _ratio(inp)
-    Kc = max(1, inp.support_logprobs.shape[-1])
-    loss = -(inp.support_rewards.to(inp.support_logprobs.dtype) * inp.support_logprobs).sum(-1) / Kc
+    Kc = max(1, sup.shape[-1])
+    loss = -(rew.to(sup.dtype) * sup).sum(-1) / Kc
     z = torch.zeros_like(ratio)
     metrics = _clip_metrics(ratio, log_ratio, z, z, inp.response_mask)
     metrics["nll"] = masked_mean(-inp.logprobs.detach(), inp.response_mask)
-    hit = (inp.support_rewards == 1.0).float().mean(-1)
+    hit = (rew == 1.0).float().mean(-1)
     metrics["otr_hit_rate"] = masked_mean(hit, inp.response_mask)
     return loss, metrics

@@ -269,16 +269,19 @@ class PoiseProbe:
         self.fit_state = None if sd["fit_state"] is None else dict(sd["fit_state"])
 
 
-def probe_step(probe: PoiseProbe, batch: Any, trainer: Any, layer_frac: float, pool_tokens: int) -> Dict[str, float]:
-    """The runner's POISE stage: features of every row, pre-update predictions, then the probe's update.
+def probe_step(probe: PoiseProbe, batch: Any, policy: torch.nn.Module, device: Any, logprobs: Any, layer_frac: float,
+               pool_tokens: int) -> Dict[str, float]:
+    """POISE's input stage: features of every row, pre-update predictions, then the probe's update.
+
+    ``policy`` on ``device`` gives the hidden states, ``logprobs(batch, with_entropy=True)`` the entropy.
 
     Sets ``batch.extras['probe_values']`` ``[B]`` (NaN while not fitted) from the probe as it was
     before this step, then appends this step's rows with their other-rollout targets and refits.
     Returns ``poise/...`` metrics (``poise/pred_mean``, ``poise/baseline_rmse``: the cross-rollout
     baselines' error against the rewards, when fitted).
     """
-    prompt_h, resp_h = hidden_features(trainer.policy, batch, layer_frac, pool_tokens, trainer.device)
-    _, ent = trainer.compute_logprobs(batch, with_entropy=True)
+    prompt_h, resp_h = hidden_features(policy, batch, layer_frac, pool_tokens, device)
+    _, ent = logprobs(batch, with_entropy=True)
     scal = entropy_stats(ent, batch.response_mask)
     pred = probe.predict(prompt_h, resp_h, scal)
     batch.extras["probe_values"] = pred

@@ -54,7 +54,7 @@ class EXOParams:
 
 
 @POLICY_LOSSES.register("exo", paper=_EXO_PAPER, params=EXOParams, batch_statistics=True, needs_group=True,
-                        sequence_sum=True, needs_ref=True)
+                        sequence_sum=True, needs_ref=True, extras=("ref_logprobs",))
 def exo_loss(inp: PolicyLossInput, *, beta_pi: float, beta_r: float) -> Tuple[torch.Tensor, Metrics]:
     """EXO with rewards (``exo-rw``): reverse KL from the policy's group distribution to the reward's.
 
@@ -89,11 +89,11 @@ def exo_loss(inp: PolicyLossInput, *, beta_pi: float, beta_r: float) -> Tuple[to
     """
     if beta_pi <= 0 or beta_r <= 0:
         raise ValueError(f"exo: beta_pi and beta_r must be > 0, got {beta_pi}, {beta_r}")
-    if inp.group_index is None or inp.ref_logprobs is None:
+    if inp.group_index is None or inp.extras.get("ref_logprobs") is None:
         raise ValueError("exo needs PolicyLossInput.group_index and ref_logprobs (the runner computes the reference "
                          "log-probs for losses tagged needs_ref)")
     full, rows = batch_view(inp)
-    ref_full = full.ref_logprobs if full.ref_logprobs is not None else inp.ref_logprobs
+    ref_full = full.extras.get("ref_logprobs") if full.extras.get("ref_logprobs") is not None else inp.extras.get("ref_logprobs")
     gi = full.group_index if full.group_index is not None else inp.group_index
     inv, G = group_ids(gi.to(full.response_mask.device))
     fm = full.response_mask.double()

@@ -85,7 +85,7 @@ def r2vpo_dual_step(state: Dict[str, float], metrics: Mapping[str, torch.Tensor]
 
 
 @POLICY_LOSSES.register("r2vpo", paper=_R2VPO_PAPER, params=R2VPOParams, batch_statistics=True,
-                        after_step=r2vpo_dual_step)
+                        after_step=r2vpo_dual_step, extras=("loss_state",))
 def r2vpo_loss(inp: PolicyLossInput, *, ratio_var_bound: float, lambda_init: float, dual_lr: float,
                lambda_max: float) -> Tuple[torch.Tensor, Metrics]:
     """R²VPO's Lagrangian per token: ``-A_t r_t + lambda (r_t - sg(mean r))^2``, no clip.
@@ -102,7 +102,7 @@ def r2vpo_loss(inp: PolicyLossInput, *, ratio_var_bound: float, lambda_init: flo
     token far from ``pi_old`` keeps its gradient ``-A r``, pulled back by
     ``2 lambda r (r - mean r)`` in proportion to how far its ratio sits from the batch's.
 
-    ``lambda`` is ``inp.loss_state[LAMBDA_KEY]`` (the trainer's running
+    ``lambda`` is ``inp.extras["loss_state"][LAMBDA_KEY]`` (the trainer's running
     multiplier) or ``lambda_init`` before the first dual step. On-policy
     (every ``r = 1``) the penalty and its gradient are 0 and the loss is
     REINFORCE's ``-A``; the constraint acts once the batch is reused
@@ -122,7 +122,7 @@ def r2vpo_loss(inp: PolicyLossInput, *, ratio_var_bound: float, lambda_init: flo
                          f"{ratio_var_bound}, {lambda_init}, {dual_lr}")
     if lambda_max < lambda_init:
         raise ValueError(f"r2vpo: lambda_max ({lambda_max}) must be >= lambda_init ({lambda_init})")
-    lam = float((inp.loss_state or {}).get(LAMBDA_KEY, lambda_init))
+    lam = float((inp.extras.get("loss_state") or {}).get(LAMBDA_KEY, lambda_init))
     r_mean, r_var = ratio_mean_and_var(inp)
     m = inp.response_mask
     ratio, log_ratio = _ratio(inp)

@@ -18,7 +18,8 @@ validation, e.g. ``needs_critic=True``.
 
 from rlpost.registry import Registry
 
-ADV_ESTIMATORS = Registry("advantage estimator", "algo.adv_estimator", typed_params=True)
-POLICY_LOSSES = Registry("policy loss", "algo.loss", typed_params=True)
-LOSS_AGGS = Registry("loss aggregation mode", "algo.loss_agg")
-KL_ESTIMATORS = Registry("KL estimator", "algo.kl.estimator")
+CATALOG = "rlpost.algos.catalog"  # imports every file that registers an algorithm component
+ADV_ESTIMATORS = Registry("advantage estimator", "algo.adv_estimator", typed_params=True, catalog=CATALOG)
+POLICY_LOSSES = Registry("policy loss", "algo.loss", typed_params=True, catalog=CATALOG)
+LOSS_AGGS = Registry("loss aggregation mode", "algo.loss_agg", catalog=CATALOG)
+KL_ESTIMATORS = Registry("KL estimator", "algo.kl.estimator", catalog=CATALOG)

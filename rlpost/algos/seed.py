@@ -77,7 +77,7 @@ def skill_contexts(tokenizer: Any, prompts: Sequence[List[int]], skills: Sequenc
             for p, s in zip(prompts, skills)]
 
 
-def batch_skill_logprobs(batch: Any, questions: Sequence[str], engine: Any, trainer: Any, tokenizer: Any,
+def batch_skill_logprobs(batch: Any, questions: Sequence[str], engine: Any, logprobs: Any, tokenizer: Any,
                          sampling: Any, skill_tokens: int, threshold: float = 0.5) -> Tuple[torch.Tensor, List[str]]:
     """SEED's hindsight pass on a rollout batch: the policy writes a skill per response, then scores it in that context.
 
@@ -85,7 +85,7 @@ def batch_skill_logprobs(batch: Any, questions: Sequence[str], engine: Any, trai
         batch: a :class:`rlpost.batch.RolloutBatch` with ``rewards`` and ``response_texts``.
         questions: the task text of each row.
         engine: the rollout engine (the weights that sampled the batch: ``pi_old`` as analyzer).
-        trainer: has ``compute_logprobs(batch)`` (the same no-grad kernel as the old log-probs).
+        logprobs: ``batch -> ([B, R], ...)``, the trainer's no-grad pass (the kernel of the old log-probs).
         tokenizer: the policy's tokenizer.
         sampling: the step's :class:`rlpost.rollout.base.SamplingParams`; the analyzer samples
             with them and ``max_new_tokens = skill_tokens`` (sampling rather than greedy is our
@@ -108,7 +108,7 @@ def batch_skill_logprobs(batch: Any, questions: Sequence[str], engine: Any, trai
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     ids, mask = left_pad(skill_contexts(tokenizer, prompts, skills), pad)
     aug = dataclasses.replace(batch, prompt_ids=ids, prompt_mask=mask.to(batch.prompt_mask.dtype), extras={})
-    lp = trainer.compute_logprobs(aug)[0]
+    lp = logprobs(aug)[0]
     return lp * batch.response_mask, skills
 
 
@@ -129,15 +129,14 @@ class SeedLossParams:
     paper="SEED: Self-Evolving On-Policy Distillation for Agentic Reinforcement Learning (arXiv:2607.14777); "
     "code https://github.com/jinyangwu/SEED",
     params=SeedLossParams,
-    needs_skill="skill_tokens",
-)
+    needs_skill="skill_tokens", extras=("teacher_logprobs",))
 def seed_loss(inp: PolicyLossInput, *, opd_coef: float, gate_beta: float, skill_tokens: int, eps_low: float,
               eps_high: float, dual_clip: Optional[float]) -> Tuple[torch.Tensor, dict]:
     """PPO-clip outcome loss plus SEED's gated on-policy distillation toward the skill-conditioned policy.
 
     Per token: ``L_t = L^clip_t + lambda * g_t * (l_skill_t - l_theta_t)`` with
     ``Delta_t = sg[l_skill_t - l_theta_t]`` and ``g_t = sigmoid(beta * Delta_t)``;
-    ``l_theta = inp.logprobs`` (with grad), ``l_skill = inp.teacher_logprobs``
+    ``l_theta = inp.logprobs`` (with grad), ``l_skill = inp.extras.get("teacher_logprobs")``
     (no grad). The gradient of the second term is ``-lambda * g_t * grad
     l_theta_t``: a gate-weighted NLL of the sampled token, strongest (``g -> 1``)
     where the skill raised the token's probability and fading (``g -> 0``) where it
@@ -161,15 +160,15 @@ def seed_loss(inp: PolicyLossInput, *, opd_coef: float, gate_beta: float, skill_
         ``seed/skill_shift_mean`` (mean ``Delta``), ``seed/opd_term`` (token mean of
         ``g * Delta``).
     Raises:
-        ValueError: ``inp.teacher_logprobs`` is missing (the ``algo_inputs`` stage
+        ValueError: ``inp.extras["teacher_logprobs"]`` is missing (the ``algo_inputs`` stage
             writes it for losses tagged ``needs_skill``).
     """
-    if inp.teacher_logprobs is None:
+    if inp.extras.get("teacher_logprobs") is None:
         raise ValueError("seed needs the skill-context log-probs (batch.extras['teacher_logprobs']); the runner's "
                          "algo_inputs stage writes them for losses tagged needs_skill")
     loss, metrics = ppo_clip_loss(inp, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
     m = inp.response_mask
-    l_skill = inp.teacher_logprobs.to(inp.logprobs.device, inp.logprobs.dtype).detach()
+    l_skill = inp.extras.get("teacher_logprobs").to(inp.logprobs.device, inp.logprobs.dtype).detach()
     delta = (l_skill - inp.logprobs).detach()
     gate = torch.sigmoid(gate_beta * delta)
     opd = gate * (l_skill - inp.logprobs) * m

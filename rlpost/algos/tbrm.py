@@ -122,7 +122,7 @@ class TBRMParams:
 
 
 @POLICY_LOSSES.register("tbrm", paper=_PAPER, params=TBRMParams, needs_ref=True, sequence_sum=True,
-                        needs_first_log_normaliser=True)
+                        needs_first_log_normaliser=True, extras=("ref_logprobs", "first_log_normaliser"))
 def tbrm_loss(inp: PolicyLossInput, *, beta: float) -> Tuple[torch.Tensor, Metrics]:
     """TBRM: ``delta(x, y)^2`` per trajectory, the squared trajectory Bellman residual (module docstring).
 
@@ -147,19 +147,19 @@ def tbrm_loss(inp: PolicyLossInput, *, beta: float) -> Tuple[torch.Tensor, Metri
     Raises:
         ValueError: a missing input, or ``beta <= 0``.
     """
-    if inp.ref_logprobs is None:
+    if inp.extras.get("ref_logprobs") is None:
         raise ValueError("tbrm needs ref_logprobs (the runner computes them for losses tagged needs_ref)")
-    if inp.first_log_normaliser is None:
+    if inp.extras.get("first_log_normaliser") is None:
         raise ValueError("tbrm needs first_log_normaliser (the trainer computes it for losses tagged "
                          "needs_first_log_normaliser)")
     m = inp.response_mask
     L = m.sum(-1).clamp(min=1.0)
     r = (inp.advantages * m).sum(-1) / L
-    delta = trajectory_residual(inp.logprobs, inp.ref_logprobs, inp.first_log_normaliser, r, m, beta)
+    delta = trajectory_residual(inp.logprobs, inp.extras.get("ref_logprobs"), inp.extras.get("first_log_normaliser"), r, m, beta)
     loss = (delta ** 2 / L)[:, None] * m
     with torch.no_grad():
         lr = (inp.logprobs - inp.old_logprobs).clamp(-20.0, 20.0)
         metrics = {**ratio_metrics(lr.exp(), lr, m), "clip_frac": torch.zeros((), device=m.device),
                    "seq_tbrm_residual": _nonempty_mean(delta.detach(), m),
-                   "seq_tbrm_v1": _nonempty_mean(beta * inp.first_log_normaliser.detach().to(m.dtype), m)}
+                   "seq_tbrm_v1": _nonempty_mean(beta * inp.extras.get("first_log_normaliser").detach().to(m.dtype), m)}
     return loss, metrics

@@ -168,8 +168,6 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
       ``eps_high >= 0``, ``dual_clip`` null or > 1;
     * ``ppo_epochs``, ``mini_batches``, ``n_samples_per_prompt`` >= 1,
       ``loss_agg_norm`` null or > 0, ``kl.coef >= 0``;
-    * a loss tagged ``needs_old_entropy`` (``erc``) is not combined with
-      ``algo.loss_params.proximal=a3po`` (which skips the old-policy pass);
     * a loss tagged ``needs_group`` (``tpo``) has ``algo.n_samples_per_prompt >= 2``;
       one tagged ``sequence_sum`` is not aggregated with ``seq-mean-token-mean``;
     * the ``gpg`` loss has no trust region: it needs ``ppo_epochs == 1`` and
@@ -184,7 +182,6 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
     loss = _get(algo_cfg, "loss", "ppo_clip")
     agg = _get(algo_cfg, "loss_agg", "token-mean")
     kl = _get(algo_cfg, "kl")
-    critic = _get(algo_cfg, "critic")
     n = int(_get(algo_cfg, "n_samples_per_prompt", 1) or 0)
 
     ADV_ESTIMATORS.get(adv)
@@ -215,22 +212,27 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
     if norm is not None and float(norm) <= 0:
         raise ConfigError(f"algo.loss_agg_norm must be null or > 0, got {norm}.")
 
+    _check_combination(algo_cfg, adv, loss, agg, n)
+
+    if root_cfg is not None:
+        prec = _get(root_cfg, "precision")
+        if prec is not None:
+            validate_correction(_get(prec, "correction", "none"), _as_dict(_get(prec, "correction_params")))
+
+
+def _check_combination(algo_cfg: Any, adv: str, loss: str, agg: str, n: int) -> None:
+    """The combination rules of :func:`validate_algo` that read the components' tags (critic, group,
+    token rewards, sequence sums, trust region).
+
+    Raises:
+        ConfigError: the first rule broken.
+    """
+    kl = _get(algo_cfg, "kl")
+    critic = _get(algo_cfg, "critic")
     tags = ADV_ESTIMATORS.entry(adv).tags
-    if loss == "dppo":
-        dk = loss_kwargs(algo_cfg)
-        if str(getattr(dk["direction"], "value", dk["direction"])) == "predictive":
-            if str(getattr(dk["anchor"], "value", dk["anchor"])) != "old":
-                raise ConfigError("algo.loss_params.direction=predictive needs algo.loss_params.anchor=old: the top-K "
-                                  "support is recorded from the pre-update policy (the rollout engines do not record "
-                                  "the behaviour policy's top-K). Fix: add anchor: old, or use direction=ratio.")
-            if int(dk["topk"]) < 2:
-                raise ConfigError(f"algo.loss_params.topk={dk['topk']} must be >= 2 (the sampled token and one other)")
     if bool(_get(critic, "shared_backbone", False)) and int(_get(critic, "warmup_steps", 0) or 0) > 0:
         raise ConfigError("algo.critic.shared_backbone=true with algo.critic.warmup_steps > 0: the critic's updates move "
                           "the shared backbone, so the policy would not be frozen during warm-up. Fix: warmup_steps=0.")
-    if int(_get(critic, "supervised_states", 0) or 0) < 0:
-        raise ConfigError(f"algo.critic.supervised_states={_get(critic, 'supervised_states')} must be >= 0 "
-                          "(0: the value loss on every response token; n > 0: SP3O's n sparse states)")
     if tags.get("needs_critic") and not bool(_get(critic, "enabled", False)):
         raise ConfigError(
             f"algo.adv_estimator={adv} needs a critic (value model) but algo.critic.enabled is false. "
@@ -258,12 +260,6 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
             f"algo.loss_agg=seq-mean-token-mean would divide it by each response's length. "
             f"Use algo.loss_agg=seq-mean-token-sum (the preset's), token-mean or seq-mean-token-sum-norm."
         )
-    if ltags.get("needs_old_entropy") and str(trainer_loss_params(algo_cfg).proximal) == "a3po":
-        raise ConfigError(
-            f"algo.loss={loss} compares each token's entropy with the old policy's, which the runner computes "
-            f"with the old log-probs; algo.loss_params.proximal=a3po skips that pass, so the ratio would always be 1. "
-            f"Use algo.loss_params.proximal=recompute with this loss."
-        )
     kl_coef = float(_get(kl, "coef", 0.0) or 0.0)
     if kl_coef < 0:
         raise ConfigError(f"algo.kl.coef must be >= 0, got {kl_coef}.")
@@ -280,11 +276,6 @@ def validate_algo(algo_cfg: Any, root_cfg: Any = None) -> None:
             "algo.loss=gpg is a plain on-policy policy gradient without a trust region: "
             "set algo.ppo_epochs=1 and algo.mini_batches=1, or use a clipped loss (ppo_clip, cispo...)."
         )
-
-    if root_cfg is not None:
-        prec = _get(root_cfg, "precision")
-        if prec is not None:
-            validate_correction(_get(prec, "correction", "none"), _as_dict(_get(prec, "correction_params")))
 
 
 def _takes_baseline(adv: str) -> bool:
@@ -352,3 +343,22 @@ def validate_correction(name: Optional[str], params: Optional[Mapping[str, Any]]
     from rlpost.algos.corrections import CORRECTIONS
 
     CORRECTIONS.resolve(name or "none", dict(params or {}), "precision.correction_params")
+
+
+def check_algo_config(cfg: Any) -> None:
+    """``algo``: registered estimator / loss / aggregation / KL, their declared parameters, combinations
+    (:func:`validate_algo`).
+
+    Raises:
+        ConfigError: the first problem found.
+    """
+    validate_algo(cfg.algo)
+
+
+def check_precision_config(cfg: Any) -> None:
+    """``precision``: the correction exists and ``correction_params`` holds only its declared parameters.
+
+    Raises:
+        ConfigError: as :func:`validate_correction`.
+    """
+    validate_correction(cfg.precision.correction, cfg.precision.correction_params)

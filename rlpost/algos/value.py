@@ -85,7 +85,7 @@ class AStarPOParams:
     beta2: float = param(1e-3, "beta2: scale of the log-ratio log pi/pi_ref regressed onto A* (authors: 1e-3)")
 
 
-@POLICY_LOSSES.register("a_star_po", paper=_PAPER, params=AStarPOParams, needs_ref=True, sequence_sum=True)
+@POLICY_LOSSES.register("a_star_po", paper=_PAPER, params=AStarPOParams, needs_ref=True, sequence_sum=True, extras=("ref_logprobs",))
 def a_star_po_loss(inp: PolicyLossInput, *, beta2: float) -> Tuple[torch.Tensor, Metrics]:
     """A*-PO's least squares: ``(beta2 sum_t (log pi - log pi_ref) - A*)^2`` per sequence.
 
@@ -104,11 +104,11 @@ def a_star_po_loss(inp: PolicyLossInput, *, beta2: float) -> Tuple[torch.Tensor,
     """
     if beta2 <= 0:
         raise ValueError(f"a_star_po: beta2 must be > 0, got {beta2}")
-    if inp.ref_logprobs is None:
+    if inp.extras.get("ref_logprobs") is None:
         raise ValueError("a_star_po needs ref_logprobs (the runner computes them for losses tagged needs_ref)")
     m = inp.response_mask
     L = m.sum(-1).clamp(min=1.0)
-    ell = ((inp.logprobs - inp.ref_logprobs.to(inp.logprobs.dtype)) * m).sum(-1)
+    ell = ((inp.logprobs - inp.extras.get("ref_logprobs").to(inp.logprobs.dtype)) * m).sum(-1)
     a = (inp.advantages * m).sum(-1) / L
     v = (beta2 * ell - a) ** 2
     loss = (v / L)[:, None] * m

@@ -5,7 +5,7 @@
 reachable here). XRPO's exploitation half: a correct response that the policy
 found unlikely relative to its group carries more information than a likely
 one, so its advantage is raised. Its exploration half, the uncertainty-reduction
-rollout allocator, is ``selector=xrpo`` (:mod:`rlpost.selectors.xrpo`); its
+rollout allocator, is ``selector=xrpo`` (:mod:`rlpost.selectors.xrpo_allocator`); its
 in-context seeding of zero-reward prompts is not implemented (it needs a bank of
 curated exemplars per task).
 

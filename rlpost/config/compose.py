@@ -9,6 +9,7 @@ registered names and combinations that make sense.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import re
@@ -18,32 +19,8 @@ from typing import Any, List
 from omegaconf import DictConfig, OmegaConf
 
 from rlpost.config.schema import GROUP_SCHEMAS, register_schemas
+from rlpost.config.paths import conf_dir, group_choices  # noqa: F401  (re-exported)
 from rlpost.errors import ConfigError
-from rlpost.tasks.answer_tags import EXTRACTORS
-
-
-def conf_dir() -> Path:
-    """The config tree: ``$RLPOST_CONF_DIR`` or ``conf/`` beside the package."""
-    env = os.environ.get("RLPOST_CONF_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "conf"
-
-
-def group_choices(group: str) -> List[str]:
-    """Preset names available in ``conf/<group>/``; for Hydra's own groups (``hydra/launcher``),
-    the choices Hydra and its installed plugins register (basic, joblib, submitit_slurm, ...)."""
-    d = conf_dir() / group
-    if d.exists():
-        return sorted(p.stem for p in d.glob("*.yaml"))
-    if group.startswith("hydra/"):
-        from hydra.core.config_store import ConfigStore
-        from hydra.core.plugins import Plugins
-
-        Plugins.instance()  # imports the installed plugins, which register their configs
-        node: Any = ConfigStore.instance().repo
-        for part in group.split("/"):
-            node = node.get(part, {}) if isinstance(node, dict) else {}
-        return sorted(k[:-5] for k in node if k.endswith(".yaml"))
-    return []
 
 
 def _schema_keys(path: str) -> List[str]:
@@ -187,7 +164,6 @@ def window_rollout_overrides(cfg: DictConfig, overrides: List[str]) -> List[str]
     ``overrides`` is kept as given (``executor.partial_train_unfinished=false`` runs
     EGAE on whole responses, i.e. GAE). Empty for every other estimator.
     """
-    import rlpost.algos  # noqa: F401  (registers the estimators)
     from rlpost.algos.registries import ADV_ESTIMATORS
 
     name = str(cfg.algo.adv_estimator)
@@ -209,11 +185,11 @@ def _with_preset_sampler(cfg: DictConfig, overrides: List[str], return_hydra_con
     """An algorithm that samples with a per-token temperature gets the sampler that owns it.
 
     ``algo=hapo`` alone composes with ``sampler=adaptive_temperature``
-    (:data:`rlpost.algos.stages.TEMPERATURE_SAMPLERS`; Hydra cannot override a
+    (:data:`rlpost.methods.hapo.TEMPERATURE_SAMPLERS`; Hydra cannot override a
     sibling group from an ``algo`` preset). A sampler the user names is kept;
-    a conflicting one is refused by :func:`rlpost.algos.stages.check_sampler`.
+    a conflicting one is refused by :func:`rlpost.methods.hapo.check_sampler`.
     """
-    from rlpost.algos.stages import TEMPERATURE_SAMPLERS
+    from rlpost.methods.hapo import TEMPERATURE_SAMPLERS
 
     want = TEMPERATURE_SAMPLERS.get(str(cfg.algo.loss))
     named = any(o.lstrip("+~").split("=", 1)[0] == "sampler" for o in overrides)
@@ -244,48 +220,7 @@ def expand_sweep(overrides: List[str]) -> List[List[str]]:
     return [list(c) for c in itertools.product(*options)] if options else [[]]
 
 
-def _check_algo(cfg: DictConfig) -> None:
-    """``algo``: registered estimator / loss / aggregation / KL, their declared parameters, combinations."""
-    from rlpost.algos.validate import validate_algo
-
-    validate_algo(cfg.algo)
-
-
-def _check_precision(cfg: DictConfig) -> None:
-    """``precision``: the correction exists and ``correction_params`` holds only its declared parameters."""
-    from rlpost.algos.validate import validate_correction
-
-    validate_correction(cfg.precision.correction, cfg.precision.correction_params)
-
-
-def _check_selector(cfg: DictConfig) -> None:
-    """``selector``: registered, ``selector.params`` holds only its declared parameters (types checked)."""
-    from rlpost.algos.validate import _as_dict
-    from rlpost.selectors import SELECTORS
-
-    if cfg.selector.prompts_per_step < 1:
-        raise ConfigError("Invalid config: selector.prompts_per_step must be >= 1.")
-    SELECTORS.resolve(cfg.selector.name, _as_dict(cfg.selector.params), "selector.params")
-
-
-def _check_sampler(cfg: DictConfig) -> None:
-    """``sampler``: registered, ``sampler.params`` holds only its declared parameters (types checked)."""
-    from rlpost.algos.validate import _as_dict
-    from rlpost.samplers import SAMPLERS
-
-    SAMPLERS.resolve(cfg.sampler.name, _as_dict(cfg.sampler.params), "sampler.params")
-
-
-def _check_task(cfg: DictConfig) -> None:
-    """``task``: a registered kind and answer format."""
-    from rlpost.tasks import TASKS
-
-    TASKS.entry(cfg.task.kind)
-    if cfg.task.answer_format not in EXTRACTORS:
-        raise ConfigError(f"Invalid config: task.answer_format={cfg.task.answer_format!r}: valid choices are {', '.join(EXTRACTORS)}.")
-
-
-def _check_ranges(cfg: DictConfig) -> None:
+def check_ranges(cfg: DictConfig) -> None:
     """Value ranges of the run, rollout and trainer settings, and the batch split."""
     a = cfg.algo
     checks = [
@@ -311,78 +246,24 @@ def _check_ranges(cfg: DictConfig) -> None:
             raise ConfigError(f"Invalid config: {msg}.")
 
 
-def _check_executor(cfg: DictConfig) -> None:
-    """``executor``: the partial-rollout settings (:func:`rlpost.executor.check_partial`)."""
-    from rlpost.executor import check_partial
-
-    check_partial(cfg)
-
-
-def _check_launcher(cfg: DictConfig) -> None:
-    """``launcher``: Ray installed, worker count, placement (:func:`rlpost.launch.check_launcher`)."""
-    from rlpost.launch import check_launcher
-
-    check_launcher(cfg)
-
-
-def _check_card(cfg: DictConfig) -> None:
-    """A recipe's ``card`` (:mod:`rlpost.recipes`): every field known, every cited number sourced."""
-    if cfg.get("card") is not None:
-        from rlpost.recipes import parse_card
-
-        parse_card(cfg.card, "card")
-
-
-def _check_model(cfg: DictConfig) -> None:
-    """``model``: the LoRA settings (:func:`rlpost.models.lora.check_lora_config`)."""
-    from rlpost.models.lora import check_lora_config
-
-    check_lora_config(cfg.model)
-    from rlpost.models.teacher import check_teacher_config
-
-    check_teacher_config(cfg)  # model.teacher set exactly when the algorithm distils from one
-
-
-#: The one validation entry point's checks, by config group, in order. Closed
+#: The one validation entry point's checks, by config group, in order: each is its owner's
+#: ``module:function(cfg)``, imported when validation runs (config sits below every owner). Closed
 #: choices (``algo.loss_agg``, ``algo.kl.estimator``, ``trainer.engine``...) are
 #: enums in :mod:`rlpost.config.schema`, so composition already rejected them.
 GROUP_CHECKS = (
-    ("model", _check_model),
-    ("algo", _check_algo),
-    ("precision", _check_precision),
-    ("selector", _check_selector),
-    ("sampler", _check_sampler),
-    ("task", _check_task),
-    ("ranges", _check_ranges),
-    ("executor", _check_executor),
-    ("launcher", _check_launcher),
-    ("card", _check_card),
+    ("model", "rlpost.models.lora:check_model_config"),
+    ("model", "rlpost.models.teacher:check_teacher_config"),  # model.teacher set exactly when the algorithm distils
+    ("algo", "rlpost.algos.validate:check_algo_config"),
+    ("methods", "rlpost.methods.base:check_config"),
+    ("precision", "rlpost.algos.validate:check_precision_config"),
+    ("selector", "rlpost.selectors:check_config"),
+    ("sampler", "rlpost.samplers:check_config"),
+    ("task", "rlpost.tasks:check_config"),
+    ("ranges", "rlpost.config.compose:check_ranges"),
+    ("executor", "rlpost.executor:check_partial"),
+    ("launcher", "rlpost.ray_pool:check_launcher"),
+    ("card", "rlpost.recipes:check_card_config"),
 )
-
-
-def effective_params(cfg: DictConfig) -> List[tuple]:
-    """``(config key=name, {param: value})`` of each chosen component: its declared defaults plus this config.
-
-    What the run will pass to the loss, estimator, correction, selector and
-    sampler (``rlpost config`` prints it under the YAML). Call after
-    :func:`validate_config`.
-    """
-    import rlpost.algos  # noqa: F401
-    from rlpost.algos.corrections import CORRECTIONS
-    from rlpost.algos.registries import ADV_ESTIMATORS
-    from rlpost.algos.validate import _as_dict, adv_overrides, loss_kwargs
-    from rlpost.samplers import SAMPLERS
-    from rlpost.selectors import SELECTORS
-
-    a = cfg.algo
-    return [
-        (f"algo.loss={a.loss}", loss_kwargs(a)),
-        (f"algo.adv_estimator={a.adv_estimator}", ADV_ESTIMATORS.kwargs(a.adv_estimator, adv_overrides(a))),
-        (f"precision.correction={cfg.precision.correction}",
-         CORRECTIONS.kwargs(cfg.precision.correction, _as_dict(cfg.precision.correction_params))),
-        (f"selector={cfg.selector.name}", SELECTORS.kwargs(cfg.selector.name, _as_dict(cfg.selector.params))),
-        (f"sampler={cfg.sampler.name}", SAMPLERS.kwargs(cfg.sampler.name, _as_dict(cfg.sampler.params))),
-    ]
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -397,10 +278,6 @@ def validate_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the key, the problem and the fix.
     """
-    import rlpost.algos  # noqa: F401  (registers)
-    import rlpost.samplers  # noqa: F401
-    import rlpost.selectors  # noqa: F401
-    import rlpost.tasks  # noqa: F401
-
-    for _group, check in GROUP_CHECKS:
-        check(cfg)
+    for _group, target in GROUP_CHECKS:
+        module, fn = target.split(":")
+        getattr(importlib.import_module(module), fn)(cfg)

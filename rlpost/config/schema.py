@@ -668,10 +668,10 @@ class ExecutorConfig:
 class LauncherConfig:
     """Where rollouts run: in the trainer's process (``none``) or in a pool of Ray actors (``ray``).
 
-    With ``launcher=ray`` (:mod:`rlpost.launch.ray_workers`) the trainer stays in
+    With ``launcher=ray`` (:mod:`rlpost.ray_pool.ray_workers`) the trainer stays in
     the driver process and ``num_rollout_workers`` Ray actors, each holding a
     rollout engine (``rollout.engine``), generate the step's prompt groups.
-    The values are checked by :func:`rlpost.launch.check_launcher` (string fields
+    The values are checked by :func:`rlpost.ray_pool.check_launcher` (string fields
     are free text there so that a typo gets a one-line error with the fix).
 
     Attributes:

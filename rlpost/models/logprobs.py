@@ -422,7 +422,7 @@ def prompt_entropy(
         ValueError: an empty prompt.
         TypeError: the model has no separable decoder and LM head.
     """
-    from rlpost.rollout.hf import left_pad
+    from rlpost.batch import left_pad
 
     if any(len(p) == 0 for p in prompts):
         raise ValueError("prompt_entropy needs non-empty prompts")

@@ -251,3 +251,12 @@ def merged_model(model: torch.nn.Module, with_adapters: bool = True) -> torch.nn
             plain.get_submodule(mod_name).register_buffer(leaf, src.detach().clone(), persistent=False)
     plain.generation_config = getattr(model, "generation_config", plain.generation_config)
     return plain.eval().requires_grad_(False)
+
+
+def check_model_config(cfg: Any) -> None:
+    """``model``: the LoRA settings (:func:`check_lora_config`).
+
+    Raises:
+        ConfigError: as :func:`check_lora_config`.
+    """
+    check_lora_config(cfg.model)

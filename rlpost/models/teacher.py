@@ -30,7 +30,6 @@ from rlpost.errors import ConfigError
 # ----------------------------------------------------------------- config
 def uses_teacher(algo_cfg: Any) -> bool:
     """Whether ``algo.loss`` or ``algo.adv_estimator`` is tagged ``needs_teacher``."""
-    import rlpost.algos  # noqa: F401  (registers)
     from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
 
     return bool(POLICY_LOSSES.tag(str(algo_cfg.loss), "needs_teacher", False)
@@ -61,7 +60,7 @@ def teacher_model_config(spec: str) -> Any:
     """
     from omegaconf import OmegaConf
 
-    from rlpost.config.compose import conf_dir, group_choices
+    from rlpost.config.paths import conf_dir, group_choices
     from rlpost.config.schema import ModelConfig
 
     base = OmegaConf.structured(ModelConfig)
@@ -259,25 +258,27 @@ class Teacher:
 
         Args:
             batch: :class:`rlpost.batch.RolloutBatch`.
-            trainer: the run's trainer (its ``_split``, ``_temperature``,
-                ``autocast``, ``device`` and ``tcfg.logprob_chunk_size``).
+            trainer: the run's trainer (its micro-batch split and its
+                :meth:`~rlpost.trainer.torch_engine.TorchTrainer.forward_pass`: autocast,
+                device, temperature, log-prob chunk size).
             top_k: K of the top-K support to return (0: none).
         Returns:
             ``{"teacher_logprobs": [B, R]}`` and with ``top_k > 0`` also
             ``"teacher_topk_ids"`` ``[B, R, K]`` long and ``"teacher_topk_logprobs"``
             ``[B, R, K]`` (full-vocabulary log-probs, descending), on CPU, zeros on padding.
         """
+        fwd = trainer.forward_pass()
         B, R = len(batch), batch.response_ids.shape[1]
         lps = torch.zeros(B, R)
         ids = torch.zeros(B, R, top_k, dtype=torch.long)
         sups = torch.zeros(B, R, top_k)
         for rows, mb in trainer._split(batch):
             attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
-            with trainer.autocast():
+            with fwd.autocast():
                 lp, _, sup, sid = support_logprobs(
-                    self.module, mb.prompt_ids.to(trainer.device), mb.prompt_mask.to(trainer.device),
-                    mb.response_ids.to(trainer.device), attn.to(trainer.device),
-                    temperature=trainer._temperature(mb), k_top=top_k, chunk_size=trainer.tcfg.logprob_chunk_size)
+                    self.module, mb.prompt_ids.to(fwd.device), mb.prompt_mask.to(fwd.device),
+                    mb.response_ids.to(fwd.device), attn.to(fwd.device),
+                    temperature=fwd.temperature(mb), k_top=top_k, chunk_size=fwd.chunk_size)
             idx = torch.tensor(rows, dtype=torch.long)
             w = lp.shape[1]
             lps[idx, :w] = lp.float().cpu()
@@ -314,10 +315,10 @@ def load_teacher(spec: str, student_tokenizer: Any, dtype: torch.dtype, device: 
     return Teacher(module, spec)
 
 
-def student_support_pass(trainer: Any, model: torch.nn.Module, mb: Any, with_entropy: bool, entropy_grad: bool = False):
+def student_support_pass(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool = False):
     """The policy update's forward for a top-K distillation loss: one pass, sampled and support log-probs.
 
-    Same inputs as the trainer's ``_logprobs`` (temperature, the sampler's
+    ``fwd``: the trainer's :class:`rlpost.methods.base.ForwardPass`. Same inputs as its ``logprobs`` (temperature, the sampler's
     truncation for the sampled token); additionally the student's log-probs at
     ``mb.extras['teacher_topk_ids']``, with gradient.
 
@@ -334,12 +335,12 @@ def student_support_pass(trainer: Any, model: torch.nn.Module, mb: Any, with_ent
         raise ConfigError("algo.entropy_coef != 0 with a top-K distillation loss: the entropy bonus's gradient is not "
                           "computed on this path. Fix: algo.entropy_coef=0.")
     attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
-    dev = trainer.device
-    with trainer.autocast():
+    dev = fwd.device
+    with fwd.autocast():
         lp, ent, sup, _ = support_logprobs(
-            model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
-            temperature=trainer._temperature(mb), support_ids=mb.extras["teacher_topk_ids"],
-            chunk_size=trainer.tcfg.logprob_chunk_size, with_entropy=with_entropy, **trainer._truncation())
+            fwd.model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
+            temperature=fwd.temperature(mb), support_ids=mb.extras["teacher_topk_ids"],
+            chunk_size=fwd.chunk_size, with_entropy=with_entropy, **fwd.truncation)
     R = lp.shape[1]
     return lp, ent, {
         "teacher_logprobs": mb.extras["teacher_logprobs"][:, :R].to(dev),

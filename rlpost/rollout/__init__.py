@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -29,12 +29,12 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
 
     Raises:
         ConfigError: unknown engine or rollout dtype, or bad speculative settings
-            (:func:`rlpost.rollout.self_spec.wrap_self_speculative`).
+            (:func:`wrap_speculative`).
     """
-    from rlpost.rollout.self_spec import check_speculative, wrap_self_speculative
+    from rlpost.rollout.self_spec import check_speculative
 
     spec = check_speculative(cfg)  # before building: a bad setting stops the run before any weights move
-    return wrap_self_speculative(cfg, _plain_engine(cfg, policy, tokenizer, device), spec, policy=policy,
+    return wrap_speculative(cfg, _plain_engine(cfg, policy, tokenizer, device), spec, policy=policy,
                                  run_dir=run_dir, prompts=prompts)
 
 
@@ -75,3 +75,36 @@ def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: tor
     return HFRolloutEngine(
         policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=rollout_converter(rd), device=device
     )
+
+
+def wrap_speculative(cfg: Any, engine: Any, c: Optional[Dict[str, Any]] = None, policy: Any = None,
+                          run_dir: Any = None, prompts: Any = None) -> Any:
+    """``engine`` wrapped for ``rollout.speculative`` when it is set, else ``engine`` itself.
+
+    A quantised drafter gives a :class:`rlpost.rollout.self_spec.SelfSpeculativeEngine`; ``drafter=mtp_head`` gives a
+    :class:`rlpost.rollout.mtp_draft.MTPSpeculativeEngine` whose head is loaded or fitted once here
+    (:func:`rlpost.rollout.mtp_draft.mtp_engine`).
+
+    Args:
+        cfg: the run config.
+        engine: the plain hf engine.
+        c: settings already checked by :func:`rlpost.rollout.self_spec.check_speculative` (checked here when None).
+        policy: the trainer's policy (drafter=mtp_head: the head is fitted on it; None: ``engine.model``).
+        run_dir: the run directory (drafter=mtp_head: ``mtp_head.pt`` is reused from / saved there).
+        prompts: ``fn(n) -> n`` token-id prompts of the task's training split (drafter=mtp_head:
+            what the head's fit samples the policy on; None: the head must come from a file).
+    Raises:
+        ConfigError: see :func:`rlpost.rollout.self_spec.check_speculative` and :func:`rlpost.rollout.mtp_draft.mtp_engine`.
+    """
+    from rlpost.rollout.mtp_draft import mtp_engine
+    from rlpost.rollout.precision import rollout_converter
+    from rlpost.rollout.self_spec import MTP_DRAFTER, SelfSpeculativeEngine, check_speculative
+
+    c = check_speculative(cfg) if c is None else c
+    if c is None:
+        return engine
+    if c["drafter"] == MTP_DRAFTER:
+        return mtp_engine(cfg, engine, c, policy=policy, run_dir=run_dir, prompts=prompts)
+    return SelfSpeculativeEngine(engine, rollout_converter(c["drafter"]), switch_batch=c["switch_batch"],
+                                 draft_len=c["draft_len"], min_draft_len=c["min_draft_len"],
+                                 max_draft_len=c["max_draft_len"], adaptive=c["adaptive"])

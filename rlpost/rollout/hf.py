@@ -17,6 +17,7 @@ from typing import Any, List, Optional
 import torch
 
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations
+from rlpost.batch import left_pad  # noqa: F401  (re-exported)
 from rlpost.models.logprobs import eval_mode
 from rlpost.rollout.sampling import apply_top_k_top_p
 
@@ -185,16 +186,29 @@ def preallocated_cache(model: torch.nn.Module, capacity: int) -> Optional[Any]:
     return cache
 
 
-def left_pad(seqs: List[List[int]], pad_id: int):
-    """Left-pad token lists to ``[B, P]`` ids and mask (long)."""
-    P = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, P - len(s):] = 1
-    return ids, mask
+def _sample_step(logits: torch.Tensor, params: SamplingParams, row_seeds: Optional[torch.Tensor], t: int):
+    """One decode step's tokens ``[n]``, their log-probs ``[n]`` and temperatures ``[n]`` from ``logits`` ``[n, V]``.
+
+    Greedy: argmax at temperature 1. Else the temperature (or the sampler's per-token
+    hook), top-k / top-p, then an inverse-CDF draw from each row's own counter-based
+    uniform (``row_seeds`` ``[n]``; None: torch's global RNG).
+    """
+    n = logits.shape[0]
+    if params.greedy:
+        T = torch.ones(n)
+        logp = torch.log_softmax(logits, -1)
+        tok = logits.argmax(-1)
+    else:
+        T = torch.full((n,), float(params.temperature))
+        if params.temperature_hook is not None:
+            hookT = params.temperature_hook(logits, t)
+            if hookT is not None:
+                T = hookT.float().clamp(min=1e-3)
+        z = apply_top_k_top_p(logits / T[:, None], params.top_k, params.top_p)
+        logp = torch.log_softmax(z, -1)
+        u = row_uniforms(row_seeds, t) if row_seeds is not None else torch.rand(n, dtype=torch.float64)
+        tok = sample_inverse_cdf(logp.exp(), u=u)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), T
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -313,6 +327,28 @@ class HFRolloutEngine(RolloutEngine):
         tail = self.tokenizer.decode(tokens[-16:], skip_special_tokens=True)
         return any(s in tail for s in stop)
 
+    def _prefill(self, model: Any, prompts: List[List[int]], ids: torch.Tensor, mask: torch.Tensor, max_new: int):
+        """Prefill each distinct prompt once (a group of n samples shares its prompt), then expand the KV
+        cache to the full batch; returns ``(cache, last logits [B, V], next positions [B])``."""
+        B = ids.shape[0]
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        uniq: dict = {}
+        inverse = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], dtype=torch.long)
+        first = torch.tensor([inverse.tolist().index(u) for u in range(len(uniq))], dtype=torch.long)
+        if self.forward_log is not None:  # which rows / positions each forward covers (MoE route recording)
+            self.forward_log.append(("prefill", self._row_offset, first.clone(), inverse.clone(), ids.shape[1]))
+        cache0 = preallocated_cache(model, ids.shape[1] + max_new) if self.prealloc_cache else None
+        out = model(
+            input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first],
+            use_cache=True, logits_to_keep=1, **{cache_kw(): cache0},
+        )
+        past = _get_cache(out)
+        logits = out.logits[:, -1, :].float()
+        if len(uniq) < B:
+            past.batch_select_indices(inverse.to(self.device))
+            logits = logits[inverse]
+        return past, logits, pos[:, -1] + 1
+
     def _generate_batch(self, prompts: List[List[int]], params: SamplingParams,
                         row_seeds: Optional[torch.Tensor]) -> GenerationResult:
         model = self.model
@@ -321,25 +357,7 @@ class HFRolloutEngine(RolloutEngine):
             B = ids.shape[0]
             ids, mask = ids.to(self.device), mask.to(self.device)
             p_mask = mask
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            # Prefill each distinct prompt once (a group of n samples shares its
-            # prompt), then expand the KV cache to the full batch.
-            uniq: dict = {}
-            inverse = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], dtype=torch.long)
-            first = torch.tensor([inverse.tolist().index(u) for u in range(len(uniq))], dtype=torch.long)
-            if self.forward_log is not None:  # which rows / positions each forward covers (MoE route recording)
-                self.forward_log.append(("prefill", self._row_offset, first.clone(), inverse.clone(), ids.shape[1]))
-            cache0 = preallocated_cache(model, ids.shape[1] + params.max_new_tokens) if self.prealloc_cache else None
-            out = model(
-                input_ids=ids[first], attention_mask=mask[first], position_ids=pos[first],
-                use_cache=True, logits_to_keep=1, **{cache_kw(): cache0},
-            )
-            past = _get_cache(out)
-            logits = out.logits[:, -1, :].float()
-            if len(uniq) < B:
-                past.batch_select_indices(inverse.to(self.device))
-                logits = logits[inverse]
-            next_pos = pos[:, -1] + 1
+            past, logits, next_pos = self._prefill(model, prompts, ids, mask, params.max_new_tokens)
             Tn = params.max_new_tokens
             # Outputs for all B rows; the decode batch holds only the rows still running ("live"),
             # so finished rows stop costing forward passes. Each row draws from its own stream
@@ -355,24 +373,7 @@ class HFRolloutEngine(RolloutEngine):
             steps = 0
             for t in range(Tn):
                 steps = t + 1
-                logits = logits.cpu()
-                n = rows.shape[0]
-                if params.greedy:
-                    T = torch.ones(n)
-                    logp = torch.log_softmax(logits, -1)
-                    tok = logits.argmax(-1)
-                else:
-                    T = torch.full((n,), float(params.temperature))
-                    if params.temperature_hook is not None:
-                        hookT = params.temperature_hook(logits, t)
-                        if hookT is not None:
-                            T = hookT.float().clamp(min=1e-3)
-                    z = apply_top_k_top_p(logits / T[:, None], params.top_k, params.top_p)
-                    logp = torch.log_softmax(z, -1)
-                    u = (row_uniforms(row_seeds[rows], t) if row_seeds is not None
-                         else torch.rand(n, dtype=torch.float64))
-                    tok = sample_inverse_cdf(logp.exp(), u=u)
-                lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+                tok, lp, T = _sample_step(logits.cpu(), params, None if row_seeds is None else row_seeds[rows], t)
                 live = ~finished[rows]  # all True when compacting
                 r = rows[live]
                 resp[r, t] = tok[live]

@@ -33,7 +33,7 @@ What is here:
   before RL, then kept fixed (no online updates; only the policy's own embedding and output
   head, which it reads, follow the training): :func:`fit_mtp_head` samples one response per
   prompt from the plain engine for ``mtp_head_prompts`` training prompts of the run's task
-  (:func:`task_prompts`, a seeded draw), builds pairs from the positions a rollout drafts from,
+  (:func:`rlpost.tasks.base.task_prompts`, a seeded draw), builds pairs from the positions a rollout drafts from,
   trains with ``mtp_head_loss`` (``tv`` by default), logs the head's acceptance once and saves it
   to ``<run_dir>/mtp_head.pt`` (:func:`save_mtp_head`), which a resumed run reuses;
   ``mtp_head_path`` loads a saved head instead (:func:`load_mtp_head` checks it fits the
@@ -510,22 +510,6 @@ def fit_mtp_head(policy: torch.nn.Module, engine: Any, prompts: List[List[int]],
     return head.eval(), info
 
 
-def task_prompts(task: Any, tokenizer: Any, seed: int, examples: Any = None) -> Callable[[int], List[List[int]]]:
-    """``fn(n)``: ``n`` rendered training prompts of ``task``, a seeded draw without replacement.
-
-    What :func:`mtp_engine` fits a head on. ``examples``: the task's training examples (None:
-    ``task.train_examples()``, read only when ``fn`` is called). The draw is a permutation under
-    ``torch.Generator().manual_seed(seed)`` (no global RNG draw); ``n`` is capped at the split's size.
-    """
-
-    def fn(n: int) -> List[List[int]]:
-        ex = task.train_examples() if examples is None else examples
-        idx = torch.randperm(len(ex), generator=torch.Generator().manual_seed(int(seed)))[: int(n)]
-        return [list(task.render_prompt(ex[int(i)], tokenizer)) for i in idx]
-
-    return fn
-
-
 def _same_setting(a: Any, b: Any) -> bool:
     """Whether two setting values agree (numbers by value: a file's 50.0 steps equal a config's 50)."""
     try:
@@ -555,7 +539,7 @@ def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.
         c: checked ``rollout.speculative`` (:func:`rlpost.rollout.self_spec.spec_config`).
         policy: the policy the head is fitted to / checked against (None: ``engine.model``).
         run_dir: where ``mtp_head.pt`` is reused from and saved to (None: nowhere).
-        prompts: ``fn(n)`` -> ``n`` training prompts (:func:`task_prompts`); None: the head must
+        prompts: ``fn(n)`` -> ``n`` training prompts (:func:`rlpost.tasks.base.task_prompts`); None: the head must
             come from a file.
     Raises:
         ConfigError: no head file and no prompts to fit one; a head file that cannot be read or

@@ -21,7 +21,7 @@ Exactness. Every emitted token is distributed as the policy's own next-token dis
 the first rejection is replaced by a draw from the normalised residual ``max(0, p - q)``; a fully
 accepted draft gets a bonus token from ``p`` (speculative sampling, "Fast Inference from
 Transformers via Speculative Decoding", arXiv:2211.17192; "Accelerating Large Language Model
-Decoding with Speculative Sampling", arXiv:2302.01318). ``tests/test_rolleff_r18.py`` checks whole
+Decoding with Speculative Sampling", arXiv:2302.01318). ``tests/test_rollout_self_spec_otr_hif4.py`` checks whole
 responses of a tiny model with a chi-square test. The reported rollout log-probs are the policy's
 (``log p``), as the plain engine reports them.
 
@@ -481,36 +481,3 @@ def check_speculative(cfg: Any) -> Optional[Dict[str, Any]]:
                           "<run_dir>/mtp_head.pt, or scripts/bench_mtp_head.py --save PATH) and set "
                           "rollout.speculative.mtp_head_path to it")
     return c
-
-
-def wrap_self_speculative(cfg: Any, engine: Any, c: Optional[Dict[str, Any]] = None, policy: Any = None,
-                          run_dir: Any = None, prompts: Any = None) -> Any:
-    """``engine`` wrapped for ``rollout.speculative`` when it is set, else ``engine`` itself.
-
-    A quantised drafter gives a :class:`SelfSpeculativeEngine`; ``drafter=mtp_head`` gives a
-    :class:`rlpost.rollout.mtp_draft.MTPSpeculativeEngine` whose head is loaded or fitted once here
-    (:func:`rlpost.rollout.mtp_draft.mtp_engine`).
-
-    Args:
-        cfg: the run config.
-        engine: the plain hf engine.
-        c: settings already checked by :func:`check_speculative` (checked here when None).
-        policy: the trainer's policy (drafter=mtp_head: the head is fitted on it; None: ``engine.model``).
-        run_dir: the run directory (drafter=mtp_head: ``mtp_head.pt`` is reused from / saved there).
-        prompts: ``fn(n) -> n`` token-id prompts of the task's training split (drafter=mtp_head:
-            what the head's fit samples the policy on; None: the head must come from a file).
-    Raises:
-        ConfigError: see :func:`check_speculative` and :func:`rlpost.rollout.mtp_draft.mtp_engine`.
-    """
-    c = check_speculative(cfg) if c is None else c
-    if c is None:
-        return engine
-    if c["drafter"] == MTP_DRAFTER:
-        from rlpost.rollout.mtp_draft import mtp_engine
-
-        return mtp_engine(cfg, engine, c, policy=policy, run_dir=run_dir, prompts=prompts)
-    from rlpost.rollout.precision import rollout_converter
-
-    return SelfSpeculativeEngine(engine, rollout_converter(c["drafter"]), switch_batch=c["switch_batch"],
-                                 draft_len=c["draft_len"], min_draft_len=c["min_draft_len"],
-                                 max_draft_len=c["max_draft_len"], adaptive=c["adaptive"])

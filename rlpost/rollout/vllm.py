@@ -65,7 +65,7 @@ engine is built with ``distributed_executor_backend="external_launcher"``
 torchrun process; ``vllm/v1/executor/uniproc_executor.py``
 ``ExecutorWithExternalLauncher``; TRL's colocate mode does the same), after
 rlpost set the current CUDA device from ``LOCAL_RANK``
-(:func:`rlpost.trainer.launch.local_device`); the default single-process
+(:func:`rlpost.trainer.torchrun.local_device`); the default single-process
 executor would put every rank's engine on GPU 0.
 
 Temperature: vLLM's ``SamplingParams.__post_init__`` raises a temperature in

@@ -2,3 +2,14 @@
 
 from rlpost.samplers.base import SAMPLERS, Sampler, SamplerContext, SampleResult, build_sampler  # noqa: F401
 from rlpost.samplers import adaptive, bandit, episode, hdl, perturb, prune, speculative, temperature, tree  # noqa: F401,E402
+
+
+def check_config(cfg) -> None:
+    """``sampler``: registered, ``sampler.params`` holds only its declared parameters (types checked).
+
+    Raises:
+        ConfigError: an unknown sampler or parameter.
+    """
+    from rlpost.registry import as_dict
+
+    SAMPLERS.resolve(cfg.sampler.name, as_dict(cfg.sampler.params), "sampler.params")

@@ -14,7 +14,7 @@ executor's producer thread) hands to the learner.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -142,6 +142,70 @@ def _compact(res: SampleResult, rows: List[int], n_offset_pos: Dict[int, int]) -
     return SampleResult(gen, gi, 0, extras, {}, rw, pos)
 
 
+def _round_prompts(cur: List[int], encode: Callable[[int], List[int]], selector: Any,
+                   hint: Optional[Callable[[int, float], Any]], score: Callable[..., Any]) -> tuple:
+    """``(prompt ids, hint texts or None, scorer)`` of one round's prompts ``cur``.
+
+    A hinting selector's hint ids are appended to the prompt; a hinted completion is
+    judged together with its hint (the hint is not generated), so the scorer puts it in front.
+    """
+    prompts = [list(encode(i)) for i in cur]
+    fr = selector.hint_fractions(cur) if selector.plays(Role.HINT) else None
+    hint_text: Optional[List[str]] = None
+    if fr is not None and hint is not None:
+        hints = [hint(i, f) if f > 0 else None for i, f in zip(cur, fr)]
+        prompts = [p + list(h.ids) if h is not None else p for p, h in zip(prompts, hints)]
+        hint_text = [h.text if h is not None else "" for h in hints]
+
+    def score_hinted(rows: List[int], texts: List[str], lengths: torch.Tensor) -> Any:
+        if hint_text is not None:
+            texts = [hint_text[r] + t for r, t in zip(rows, texts)]
+        return score([cur[r] for r in rows], texts, lengths)
+
+    return prompts, hint_text, score_hinted
+
+
+def _keep_groups(res: SampleResult, cur: List[int], pos: torch.Tensor, selector: Any, target: int, n_kept: int,
+                 observed: List[Tuple[int, List[float]]]) -> Tuple[List[int], int, int]:
+    """One round's groups through a filtering selector (None: keep all); every scored group is observed.
+
+    Returns ``(kept rows in order, groups kept so far, groups the filter dropped this round)``.
+    """
+    keep_rows: List[int] = []
+    dropped = 0
+    left_out: Dict[int, List[float]] = {}  # scored rows a pruning sampler kept out of the batch
+    for p_, rs in res.dropped:
+        left_out.setdefault(int(p_), []).extend(float(x) for x in rs)
+    for g, rows in _groups(res).items():
+        r = res.rewards[rows].tolist()
+        observed.append((cur[int(pos[rows[0]])], r + left_out.pop(int(pos[rows[0]]), [])))
+        if selector is not None and (n_kept >= target or not selector.keep_group(r)):
+            dropped += 1 if n_kept < target else 0
+            continue
+        n_kept += 1
+        keep_rows.extend(rows)
+    observed.extend((cur[p_], rs) for p_, rs in left_out.items())  # groups pruned whole: still observed
+    return sorted(keep_rows), n_kept, dropped
+
+
+def _merge_rounds(kept_parts: List[SampleResult], engine: RolloutEngine, spent: int) -> Tuple[SampleResult, List[int]]:
+    """The kept groups of every round as one result: group ids renumbered across rounds, prompt positions
+    compacted to those in use; returns ``(merged, used positions in round order)``."""
+    gi_off, pieces = 0, []
+    for part in kept_parts:
+        part.group_index = part.group_index + gi_off
+        gi_off = int(part.group_index.max()) + 1
+        pieces.append(part)
+    merged = merge_results(pieces, pad_id_of(engine)) if len(pieces) > 1 else pieces[0]
+    used = sorted(set(merged.positions().tolist()))
+    remap = {p: j for j, p in enumerate(used)}
+    merged.prompt_position = torch.tensor([remap[int(p)] for p in merged.positions()], dtype=torch.long)
+    if bool((merged.prompt_position == merged.group_index).all()):
+        merged.prompt_position = None
+    merged.rollouts_spent = spent
+    return merged, used
+
+
 def collect_rollouts(
     selector: Any,
     sampler: Sampler,
@@ -196,22 +260,8 @@ def collect_rollouts(
     smetrics: Dict[str, List[float]] = {}
     fallback = None
     while idx:
-        prompts = [list(encode(i)) for i in idx]
-        fr = selector.hint_fractions(idx) if selector.plays(Role.HINT) else None
-        hint_text: Optional[List[str]] = None
-        if fr is not None and hint is not None:
-            hints = [hint(i, f) if f > 0 else None for i, f in zip(idx, fr)]
-            prompts = [p + list(h.ids) if h is not None else p for p, h in zip(prompts, hints)]
-            hint_text = [h.text if h is not None else "" for h in hints]
         cur = list(idx)
-
-        def score_hinted(rows: List[int], texts: List[str], lengths: torch.Tensor, cur: List[int] = cur,
-                         ht: Optional[List[str]] = hint_text) -> Any:
-            # a hinted completion is judged together with its hint (SEELE); the hint is not generated
-            if ht is not None:
-                texts = [ht[r] + t for r, t in zip(rows, texts)]
-            return score([cur[r] for r in rows], texts, lengths)
-
+        prompts, hint_text, score_hinted = _round_prompts(cur, encode, selector, hint, score)
         ctx = SamplerContext(
             score=score_hinted,
             step=step,
@@ -228,20 +278,8 @@ def collect_rollouts(
             score_rows(ctx, res)
         if hint_text is not None:  # the batch's texts are whole answers: hint + completion
             res.generation.texts = [hint_text[int(g)] + t for g, t in zip(pos, res.generation.texts)]
-        keep_rows: List[int] = []
-        left_out: Dict[int, List[float]] = {}  # scored rows a pruning sampler kept out of the batch
-        for p_, rs in res.dropped:
-            left_out.setdefault(int(p_), []).extend(float(x) for x in rs)
-        for g, rows in _groups(res).items():
-            r = res.rewards[rows].tolist()
-            observed.append((cur[int(pos[rows[0]])], r + left_out.pop(int(pos[rows[0]]), [])))
-            if filters and (n_kept >= target or not selector.keep_group(r)):
-                dropped += 1 if n_kept < target else 0
-                continue
-            n_kept += 1
-            keep_rows.extend(rows)
-        observed.extend((cur[p_], rs) for p_, rs in left_out.items())  # groups pruned whole: still observed
-        keep_rows.sort()
+        keep_rows, n_kept, d = _keep_groups(res, cur, pos, selector if filters else None, target, n_kept, observed)
+        dropped += d
         if filters and not keep_rows and not kept_parts:
             # remember the first groups of this round in case every round is filtered out
             fallback_rows = sorted(r for g, rows in list(_groups(res).items())[:target] for r in rows)
@@ -261,32 +299,28 @@ def collect_rollouts(
         res, rows, base, n = fallback
         kept_parts.append(_compact(res, rows, {p: base + p for p in range(n)}))
         exhausted = 1.0
-    # Renumber group ids across rounds and keep only the prompt positions in use.
-    gi_off, pieces = 0, []
-    for part in kept_parts:
-        part.group_index = part.group_index + gi_off
-        gi_off = int(part.group_index.max()) + 1
-        pieces.append(part)
-    merged = merge_results(pieces, pad_id_of(engine)) if len(pieces) > 1 else pieces[0]
-    used = sorted(set(merged.positions().tolist()))
-    remap = {p: j for j, p in enumerate(used)}
-    merged.prompt_position = torch.tensor([remap[int(p)] for p in merged.positions()], dtype=torch.long)
-    if bool((merged.prompt_position == merged.group_index).all()):
-        merged.prompt_position = None
-    merged.rollouts_spent = spent
+    merged, used = _merge_rounds(kept_parts, engine, spent)
     out = StepRollouts(merged, [all_idx[p] for p in used], merged.rewards, observed)
     if selector.plays(Role.REPLAY):
         out = selector.postprocess(out, step)
+    out.metrics = _step_metrics(out, selector, smetrics, spent, rounds, skipped_by_selector + dropped,
+                                exhausted if filters else None)
+    return out
+
+
+def _step_metrics(out: StepRollouts, selector: Any, smetrics: Dict[str, List[float]], spent: int, rounds: int,
+                  skipped: int, exhausted: Optional[float]) -> Dict[str, float]:
+    """The step's ``sampler/...``, ``rollout/...`` and selector metrics (``exhausted``: None without a filter)."""
     merged_metrics = _merge_round_metrics(smetrics)
-    skipped = skipped_by_selector + dropped + int(merged_metrics.get("sampler/prompts_skipped", 0))
-    out.metrics = {**merged_metrics, **rollout_metrics(out, spent, rounds, skipped)}
-    if filters:
-        out.metrics["rollout/filter_exhausted"] = exhausted
+    skipped += int(merged_metrics.get("sampler/prompts_skipped", 0))
+    m = {**merged_metrics, **rollout_metrics(out, spent, rounds, skipped)}
+    if exhausted is not None:
+        m["rollout/filter_exhausted"] = exhausted
     try:
-        out.metrics.update(selector.metrics())
+        m.update(selector.metrics())
     except Exception:  # pragma: no cover - metrics must never break a step
         pass
-    return out
+    return m
 
 
 def _merge_round_metrics(per_round: Dict[str, List[float]]) -> Dict[str, float]:

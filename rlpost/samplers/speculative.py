@@ -227,33 +227,14 @@ class SpecRLSampler(Sampler):
             self.cache.popitem(last=False)
 
     # -- sampling
-    def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
-        model = getattr(engine, "model", None)
-        tok = getattr(engine, "tokenizer", None)
-        if model is None or tok is None:
-            raise ValueError("sampler=spec_rl verifies drafts with the engine's model: use rollout=hf")
-        if params.greedy or params.temperature_hook is not None:
-            raise ValueError("sampler=spec_rl needs plain sampling (no greedy decoding, no per-token temperature hook)")
-        params = step_params(params, ctx, 0)
-        gen = torch.Generator()
-        gen.manual_seed(int(params.seed if params.seed is not None else torch.randint(0, 2**31, ()).item()) + 424243)
-        pad = pad_id_of(engine)
-        R = int(params.max_new_tokens)
-        eos = set(getattr(engine, "eos_ids", {tok.eos_token_id}))
-        counts = self.counts(len(prompts), ctx)
-        keys = [self._key(ctx, i, p) for i, p in enumerate(prompts)]
+    def _verify(self, model: Any, tok: Any, prompts: List[List[int]], rows: list, draft_rows: List[int], params: Any,
+                gen: torch.Generator, pad: int, R: int, eos: set) -> tuple:
+        """Verify the cached drafts of ``draft_rows`` under the current policy (lenient rejection sampling).
 
-        # 1. which rows verify a draft
-        rows: List[Tuple[int, Optional[Tuple[torch.Tensor, torch.Tensor, bool]]]] = []
-        for i, c in enumerate(counts):
-            e = self.cache.get(keys[i])
-            usable = e is not None and 0 < ctx.step - e["step"] <= self.max_age
-            for j in range(c):
-                d = e["drafts"][j] if usable and j < len(e["drafts"]) else None
-                rows.append((i, d))
-        draft_rows = [r for r, (_, d) in enumerate(rows) if d is not None and len(d[0]) > 0]
-
-        # 2. verify drafts under the current policy
+        Returns ``(prefix, prefix log-probs, done, drafted tokens, accepted tokens)``: per row the
+        accepted tokens plus the residual token, their log-probs under the policy, and whether the row
+        finished without generation.
+        """
         prefix: Dict[int, List[int]] = {}  # row -> accepted tokens (+ residual token)
         prefix_lp: Dict[int, List[float]] = {}
         done: Dict[int, bool] = {}  # row -> finished without generation
@@ -290,6 +271,37 @@ class SpecRLSampler(Sampler):
                     fin = bool(rows[r][1][2]) and k == len(rows[r][1][0])  # the whole ended draft accepted
                 prefix[r], prefix_lp[r] = ids, lps
                 done[r] = fin or len(ids) >= R
+        return prefix, prefix_lp, done, n_offered, n_acc_total
+
+    def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
+        model = getattr(engine, "model", None)
+        tok = getattr(engine, "tokenizer", None)
+        if model is None or tok is None:
+            raise ValueError("sampler=spec_rl verifies drafts with the engine's model: use rollout=hf")
+        if params.greedy or params.temperature_hook is not None:
+            raise ValueError("sampler=spec_rl needs plain sampling (no greedy decoding, no per-token temperature hook)")
+        params = step_params(params, ctx, 0)
+        gen = torch.Generator()
+        gen.manual_seed(int(params.seed if params.seed is not None else torch.randint(0, 2**31, ()).item()) + 424243)
+        pad = pad_id_of(engine)
+        R = int(params.max_new_tokens)
+        eos = set(getattr(engine, "eos_ids", {tok.eos_token_id}))
+        counts = self.counts(len(prompts), ctx)
+        keys = [self._key(ctx, i, p) for i, p in enumerate(prompts)]
+
+        # 1. which rows verify a draft
+        rows: List[Tuple[int, Optional[Tuple[torch.Tensor, torch.Tensor, bool]]]] = []
+        for i, c in enumerate(counts):
+            e = self.cache.get(keys[i])
+            usable = e is not None and 0 < ctx.step - e["step"] <= self.max_age
+            for j in range(c):
+                d = e["drafts"][j] if usable and j < len(e["drafts"]) else None
+                rows.append((i, d))
+        draft_rows = [r for r, (_, d) in enumerate(rows) if d is not None and len(d[0]) > 0]
+
+        # 2. verify drafts under the current policy
+        prefix, prefix_lp, done, n_offered, n_acc_total = self._verify(model, tok, prompts, rows, draft_rows, params,
+                                                                       gen, pad, R, eos)
 
         # 3. generate fresh rows and continuations
         fresh = [r for r in range(len(rows)) if r not in prefix]

@@ -1,7 +1,7 @@
 """``sampler=adaptive_temperature``: HAPO's per-token adaptive temperature during rollout.
 
 This sampler is the one owner of per-token temperature in rlpost (``algo=hapo``
-requires it; :func:`rlpost.algos.stages.check_sampler`). The temperature rule is
+requires it; :func:`rlpost.methods.hapo.check_sampler`). The temperature rule is
 :func:`rlpost.algos.hapo.make_temperature_hook` (imported lazily); the sampler
 supplies the normalisation statistics it needs: the log-entropy statistics of
 the previous step's rollouts, recorded from the very logits the hook sees while

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
 
 from rlpost.registry import Registry
 
@@ -142,3 +144,19 @@ def build_task(cfg: Any) -> Task:
     import rlpost.tasks  # noqa: F401  (registers the built-in kinds)
 
     return TASKS.get(cfg.kind)(cfg)
+
+
+def task_prompts(task: Any, tokenizer: Any, seed: int, examples: Any = None) -> Callable[[int], List[List[int]]]:
+    """``fn(n)``: ``n`` rendered training prompts of ``task``, a seeded draw without replacement.
+
+    What :func:`rlpost.rollout.mtp_draft.mtp_engine` fits a draft head on. ``examples``: the task's training examples (None:
+    ``task.train_examples()``, read only when ``fn`` is called). The draw is a permutation under
+    ``torch.Generator().manual_seed(seed)`` (no global RNG draw); ``n`` is capped at the split's size.
+    """
+
+    def fn(n: int) -> List[List[int]]:
+        ex = task.train_examples() if examples is None else examples
+        idx = torch.randperm(len(ex), generator=torch.Generator().manual_seed(int(seed)))[: int(n)]
+        return [list(task.render_prompt(ex[int(i)], tokenizer)) for i in idx]
+
+    return fn

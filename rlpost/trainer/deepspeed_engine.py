@@ -23,7 +23,7 @@ autocast over fp32 weights (as ``trainer=torch``); fp16 with DeepSpeed's
 dynamic loss scaling (GPU only).
 
 Launch: ``trainer.num_procs > 1`` re-executes the command under ``torchrun``
-(:mod:`rlpost.trainer.launch`); multi-node runs use DeepSpeed's launcher with a
+(:mod:`rlpost.trainer.torchrun`); multi-node runs use DeepSpeed's launcher with a
 hostfile (see ``docs/ENGINES.md``).
 """
 
@@ -40,9 +40,6 @@ import torch
 
 from rlpost.batch import RolloutBatch
 from rlpost.errors import ConfigError, RlpostError
-from rlpost.algos.aggregation import aggregate
-from rlpost.algos.regularizers import value_loss
-from rlpost.algos.utils import masked_mean
 from rlpost.trainer.torch_engine import TorchTrainer, _MetricAcc
 
 
@@ -154,8 +151,8 @@ def gathered_named_parameters(module: torch.nn.Module, clone: bool = True):
                 yield prefix + n, (p.detach().clone() if clone else p.detach())
 
 
-def build_ds_config(cfg: Any) -> Dict[str, Any]:
-    """The DeepSpeed JSON config for ``cfg.trainer`` / ``cfg.precision``.
+def build_ds_config(tcfg: Any, precision: Any) -> Dict[str, Any]:
+    """The DeepSpeed JSON config for the ``trainer`` and ``precision`` config groups.
 
     Gradient accumulation is caller-owned (``managed_gradient_accumulation``
     false): every ``backward`` accumulates and ``step`` is the boundary, since
@@ -164,7 +161,7 @@ def build_ds_config(cfg: Any) -> Dict[str, Any]:
     Raises:
         ConfigError: ``trainer.zero_stage`` not in 0..3.
     """
-    t = cfg.trainer
+    t = tcfg
     if int(t.zero_stage) not in (0, 1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={t.zero_stage} is invalid. Valid choices: 0, 1, 2, 3.")
     zero: Dict[str, Any] = {"stage": int(t.zero_stage)}
@@ -183,7 +180,7 @@ def build_ds_config(cfg: Any) -> Dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if cfg.precision.trainer_dtype == "fp16":
+    if precision.trainer_dtype == "fp16":
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     return ds
 
@@ -192,10 +189,9 @@ class DeepSpeedTrainer(TorchTrainer):
     """:class:`TorchTrainer` whose policy update runs in a DeepSpeed engine.
 
     Args:
-        policy: the causal LM (fp32 master weights).
-        cfg: the full run config (``trainer.zero_stage``, ``trainer.offload_optimizer``,
-            ``trainer.grad_clip``, ``trainer.micro_batch_size``, ``precision``...).
-        device: ``cpu`` or a CUDA device (the local rank's).
+        policy, tcfg, algo, device: as :class:`TorchTrainer` (``tcfg``: ``trainer.zero_stage``,
+            ``trainer.offload_optimizer``, ``trainer.grad_clip``, ``trainer.micro_batch_size``...);
+            ``device`` is ``cpu`` or a CUDA device (the local rank's).
         run_dir: where DeepSpeed checkpoints live (``<run_dir>/deepspeed/<tag>``);
             None: a temporary directory of rank 0 (checkpoints then do not resume
             across runs).
@@ -212,22 +208,23 @@ class DeepSpeedTrainer(TorchTrainer):
     lockstep = True
     fused_adamw = False  # DeepSpeed's ZeRO optimizer wraps the torch AdamW; keep its usual (foreach) form
 
-    def __init__(self, policy: torch.nn.Module, cfg: Any, device: torch.device | str = "cpu",
-                 run_dir: Optional[Path] = None) -> None:
+    def __init__(self, policy: torch.nn.Module, tcfg: Any, algo: Any, device: torch.device | str = "cpu", *,
+                 run_dir: Optional[Path] = None, keep_last: Optional[int] = None, **kw: Any) -> None:
         import deepspeed
 
         init_distributed()
-        if cfg.precision.trainer_dtype == "fp16" and torch.device(device).type == "cpu":
+        precision = kw["precision"]
+        if precision.trainer_dtype == "fp16" and torch.device(device).type == "cpu":
             raise ConfigError("trainer=deepspeed with precision.trainer_dtype=fp16 needs a GPU (loss-scaled fp16). "
                               "Fix: use precision=fp32 or precision=bf16 on CPU.")
-        super().__init__(policy, cfg, device)
+        super().__init__(policy, tcfg, algo, device, **kw)
         self.rank, self.world = rank(), world_size()
-        self.zero_stage = int(cfg.trainer.zero_stage)
+        self.zero_stage = int(tcfg.zero_stage)
         module = self.policy
         if self.zero_stage == 3:
             # ZeRO-3 partitions ``module`` in place; keep a full copy for rollouts and checkpoints.
             self.policy = copy.deepcopy(module)
-        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.opt, config=build_ds_config(cfg))
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.opt, config=build_ds_config(tcfg, precision))
         self.train_module = self.engine.module
         self.train_module.train()
         # The critic (SAO, PPO) gets its own DeepSpeed engine with the same ZeRO config, so its weights,
@@ -236,10 +233,10 @@ class DeepSpeedTrainer(TorchTrainer):
         self.critic_engine = None
         if self.critic is not None:
             self.critic_engine, self.critic_opt, _, _ = deepspeed.initialize(
-                model=self.critic, optimizer=self.critic_opt, config=build_ds_config(cfg))
+                model=self.critic, optimizer=self.critic_opt, config=build_ds_config(tcfg, precision))
             self.critic = self.critic_engine.module
         self._ds_dir = self._resolve_dir(run_dir)
-        self._keep = int(getattr(getattr(cfg, "checkpoint", None), "keep_last", 2) or 2)
+        self._keep = int(keep_last or 2)
 
     def _resolve_dir(self, run_dir: Optional[Path]) -> Path:
         import tempfile
@@ -340,43 +337,16 @@ class DeepSpeedTrainer(TorchTrainer):
             for name, t in gathered_named_parameters(self.train_module, clone=False):
                 full[name].copy_(t.to(full[name].dtype))
 
-    def critic_update(self, batch: RolloutBatch) -> Dict[str, float]:
-        """The torch trainer's critic regression inside the critic's DeepSpeed engine (collective).
+    def _critic_backward(self, loss: torch.Tensor) -> None:
+        """The critic's backward inside its DeepSpeed engine (collective): rows ``rank::world`` per process,
+        the loss scaled by the world size so DeepSpeed's gradient average equals the single-process gradient."""
+        _ds_backward(self.critic_engine, loss * self.world)
 
-        Rows ``rank::world`` of the batch per process (as the policy update),
-        each loss scaled by the world size so DeepSpeed's gradient average equals
-        the single-process gradient; ``engine.step()`` applies clipping
-        (``trainer.grad_clip``) and AdamW on the partitioned state. A micro-batch
-        whose loss is non-finite on any process is skipped on all of them (the
-        ZeRO collectives stay in step).
-        """
-        a = self.algo
-        acc = _MetricAcc()
-        self.critic.train()
-        from rlpost.algos.sp3o import with_critic_mask
-
-        # SP3O (algo.critic.supervised_states > 0): the value loss at a few states per response, drawn once
-        # per critic update for the whole batch so every micro-batch (and process) uses the same positions
-        batch = with_critic_mask(batch, a.critic, int(self.cfg.seed) * 1_000_003 + self.version)
-        for _ in range(max(1, a.critic.epochs)):
-            denom = float(batch.extras["_critic_mask"].sum())
-            for mb in self._micro_batches(batch):
-                m = mb.extras["_critic_mask"].to(self.device)
-                v = self._values(mb)
-                old_v = mb.extras.get("values", v.detach()).to(self.device)
-                loss_mat, vm = value_loss(v, old_v, mb.extras["returns"].to(self.device), m, a.critic.clip_range)
-                loss = a.critic.coef * aggregate("token-mean", loss_mat, m, denom=denom)
-                if self._any(not bool(torch.isfinite(loss))):
-                    continue
-                _ds_backward(self.critic_engine, loss * self.world)
-                if float(m.sum()) > 0:
-                    acc.add({"critic/value_loss": (loss_mat.detach() * m).sum() / m.sum().clamp(min=1),
-                             **{f"critic/{k}": x for k, x in vm.items()},
-                             "critic/value_mean": masked_mean(v.detach(), m)}, float(m.sum()))
-            self.critic_engine.step()
-            gn = self.critic_engine.get_global_grad_norm()
-            acc.add({"critic/grad_norm": 0.0 if gn is None else float(gn)}, 1.0)
-        return self._reduce_metrics(acc).means()
+    def _critic_step(self) -> float:
+        """``engine.step()`` of the critic: clipping (``trainer.grad_clip``) and AdamW on the partitioned state."""
+        self.critic_engine.step()
+        gn = self.critic_engine.get_global_grad_norm()
+        return 0.0 if gn is None else float(gn)
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> Dict[str, Any]:

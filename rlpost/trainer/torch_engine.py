@@ -9,21 +9,28 @@ bf16 autocast. A non-finite loss or gradient skips the optimizer step; more than
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import nullcontext
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from rlpost.algos.aggregation import agg_count, aggregate
-from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
+from rlpost.algos.corrections import compute_correction
+from rlpost.algos.losses import PolicyLossInput, compute_policy_loss, loss_extras
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.regularizers import kl_penalty, value_loss
 from rlpost.algos.utils import masked_mean
+from rlpost.algos.validate import loss_kwargs
 from rlpost.batch import RolloutBatch
-from rlpost.errors import TrainingDiverged
+from rlpost.errors import ConfigError, TrainingDiverged
+from rlpost.methods.base import ForwardPass, MethodSet
 from rlpost.models.critic import ValueModel
 from rlpost.models.logprobs import eval_mode, response_logprobs
+from rlpost.models.lora import adapters_disabled, is_lora
+from rlpost.rollout.precision import mismatch_metrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -155,49 +162,103 @@ class _MetricAcc:
         return {k: self.sums[k] / max(self.weights[k], 1e-12) for k in self.sums}
 
 
+@dataclass
+class _Update:
+    """What the mini-batch steps of one :meth:`TorchTrainer.policy_update` share."""
+
+    loss_params: Dict[str, Any]
+    v_start: int
+    need_entropy: bool
+    entropy_grad: bool
+    batch_stats: bool = False
+    pad: List[float] = field(default_factory=lambda: [0.0, 0.0])  # real, padded tokens (first epoch)
+    mismatch: List[List[torch.Tensor]] = field(default_factory=lambda: [[], [], []])  # rollout lp, old lp, mask
+
+    @staticmethod
+    def norm_const(algo: Any, sampling: "SamplingSpec") -> float:
+        return algo.loss_agg_norm or sampling.max_new_tokens
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """The rollouts' sampling distribution, which the trainer's log-probs reproduce.
+
+    Attributes:
+        temperature: the sampling temperature (a per-token one comes in ``extras['temperatures']``).
+        top_k: 0 = off.
+        top_p: 1.0 = off.
+        max_new_tokens: the response budget (the default ``algo.loss_agg_norm``).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+    @classmethod
+    def of(cls, rollout_cfg: Any) -> "SamplingSpec":
+        """From the ``rollout`` config group."""
+        r = rollout_cfg
+        return cls(float(r.temperature), int(r.top_k or 0), float(r.top_p if r.top_p is not None else 1.0),
+                   int(r.max_new_tokens))
+
+
+def reference_needed(algo_cfg: Any, methods: MethodSet) -> bool:
+    """A frozen reference policy is needed: KL to it (``algo.kl.coef > 0``), a loss tagged ``needs_ref``
+    or a method asking for one (:class:`rlpost.methods.base.Needs`)."""
+    return (float(algo_cfg.kl.coef) > 0 or bool(POLICY_LOSSES.tag(str(algo_cfg.loss), "needs_ref", False))
+            or methods.needs().reference_policy)
+
+
 class TorchTrainer:
     """Owns the policy, its optimizer, and optionally a reference model and a critic.
 
     Args:
         policy: the causal LM being trained (fp32 master weights).
-        cfg: the full run config (reads ``algo``, ``trainer``, ``precision``,
-            ``rollout``, ``steps``).
+        tcfg: the ``trainer`` config group (optimizer, micro-batching, log-prob chunks).
+        algo: the ``algo`` config group (loss, aggregation, epochs, KL, critic).
         device: training device.
+        precision: the ``precision`` config group (``trainer_dtype``, ``correction``).
+        sampling: the rollouts' distribution (:class:`SamplingSpec`).
+        steps: RL steps of the run (the schedule's length).
+        seed: the run seed (the seeds of a loss's random draws derive from it).
+        methods: the run's hook-using methods (:class:`rlpost.methods.base.MethodSet`).
+    Use :meth:`from_config` to build one from a whole run config.
     """
 
-    def __init__(self, policy: torch.nn.Module, cfg: Any, device: torch.device | str = "cpu") -> None:
-        self.cfg = cfg
-        self.algo = cfg.algo
-        self.tcfg = cfg.trainer
+    def __init__(self, policy: torch.nn.Module, tcfg: Any, algo: Any, device: torch.device | str = "cpu", *,
+                 precision: Any, sampling: SamplingSpec = SamplingSpec(), steps: int = 1, seed: int = 0,
+                 methods: Optional[MethodSet] = None) -> None:
+        self.algo = algo
+        self.tcfg = tcfg
+        self.precision = precision
+        self.sampling = sampling
+        self.seed = int(seed)
+        self.methods = methods if methods is not None else MethodSet()
         self.device = torch.device(device)
         self.policy = policy.to(self.device)
         self.policy.train()
         # The module the policy loss differentiates; DeepSpeed ZeRO-3 trains a partitioned one while
         # ``policy`` stays a full-weight copy for rollouts and checkpoints.
         self.train_module: torch.nn.Module = self.policy
-        self.dtype = DTYPES[cfg.precision.trainer_dtype]
+        self.dtype = DTYPES[precision.trainer_dtype]
         self.opt = self._make_optimizer(self.policy.parameters(), self.tcfg.lr)
-        total = max(1, cfg.steps * self.algo.ppo_epochs * self.algo.mini_batches)
+        total = max(1, int(steps) * self.algo.ppo_epochs * self.algo.mini_batches)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(self.tcfg.lr_schedule, self.tcfg.warmup_steps, total)
         )
-        from rlpost.models.lora import is_lora
-
         # LoRA: the optimizer holds only the adapters (the only parameters requiring grad), and the KL
         # reference is the same module with its adapters disabled (no second copy of the weights).
         self.lora = is_lora(self.policy)
+        self.wants_ref = reference_needed(algo, self.methods)
         self.ref: Optional[torch.nn.Module] = None
         if self.wants_ref and not self.lora:
-            import copy
-
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         self.critic: Optional[ValueModel] = None
         self.critic_opt = None
         if self.algo.critic.enabled:
             shared = bool(self.algo.critic.get("shared_backbone", False))
             if shared and (self.lora or type(self).__name__ != "TorchTrainer"):
-                from rlpost.errors import ConfigError
-
                 raise ConfigError("algo.critic.shared_backbone=true needs trainer.engine=torch without LoRA (the critic's "
                                   "optimizer updates the policy's own backbone). Fix: algo.critic.shared_backbone=false.")
             self.critic = ValueModel(self.policy, shared=shared).to(self.device)
@@ -207,7 +268,15 @@ class TorchTrainer:
         self.bad_steps = 0
         self.version = 0  # number of policy optimizer steps taken
         self.updates = 0  # number of policy_update calls (the entropy metric's interval counts these)
-        self.loss_state: Dict[str, Any] = {}  # losses' cross-step state (r2vpo's multiplier, capo's shadow Adam; tag after_step)
+        self.loss_state: Dict[str, Any] = {}  # losses' cross-step state (extras key loss_state; tag after_step)
+
+    @classmethod
+    def from_config(cls, policy: torch.nn.Module, cfg: Any, device: torch.device | str = "cpu",
+                    methods: Optional[MethodSet] = None, **kw: Any) -> "TorchTrainer":
+        """A trainer from a whole run config: each group handed to its owner (``methods``: the config's own)."""
+        return cls(policy, cfg.trainer, cfg.algo, device, precision=cfg.precision, sampling=SamplingSpec.of(cfg.rollout),
+                   steps=int(cfg.steps), seed=int(cfg.seed),
+                   methods=methods if methods is not None else MethodSet.for_config(cfg), **kw)
 
     # ----------------------------------------------------------------- helpers
     #: torch's fused AdamW kernel (CPU and CUDA): one pass over each parameter's weight, gradient and
@@ -257,20 +326,27 @@ class TorchTrainer:
 
     def _temperature(self, batch: RolloutBatch):
         t = batch.extras.get("temperatures")
-        return t if t is not None else float(self.cfg.rollout.temperature)
+        return t if t is not None else float(self.sampling.temperature)
 
     def _truncation(self) -> Dict[str, Any]:
         """The sampler's top-k/top-p, so trainer log-probs are those of the distribution rollouts came from.
 
-        Off for losses trained on reference responses (``sft``): those tokens were
-        not sampled, and truncation would cut the gradient of every reference
-        token outside the model's nucleus. See docs/ALGORITHMS.md ("Sampling
-        distribution parity").
+        Off when a method trains on tokens that were not sampled (``Needs.untruncated``):
+        truncation would cut the gradient of every such token outside the model's
+        nucleus. See docs/ALGORITHMS.md ("Sampling distribution parity").
         """
-        if POLICY_LOSSES.tag(self.algo.loss, "needs_reference_responses", False):
+        if self.methods.needs().untruncated:
             return {"top_k": 0, "top_p": 1.0}
-        r = self.cfg.rollout
-        return {"top_k": int(r.top_k or 0), "top_p": float(r.top_p if r.top_p is not None else 1.0)}
+        return {"top_k": self.sampling.top_k, "top_p": self.sampling.top_p}
+
+    def forward_pass(self, model: Optional[torch.nn.Module] = None, seed: Optional[int] = None) -> ForwardPass:
+        """This trainer's forward machinery for a method's hooks (:class:`rlpost.methods.base.ForwardPass`)."""
+        return ForwardPass(model=model if model is not None else self.train_module, policy=self.policy,
+                           device=self.device, autocast=self.autocast, temperature=self._temperature,
+                           truncation=self._truncation(), chunk_size=int(self.tcfg.logprob_chunk_size),
+                           logprobs=self._logprobs, betas=tuple(float(b) for b in self.tcfg.betas),
+                           lr=lambda: float(self.sched.get_last_lr()[0]), loss_state=self.loss_state, seed=seed,
+                           multi_process=self.lockstep)
 
     def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False, entropy_grad: bool = False):
         attn = batch.extras.get("response_attn", (batch.response_mask > 0).long())
@@ -303,49 +379,6 @@ class TorchTrainer:
                 attn.to(self.device),
             )
 
-    def _region_support_pass(self, mb: RolloutBatch, with_entropy: bool, entropy_grad: bool):
-        """Sampled log-probs (with grad) and the current policy's log-probs on the anchor's recorded top-K support.
-
-        Returns ``(logprobs [b, R], entropy or None, loss-input fields)``; the fields are
-        ``region_support_logprobs`` (detached) and ``region_anchor_logprobs`` for
-        :func:`rlpost.algos.losses.dppo_loss`'s predictive direction.
-        Raises:
-            ConfigError: an entropy bonus with gradient (not differentiated on this path).
-        """
-        from rlpost.errors import ConfigError
-        from rlpost.models.teacher import support_logprobs
-
-        if entropy_grad:
-            raise ConfigError("algo.entropy_coef != 0 with dppo direction=predictive: the entropy bonus's gradient is "
-                              "not computed on this path. Fix: algo.entropy_coef=0.")
-        attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
-        dev = self.device
-        with self.autocast():
-            lp, ent, sup, _ = support_logprobs(
-                self.train_module, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
-                temperature=self._temperature(mb), support_ids=mb.extras["old_topk_ids"],
-                chunk_size=self.tcfg.logprob_chunk_size, with_entropy=with_entropy, **self._truncation())
-        R = lp.shape[1]
-        return lp, ent, {"region_support_logprobs": sup.detach().float(),
-                         "region_anchor_logprobs": mb.extras["old_topk_logprobs"][:, :R].to(dev).float()}
-
-    def _first_log_normaliser(self, batch: RolloutBatch) -> torch.Tensor:
-        """``[B]`` log-normaliser of the first response position's logits (TBRM's ``V(s_1) / beta``), with grad."""
-        from rlpost.algos.tbrm import first_position_log_normaliser
-
-        with self.autocast():
-            return first_position_log_normaliser(self.train_module, batch.prompt_ids.to(self.device),
-                                                 batch.prompt_mask.to(self.device), self._temperature(batch))
-
-    @property
-    def wants_ref(self) -> bool:
-        """A reference policy is needed: KL to it (``algo.kl.coef > 0``), a loss tagged ``needs_ref`` (EXO,
-        A*-PO) or an estimator tagged ``needs_reference_rewards`` (A*-PO's V* samples the reference)."""
-        from rlpost.algos.registries import ADV_ESTIMATORS
-
-        return (self.algo.kl.coef > 0 or bool(POLICY_LOSSES.tag(self.algo.loss, "needs_ref", False))
-                or bool(ADV_ESTIMATORS.tag(self.algo.adv_estimator, "needs_reference_rewards", None)))
-
     @property
     def has_ref(self) -> bool:
         """Whether a KL reference policy exists: a frozen copy, or (LoRA) the base model under the adapters."""
@@ -362,8 +395,6 @@ class TorchTrainer:
         Raises:
             ValueError: ``which="ref"`` without a reference policy (``algo.kl.coef == 0``).
         """
-        from rlpost.models.lora import adapters_disabled
-
         if which != "policy" and not self.has_ref:
             raise ValueError(f"no {which} model (set algo.kl.coef > 0 for a reference model)")
         model = self.policy if (which == "policy" or self.ref is None) else self.ref
@@ -391,14 +422,12 @@ class TorchTrainer:
 
     # ---------------------------------------------------------------- updates
     def _correction_weights(self, old_lp: torch.Tensor, batch: RolloutBatch):
-        name = self.cfg.precision.correction
+        name = self.precision.correction
         if name in (None, "none"):
             return None, {}
-        from rlpost.algos.corrections import compute_correction
-
         return compute_correction(
             name, old_lp, batch.rollout_logprobs.to(old_lp.device), batch.response_mask.to(old_lp.device),
-            **dict(self.cfg.precision.correction_params or {}),
+            **dict(self.precision.correction_params or {}),
         )
 
     def _finite_step(self, opt, params, max_norm: float) -> float:
@@ -457,31 +486,35 @@ class TorchTrainer:
         a constant for losses tagged ``needs_entropy`` and for the ``actor/entropy``
         metric every ``trainer.entropy_every`` updates; otherwise not at all.
         """
-        from rlpost.algos.registries import POLICY_LOSSES
-
         grad = bool(self.algo.entropy_coef)
         every = int(self.tcfg.get("entropy_every", 1))
         metric = every > 0 and self.updates % every == 0
         return (grad or metric or bool(POLICY_LOSSES.tag(self.algo.loss, "needs_entropy", False))), grad
 
-    def _offpolicy_params(self) -> Dict[str, Any]:
-        from rlpost.algos.validate import trainer_loss_params
-
-        tp = trainer_loss_params(self.algo)  # defaults: rlpost.algos.validate.TrainerLossParams
-        return {"proximal": str(tp.proximal), "vcpo": bool(tp.vcpo_lr),
-                "vcpo_power": float(tp.vcpo_power), "vcpo_min_scale": float(tp.vcpo_min_scale)}
-
     def _old_logprobs(self, mb: RolloutBatch, lp: torch.Tensor, v_start: int) -> torch.Tensor:
-        """The proximal log-probs ``[b, R]`` of micro-batch ``mb`` given its current log-probs ``lp``."""
-        from rlpost.algos.offpolicy import a3po_proximal_logprobs
-
+        """The proximal log-probs ``[b, R]`` of micro-batch ``mb`` given its current log-probs ``lp``: the
+        recorded ``old_logprobs``, else a method's (:meth:`rlpost.methods.base.Method.proximal`), else ``lp``
+        detached."""
         old = mb.extras.get("old_logprobs")
         if old is not None:
             return old.to(self.device)
-        if self._offpolicy_params()["proximal"] == "a3po" and mb.policy_version is not None:
-            bv = mb.extras.get("token_version", mb.policy_version)  # per token for partial rollouts
-            return a3po_proximal_logprobs(mb.rollout_logprobs.to(self.device), lp, bv, v_start, self.version)
-        return lp.detach()
+        prox = self.methods.proximal(mb, lp, v_start, self.version)
+        return prox if prox is not None else lp.detach()
+
+    def _extras(self, mb: RolloutBatch, keys: Tuple[str, ...], given: Dict[str, Any]) -> Dict[str, Any]:
+        """The loss's declared extra inputs of ``mb``: from ``given`` (its forward and the methods'
+        ``loss_extras``), else ``mb.extras`` (on the device), ``loss_state`` from the trainer."""
+        out: Dict[str, Any] = {}
+        R = mb.response_ids.shape[1]
+        for k in keys:
+            if k in given:
+                out[k] = given[k]
+            elif k == "loss_state":
+                out[k] = self.loss_state
+            elif k in mb.extras:
+                v = mb.extras[k]
+                out[k] = (v[:, :R] if v.dim() >= 2 and v.shape[1] > R else v).to(self.device)
+        return out
 
     @torch.no_grad()
     def _whole_batch_input(self, mini: RolloutBatch, v_start: int) -> PolicyLossInput:
@@ -503,203 +536,52 @@ class TorchTrainer:
             logprobs=torch.cat(lps), old_logprobs=torch.cat(olds), entropy=torch.cat(ents),
             advantages=mini.extras["advantages"].to(self.device), response_mask=mini.response_mask.to(self.device),
             group_index=mini.group_index.to(self.device),
-            segment_ids=mini.extras["segment_ids"].to(self.device) if "segment_ids" in mini.extras else None,
-            ref_logprobs=mini.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mini.extras else None,
+            extras=self._extras(mini, tuple(k for k in self.loss_keys if k in mini.extras), {}),
         )
+
+    @property
+    def loss_keys(self) -> Tuple[str, ...]:
+        """The extra input keys the loss declares (:func:`rlpost.algos.losses.loss_extras`)."""
+        return loss_extras(str(self.algo.loss))
 
     def policy_update(self, batch: RolloutBatch, rng: Optional[torch.Generator] = None) -> Dict[str, float]:
         """PPO-style update over ``algo.ppo_epochs`` x ``algo.mini_batches`` optimizer steps.
 
         Reads ``batch.extras['advantages']`` ``[B, R]`` and, when present,
         ``old_logprobs`` and ``ref_logprobs``. When absent (single on-policy
-        pass) the old log-probs are the current ones detached, so the importance
-        ratio is exactly 1 on the first micro-batch. With
-        ``algo.loss_params.proximal=a3po`` and no ``old_logprobs``, the proximal
-        log-probs are A-3PO's interpolation between the rollout log-probs and the
-        current ones (:func:`rlpost.algos.offpolicy.a3po_proximal_logprobs`; per
-        token from ``extras['token_version']`` for partial rollouts), so
-        multi-mini-batch updates need no extra forward pass. With
-        ``algo.loss_params.vcpo_lr=true`` each optimizer step's learning rate is
-        scaled by :func:`rlpost.algos.offpolicy.vcpo_lr_scale` of the mini-batch's
-        importance-weight ESS (``pi_old / pi_rollout``).
+        pass) the old log-probs are a method's proximal ones or the current ones
+        detached, so the importance ratio is exactly 1 on the first micro-batch.
+        The run's methods may replace the forward pass of a micro-batch, add
+        loss inputs and scale a step's learning rate (:mod:`rlpost.methods.base`).
 
         Returns:
             metrics averaged over micro-batches: ``loss/policy``, ``actor/entropy``,
             ``actor/clip_frac``, ``actor/ratio_mean``, ``actor/grad_norm``,
-            ``actor/kl_ref``, ``rollout/logprob_gap``, ``actor/lr``, and the
-            rollout/trainer mismatch ``mismatch/*`` of
+            ``actor/kl_ref``, ``rollout/logprob_gap``, ``actor/lr``, ``bench/padding_frac``
+            and the rollout/trainer mismatch ``mismatch/*`` of
             :func:`rlpost.rollout.precision.mismatch_metrics` (trainer side: the
             old log-probs) ...
         Raises:
             TrainingDiverged: too many consecutive non-finite steps.
         """
-        from rlpost.algos.offpolicy import vcpo_lr_scale
-        from rlpost.algos.validate import loss_kwargs
-        from rlpost.rollout.precision import mismatch_metrics
-
         a = self.algo
         acc = _MetricAcc()
-        B = len(batch)
-        params = [p for p in self.train_module.parameters() if p.requires_grad]
-        loss_params = loss_kwargs(a)  # the loss's declared defaults + algo.loss_params / algo.clip
-        norm_const = a.loss_agg_norm or self.cfg.rollout.max_new_tokens
-        offp = self._offpolicy_params()
-        v_start = self.version
-        need_entropy, entropy_grad = self._entropy_need()
+        u = _Update(loss_kwargs(a), self.version, *self._entropy_need(),
+                    batch_stats=bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False)))
         self.updates += 1
-        batch_stats = bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False))
-        first_lognorm = bool(POLICY_LOSSES.tag(a.loss, "needs_first_log_normaliser", False))
         if self.routing is not None:
-            self.routing.begin_update()  # PR2: snapshot the routers its predictor is refitted from
-        mm_rows: List[List[torch.Tensor]] = [[], [], []]  # rollout lp, old lp, mask (first epoch)
-        pad_acc = [0.0, 0.0]  # real and padded tokens of this process's micro-batches (first epoch)
+            self.routing.begin_update()  # snapshot the routers its predictor is refitted from
+        B = len(batch)
         for epoch in range(a.ppo_epochs):
             order = torch.randperm(B, generator=rng) if (rng is not None and a.mini_batches > 1) else torch.arange(B)
             minis = [order[i :: a.mini_batches] if a.mini_batches > 1 else order for i in range(a.mini_batches)]
             for mini_no, mini_idx in enumerate(minis):
-                mini = batch.select(mini_idx)
-                denom = agg_count(a.loss_agg, mini.response_mask)
-                bad = False
-                ess_sums = [0.0, 0.0, 0.0]
-                mini.extras["_row"] = torch.arange(len(mini))
-                # losses with batch statistics index the whole mini-batch: keep its response width
-                micro = self._micro_batches(mini, trim_response=not batch_stats)
-                for mb in micro:
-                    if epoch == 0:
-                        real, padded = padded_tokens(mb)
-                        pad_acc[0] += real
-                        pad_acc[1] += padded
-                whole = self._whole_batch_input(mini, v_start) if (len(micro) > 1 and batch_stats) else None
-                # One seed per mini-batch, shared by its micro-batches (and by every process, so a
-                # distributed engine draws the same tokens everywhere), for losses that sample tokens.
-                mini_seed = int(self.cfg.seed) * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no
-                seed = mini_seed if batch_stats else None
-                for mb in micro:
-                    m = mb.response_mask.to(self.device)
-                    if "teacher_topk_ids" in mb.extras:  # distillation on the teacher's top-K (rlpost.algos.distill)
-                        from rlpost.models.teacher import student_support_pass
-
-                        lp, ent, teacher_in = student_support_pass(self, self.train_module, mb, need_entropy, entropy_grad)
-                    elif "old_topk_ids" in mb.extras:  # DPPO's predictive direction (rlpost.algos.predictive_mask)
-                        lp, ent, teacher_in = self._region_support_pass(mb, need_entropy, entropy_grad)
-                    elif POLICY_LOSSES.tag(a.loss, "one_token_rollout", False):  # OTR (rlpost.algos.otr)
-                        from rlpost.algos.otr import otr_forward
-
-                        lp, ent, teacher_in = otr_forward(self, self.train_module, mb, need_entropy, entropy_grad,
-                                                          loss_params, mini_seed)
-                    elif POLICY_LOSSES.tag(a.loss, "capo_forward", False):  # CAPO (rlpost.algos.capo)
-                        from rlpost.algos.capo import capo_forward
-
-                        lp, ent, teacher_in = capo_forward(self, self.train_module, mb, need_entropy, entropy_grad,
-                                                           loss_params, mini_seed)
-                    else:
-                        lp, ent = self._logprobs(self.train_module, mb, with_entropy=need_entropy, entropy_grad=entropy_grad)
-                        teacher_in = {"teacher_logprobs": mb.extras["teacher_logprobs"].to(self.device)
-                                      if "teacher_logprobs" in mb.extras else None}
-                    rollout_lp = mb.rollout_logprobs.to(self.device)
-                    old = self._old_logprobs(mb, lp, v_start)
-                    if epoch == 0:
-                        mm_rows[0].append(mb.rollout_logprobs.cpu())
-                        mm_rows[1].append(old.detach().cpu())
-                        mm_rows[2].append(mb.response_mask.cpu())
-                    adv = mb.extras["advantages"].to(self.device)
-                    inp = PolicyLossInput(
-                        logprobs=lp,
-                        old_logprobs=old,
-                        advantages=adv,
-                        response_mask=m,
-                        rollout_logprobs=rollout_lp,
-                        entropy=None if ent is None else ent.detach(),
-                        batch=whole,
-                        rows=mb.extras["_row"].to(self.device) if whole is not None else None,
-                        seed=seed,
-                        group_index=mb.group_index.to(self.device),
-                        segment_ids=mb.extras["segment_ids"].to(self.device) if "segment_ids" in mb.extras else None,
-                        step=self.updates - 1,
-                        old_entropy=mb.extras["old_entropy"].to(self.device) if "old_entropy" in mb.extras else None,
-                        ref_logprobs=mb.extras["ref_logprobs"].to(self.device) if "ref_logprobs" in mb.extras else None,
-                        loss_state=self.loss_state,
-                        first_log_normaliser=self._first_log_normaliser(mb) if first_lognorm else None,
-                        **teacher_in,
-                    )
-                    loss_mat, lm = compute_policy_loss(a.loss, inp, **loss_params)
-                    w, wm = self._correction_weights(old, mb)
-                    if w is not None:
-                        loss_mat = loss_mat * w.to(loss_mat.device)
-                        lm.update({f"correction/{k}": v for k, v in wm.items()})
-                    if offp["vcpo"]:
-                        with torch.no_grad():
-                            iw = torch.exp((old.float() - rollout_lp.float()).clamp(-20, 20)) * m
-                            ess_sums = [ess_sums[0] + float(iw.sum()), ess_sums[1] + float((iw * iw).sum()),
-                                        ess_sums[2] + float(m.sum())]
-                    loss = aggregate(a.loss_agg, loss_mat, m, denom=denom, norm_const=norm_const)
-                    # Logged loss: the micro-batch's own aggregate, weighted by its share of the
-                    # mini-batch denominator, so the weighted mean is the mini-batch loss whatever
-                    # trainer.micro_batch_size is (a token-count weight was wrong for seq-* modes).
-                    n_agg = agg_count(a.loss_agg, m)
-                    acc.add({"loss/policy": loss.detach() * (max(denom, 1.0) / max(n_agg, 1.0))}, n_agg)
-                    metrics: Dict[str, Any] = {}
-                    if self.has_ref and "ref_logprobs" in mb.extras and not a.kl.in_reward:
-                        kl = kl_penalty(a.kl.estimator, lp, mb.extras["ref_logprobs"].to(self.device))
-                        loss = loss + a.kl.coef * aggregate(a.loss_agg, kl, m, denom=denom, norm_const=norm_const)
-                        metrics["actor/kl_ref"] = masked_mean(kl.detach(), m)
-                    if ent is not None:
-                        if a.entropy_coef:
-                            loss = loss - a.entropy_coef * aggregate(a.loss_agg, ent, m, denom=denom, norm_const=norm_const)
-                        metrics["actor/entropy"] = masked_mean(ent.detach(), m)
-                    if not torch.isfinite(loss):
-                        bad = True
-                        if not self.lockstep:
-                            break
-                        loss = lp.sum() * 0.0  # keep collective backward passes in step; the step is skipped
-                    self._backward(loss)
-                    with torch.no_grad():
-                        metrics["rollout/logprob_gap"] = masked_mean((lp.detach() - inp.rollout_logprobs).abs(), m)
-                    seq_metrics = {}
-                    for k, v in lm.items():
-                        (seq_metrics if k.startswith("seq_") else metrics)[k if "/" in k else f"actor/{k}"] = v
-                    acc.add(metrics, float(m.sum()))  # token means, weighted by tokens
-                    acc.add(seq_metrics, float((m.sum(-1) > 0).sum()))  # sequence means, weighted by sequences
-                scale = 1.0
-                if offp["vcpo"]:
-                    s1, s2, n = ess_sums
-                    ef = (s1 * s1 / (s2 * n)) if (s2 > 0 and n > 0) else 1.0
-                    scale = vcpo_lr_scale(ef, offp["vcpo_power"], offp["vcpo_min_scale"])
-                    acc.add({"offpolicy/vcpo_lr_scale": scale, "offpolicy/ess_frac": ef}, 1.0)
-                if self._any(bad):
-                    self._skip_policy_step()
-                    gn = float("nan")
-                else:
-                    base_lrs = [g["lr"] for g in self.opt.param_groups]
-                    for g in self.opt.param_groups:
-                        g["lr"] = g["lr"] * scale
-                    try:
-                        gn = self._policy_step(params)
-                    finally:
-                        for g, lr0 in zip(self.opt.param_groups, base_lrs):
-                            g["lr"] = lr0
-                if not math.isfinite(gn):
-                    self.bad_steps += 1
-                    acc.add({"actor/skipped_steps": 1.0}, 1.0)
-                    if self.bad_steps > self.tcfg.max_bad_steps:
-                        raise TrainingDiverged(
-                            f"{self.bad_steps} consecutive optimizer steps had a non-finite loss or gradient; "
-                            "the last checkpoint is intact. Fix: lower trainer.lr, enable trainer.grad_clip, "
-                            "or use precision=fp32."
-                        )
-                else:
-                    self.bad_steps = 0
-                    self.version += 1
-                    acc.add({"actor/grad_norm": gn, "actor/skipped_steps": 0.0}, 1.0)
-                    after = POLICY_LOSSES.tag(a.loss, "after_step", None)
-                    if after is not None:  # e.g. r2vpo's dual ascent on its multiplier (mini-batch statistics)
-                        after(self.loss_state, lm, **loss_params)
-                self.sched.step()
+                self._mini_batch_step(batch.select(mini_idx), u, acc, epoch, mini_no)
         out = self._reduce_metrics(acc).means()
-        real, padded = (sum(x) for x in zip(*self._gather([torch.tensor(pad_acc)])))
+        real, padded = (sum(x) for x in zip(*self._gather([torch.tensor(u.pad)])))
         out["bench/padding_frac"] = float(1.0 - real / padded) if padded > 0 else 0.0
-        if mm_rows[0]:
-            rl, ol, mk = (_cat_padded(self._gather(t)) for t in mm_rows)
+        if u.mismatch[0]:
+            rl, ol, mk = (_cat_padded(self._gather(t)) for t in u.mismatch)
             out.update(mismatch_metrics(rl, ol, mk))
         out["actor/lr"] = float(self.sched.get_last_lr()[0])
         if self.routing is not None:
@@ -707,17 +589,141 @@ class TorchTrainer:
             out.update(self.routing.metrics())
         return out
 
+    def _mini_batch_step(self, mini: RolloutBatch, u: "_Update", acc: "_MetricAcc", epoch: int, mini_no: int) -> None:
+        """Accumulate the gradient of one mini-batch over its micro-batches, then one optimizer step."""
+        denom = agg_count(self.algo.loss_agg, mini.response_mask)
+        mini.extras["_row"] = torch.arange(len(mini))
+        # losses with batch statistics index the whole mini-batch: keep its response width
+        micro = self._micro_batches(mini, trim_response=not u.batch_stats)
+        if epoch == 0:
+            for mb in micro:
+                real, padded = padded_tokens(mb)
+                u.pad[0] += real
+                u.pad[1] += padded
+        whole = self._whole_batch_input(mini, u.v_start) if (len(micro) > 1 and u.batch_stats) else None
+        # One seed per mini-batch, shared by its micro-batches (and by every process, so a
+        # distributed engine draws the same tokens everywhere), for losses that sample tokens.
+        mini_seed = self.seed * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no
+        fwd = self.forward_pass(self.train_module, mini_seed)
+        bad, lm = False, {}
+        for mb in micro:
+            loss, lp, lm, metrics = self._micro_loss(mb, fwd, u, acc, denom, whole, epoch)
+            if not torch.isfinite(loss):
+                bad = True
+                if not self.lockstep:
+                    break
+                loss = lp.sum() * 0.0  # keep collective backward passes in step; the step is skipped
+            self._backward(loss)
+            m = mb.response_mask
+            acc.add(metrics[0], float(m.sum()))  # token means, weighted by tokens
+            acc.add(metrics[1], float((m.sum(-1) > 0).sum()))  # sequence means, weighted by sequences
+        self._optimizer_step(bad, lm, u, acc)
+
+    def _micro_loss(self, mb: RolloutBatch, fwd: ForwardPass, u: "_Update", acc: "_MetricAcc", denom: float,
+                    whole: Optional[PolicyLossInput], epoch: int) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, Any], tuple]:
+        """The aggregated loss of one micro-batch (its share of the mini-batch's), its log-probs, the loss's
+        metrics and ``(token metrics, sequence metrics)`` to log once its backward ran."""
+        a = self.algo
+        m = mb.response_mask.to(self.device)
+        out = self.methods.forward(fwd, mb, u.need_entropy, u.entropy_grad)
+        if out is None:
+            lp, ent = self._logprobs(self.train_module, mb, with_entropy=u.need_entropy, entropy_grad=u.entropy_grad)
+            given: Dict[str, Any] = {}
+        else:
+            lp, ent, given = out
+        given = {**given, **self.methods.loss_extras(fwd, mb)}
+        old = self._old_logprobs(mb, lp, u.v_start)
+        self.methods.observe_weights(mb, old)
+        if epoch == 0:
+            for rows, t in zip(u.mismatch, (mb.rollout_logprobs, old.detach(), mb.response_mask)):
+                rows.append(t.cpu())
+        inp = PolicyLossInput(
+            logprobs=lp, old_logprobs=old, advantages=mb.extras["advantages"].to(self.device), response_mask=m,
+            rollout_logprobs=mb.rollout_logprobs.to(self.device), entropy=None if ent is None else ent.detach(),
+            group_index=mb.group_index.to(self.device), step=self.updates - 1,
+            seed=fwd.seed if u.batch_stats else None, batch=whole,
+            rows=mb.extras["_row"].to(self.device) if whole is not None else None,
+            extras=self._extras(mb, self.loss_keys, given),
+        )
+        loss_mat, lm = compute_policy_loss(a.loss, inp, **u.loss_params)
+        w, wm = self._correction_weights(old, mb)
+        if w is not None:
+            loss_mat = loss_mat * w.to(loss_mat.device)
+            lm.update({f"correction/{k}": v for k, v in wm.items()})
+        loss = aggregate(a.loss_agg, loss_mat, m, denom=denom, norm_const=u.norm_const(a, self.sampling))
+        # Logged loss: the micro-batch's own aggregate, weighted by its share of the mini-batch
+        # denominator, so the weighted mean is the mini-batch loss whatever trainer.micro_batch_size
+        # is (a token-count weight was wrong for seq-* modes).
+        n_agg = agg_count(a.loss_agg, m)
+        acc.add({"loss/policy": loss.detach() * (max(denom, 1.0) / max(n_agg, 1.0))}, n_agg)
+        metrics: Dict[str, Any] = {}
+        if self.has_ref and "ref_logprobs" in mb.extras and not a.kl.in_reward:
+            kl = kl_penalty(a.kl.estimator, lp, mb.extras["ref_logprobs"].to(self.device))
+            loss = loss + a.kl.coef * aggregate(a.loss_agg, kl, m, denom=denom, norm_const=u.norm_const(a, self.sampling))
+            metrics["actor/kl_ref"] = masked_mean(kl.detach(), m)
+        if ent is not None:
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * aggregate(a.loss_agg, ent, m, denom=denom,
+                                                         norm_const=u.norm_const(a, self.sampling))
+            metrics["actor/entropy"] = masked_mean(ent.detach(), m)
+        with torch.no_grad():
+            metrics["rollout/logprob_gap"] = masked_mean((lp.detach() - inp.rollout_logprobs).abs(), m)
+        seq_metrics: Dict[str, Any] = {}
+        for k, v in lm.items():
+            (seq_metrics if k.startswith("seq_") else metrics)[k if "/" in k else f"actor/{k}"] = v
+        return loss, lp, lm, (metrics, seq_metrics)
+
+    def _optimizer_step(self, bad: bool, lm: Dict[str, Any], u: "_Update", acc: "_MetricAcc") -> None:
+        """Step on the accumulated gradient (a method may scale its learning rate), or skip a non-finite one."""
+        scale, sm = self.methods.lr_scale()
+        if sm:
+            acc.add(sm, 1.0)
+        if self._any(bad):
+            self._skip_policy_step()
+            gn = float("nan")
+        else:
+            base_lrs = [g["lr"] for g in self.opt.param_groups]
+            for g in self.opt.param_groups:
+                g["lr"] = g["lr"] * scale
+            try:
+                gn = self._policy_step([p for p in self.train_module.parameters() if p.requires_grad])
+            finally:
+                for g, lr0 in zip(self.opt.param_groups, base_lrs):
+                    g["lr"] = lr0
+        if not math.isfinite(gn):
+            self.bad_steps += 1
+            acc.add({"actor/skipped_steps": 1.0}, 1.0)
+            if self.bad_steps > self.tcfg.max_bad_steps:
+                raise TrainingDiverged(
+                    f"{self.bad_steps} consecutive optimizer steps had a non-finite loss or gradient; "
+                    "the last checkpoint is intact. Fix: lower trainer.lr, enable trainer.grad_clip, "
+                    "or use precision=fp32."
+                )
+        else:
+            self.bad_steps = 0
+            self.version += 1
+            acc.add({"actor/grad_norm": gn, "actor/skipped_steps": 0.0}, 1.0)
+            after = POLICY_LOSSES.tag(self.algo.loss, "after_step", None)
+            if after is not None:  # a loss's cross-step state, from the last micro-batch's statistics
+                after(self.loss_state, lm, **u.loss_params)
+        self.sched.step()
+
     def critic_update(self, batch: RolloutBatch) -> Dict[str, float]:
-        """Regress the critic on ``batch.extras['returns']`` (token-mean clipped value loss)."""
+        """Regress the critic on ``batch.extras['returns']`` (token-mean clipped value loss).
+
+        The loss mask is ``extras['value_mask']`` (an estimator's value positions) or
+        the response mask, unless a method chooses the states
+        (:meth:`rlpost.methods.base.Method.critic_batch`, once per update for the
+        whole batch, so every micro-batch and process uses the same ones). A
+        micro-batch whose loss is non-finite on any process is skipped.
+        """
         a = self.algo
         acc = _MetricAcc()
-        params = [p for p in self.critic.parameters() if p.requires_grad]
         self.critic.train()
-        from rlpost.algos.sp3o import with_critic_mask
-
-        # SP3O (algo.critic.supervised_states > 0): the value loss at a few states per response, drawn once
-        # per critic update for the whole batch so every micro-batch (and process) uses the same positions
-        batch = with_critic_mask(batch, a.critic, int(self.cfg.seed) * 1_000_003 + self.version)
+        batch = batch.select(list(range(len(batch))))  # the caller's batch is not modified
+        vm0 = batch.extras.get("value_mask")
+        batch.extras["_critic_mask"] = (batch.response_mask if vm0 is None else vm0).float()
+        batch = self.methods.critic_batch(batch, self.seed * 1_000_003 + self.version)
         for _ in range(max(1, a.critic.epochs)):
             denom = float(batch.extras["_critic_mask"].sum())
             for mb in self._micro_batches(batch):
@@ -726,14 +732,39 @@ class TorchTrainer:
                 old_v = mb.extras.get("values", v.detach()).to(self.device)
                 loss_mat, vm = value_loss(v, old_v, mb.extras["returns"].to(self.device), m, a.critic.clip_range)
                 loss = a.critic.coef * aggregate("token-mean", loss_mat, m, denom=denom)
-                if not torch.isfinite(loss):
+                if self._any(not bool(torch.isfinite(loss))):
                     continue
-                loss.backward()
-                acc.add({"critic/value_loss": (loss_mat.detach() * m).sum() / m.sum().clamp(min=1), **{f"critic/{k}": x for k, x in vm.items()},
-                         "critic/value_mean": masked_mean(v.detach(), m)}, float(m.sum()))
-            gn = self._finite_step(self.critic_opt, params, self.tcfg.grad_clip)
-            acc.add({"critic/grad_norm": gn}, 1.0)
-        return acc.means()
+                self._critic_backward(loss)
+                if float(m.sum()) > 0:
+                    acc.add({"critic/value_loss": (loss_mat.detach() * m).sum() / m.sum().clamp(min=1),
+                             **{f"critic/{k}": x for k, x in vm.items()},
+                             "critic/value_mean": masked_mean(v.detach(), m)}, float(m.sum()))
+            acc.add({"critic/grad_norm": self._critic_step()}, 1.0)
+        return self._reduce_metrics(acc).means()
+
+    def _critic_backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the critic's gradient of ``loss`` (DeepSpeed overrides)."""
+        loss.backward()
+
+    def _critic_step(self) -> float:
+        """Apply the critic's accumulated gradient; returns its norm (DeepSpeed overrides)."""
+        return self._finite_step(self.critic_opt, [p for p in self.critic.parameters() if p.requires_grad],
+                                 self.tcfg.grad_clip)
+
+    # ------------------------------------------------------------ snapshots
+    def snapshot(self) -> Dict[str, Any]:
+        """An exact copy of the policy weights, optimizer state and schedule (:meth:`restore` puts it back)."""
+        return {"weights": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
+                "opt": copy.deepcopy(self.opt.state_dict()), "sched": copy.deepcopy(self.sched.state_dict())}
+
+    def restore(self, snap: Dict[str, Any]) -> None:
+        """Put a :meth:`snapshot` back: weights in place, optimizer state and schedule."""
+        with torch.no_grad():
+            sd = self.policy.state_dict()
+            for k, v in snap["weights"].items():
+                sd[k].copy_(v)
+        self.opt.load_state_dict(copy.deepcopy(snap["opt"]))
+        self.sched.load_state_dict(copy.deepcopy(snap["sched"]))
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -753,7 +784,7 @@ class TorchTrainer:
             sd["ref"] = self.ref.state_dict()
         routing = self.routing.state_dict() if self.routing is not None else {}
         if routing:
-            sd["routing"] = routing  # PR2's predictor
+            sd["routing"] = routing  # the routing predictor's state
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -763,7 +794,7 @@ class TorchTrainer:
         self.bad_steps = int(sd.get("bad_steps", 0))
         self.version = int(sd.get("version", 0))
         self.updates = int(sd.get("updates", 0))
-        # numbers (r2vpo's multiplier) as floats; structured state (capo's shadow Adam moments) as saved
+        # numbers (a multiplier) as floats; structured state (e.g. shadow optimizer moments) as saved
         self.loss_state = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in sd.get("loss_state", {}).items()}
         if self.critic is not None and "critic" in sd:
             self.critic.load_state_dict(sd["critic"])

@@ -1,4 +1,4 @@
-"""Issue 17 (value-based and single-rollout methods, the predictive divergence mask) on hand-computed tensors.
+"""Value-based and single-rollout methods, the predictive divergence mask on hand-computed tensors.
 
 TBRM (trajectory Bellman residual, arXiv:2505.15311), SP3O's sparse critic supervision and the predictive
 divergence direction for DPPO's trust region: values, which tokens receive gradient, round trips against
@@ -21,8 +21,7 @@ def _tbrm_input():
     m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     r = torch.tensor([1.0, 0.0])
     logz = torch.tensor([2.0, 1.0], requires_grad=True)
-    return PolicyLossInput(logprobs=lp, old_logprobs=lp.detach(), advantages=r[:, None] * m, response_mask=m,
-                           ref_logprobs=ref, first_log_normaliser=logz)
+    return PolicyLossInput(logprobs=lp, old_logprobs=lp.detach(), advantages=r[:, None] * m, response_mask=m, extras={'ref_logprobs': ref, 'first_log_normaliser': logz})
 
 
 def test_tbrm_residual_loss_and_gradient_by_hand():
@@ -37,12 +36,12 @@ def test_tbrm_residual_loss_and_gradient_by_hand():
     # d/d lp_t = 2 delta beta / 2 rows: row 0 -> 0.25 per token, row 1 -> 0.3 on its real tokens, 0 on padding
     assert inp.logprobs.grad.flatten().tolist() == pytest.approx([0.25, 0.25, 0.25, 0.3, 0.3, 0.0])
     # V(s_1) = beta logZ gets the same pull: the residual's baseline is learned through the logits
-    assert inp.first_log_normaliser.grad.tolist() == pytest.approx([0.25, 0.3])
+    assert inp.extras["first_log_normaliser"].grad.tolist() == pytest.approx([0.25, 0.3])
 
 
 def test_tbrm_errors_name_the_missing_input():
     inp = _tbrm_input()
-    inp.first_log_normaliser = None
+    inp.extras["first_log_normaliser"] = None
     with pytest.raises(ValueError, match="first_log_normaliser"):
         compute_policy_loss("tbrm", inp, beta=0.5)
     with pytest.raises(ValueError, match="beta must be > 0"):
@@ -111,7 +110,7 @@ def test_sp3o_critic_gradient_comes_only_from_the_supervised_states(compose):
     grads = []
 
     def run(returns):
-        t = TorchTrainer(copy.deepcopy(policy), cfg, "cpu")
+        t = TorchTrainer.from_config(copy.deepcopy(policy), cfg, "cpu")
 
         def capture(opt, params, clip):
             grads.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]).clone())
@@ -204,8 +203,7 @@ def test_dppo_predictive_masks_only_tokens_whose_step_raises_the_divergence():
     lp_mu = torch.log(torch.tensor([[[0.1, 0.3], [0.1, 0.3]]]))
     lp = torch.log(torch.tensor([[0.2, 0.2]])).requires_grad_(True)
     A = torch.tensor([[1.0, -1.0]])
-    inp = PolicyLossInput(logprobs=lp, old_logprobs=torch.log(torch.tensor([[0.1, 0.1]])), advantages=A,
-                          response_mask=torch.ones(1, 2), region_support_logprobs=lp_pi, region_anchor_logprobs=lp_mu)
+    inp = PolicyLossInput(logprobs=lp, old_logprobs=torch.log(torch.tensor([[0.1, 0.1]])), advantages=A, response_mask=torch.ones(1, 2), extras={'region_support_logprobs': lp_pi, 'region_anchor_logprobs': lp_mu})
     loss, met = compute_policy_loss("dppo", inp, direction="predictive", anchor="old", divergence="tv")
     loss.sum().backward()
     # kept token: -A * sg(w / r) * r with w = pi / mu = 2: gradient -A w = -2; the masked token gets none
@@ -219,7 +217,7 @@ def test_dppo_predictive_masks_only_tokens_whose_step_raises_the_divergence():
                                         eps_low=0.05, eps_high=0.05)
     ratio_loss.sum().backward()
     assert lp.grad.flatten().tolist() == pytest.approx([0.0, 2.0])
-    inp.region_support_logprobs = None
+    inp.extras["region_support_logprobs"] = None
     with pytest.raises(ValueError, match="region_support_logprobs"):
         compute_policy_loss("dppo", inp, direction="predictive", anchor="old")
 
@@ -233,16 +231,16 @@ def test_dppo_predictive_runs_through_the_trainer_with_a_recorded_support(compos
     from conftest import tiny_overrides
     from ds_worker import make_batch
 
-    from rlpost.algos.predictive_mask import anchor_topk_record
+    from rlpost.methods.dppo import anchor_topk_record
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.trainer.torch_engine import TorchTrainer
 
     policy = load_policy(ModelConfig(source="tiny"), seed=3)[0]
     cfg = compose(tiny_overrides("algo=dppo_predictive", "algo.mini_batches=1", "trainer.micro_batch_size=3"))
-    t = TorchTrainer(copy.deepcopy(policy), cfg, "cpu")
+    t = TorchTrainer.from_config(copy.deepcopy(policy), cfg, "cpu")
     b = make_batch(B=6, R=6)
-    rec = anchor_topk_record(t, b, 8)
+    rec = anchor_topk_record(t.forward_pass(), b, 8)
     assert rec["old_topk_ids"].shape == (6, 6, 8)
     assert torch.equal(rec["old_topk_ids"][..., 0][b.response_mask > 0], b.response_ids[b.response_mask > 0])
     lp, _ = t.compute_logprobs(b)
@@ -260,11 +258,11 @@ def test_dppo_predictive_runs_through_the_trainer_with_a_recorded_support(compos
 def test_dppo_predictive_needs_the_old_anchor(compose):
     from rlpost.errors import ConfigError
 
-    from rlpost.algos.validate import validate_algo
+    from rlpost.config.compose import validate_config
 
-    validate_algo(compose(["model=tiny", "algo=dppo_predictive"]).algo)
+    validate_config(compose(["model=tiny", "algo=dppo_predictive"]))
     with pytest.raises(ConfigError, match="anchor=old"):
-        validate_algo(compose(["model=tiny", "algo=dppo_predictive", "algo.loss_params.anchor=rollout"]).algo)
+        validate_config(compose(["model=tiny", "algo=dppo_predictive", "algo.loss_params.anchor=rollout"]))
 
 
 # -------------------------------------------------------------------- single-rollout autoregressive (sapo_ar)
@@ -312,7 +310,7 @@ def test_sapo_ar_shared_backbone_critic_step_moves_the_policy(compose):
 
     policy = load_policy(ModelConfig(source="tiny"), seed=3)[0]
     cfg = compose(tiny_overrides("algo=sapo_ar", "trainer.grad_clip=0", "algo.critic.lr=1e-2"))
-    t = TorchTrainer(copy.deepcopy(policy), cfg, "cpu")
+    t = TorchTrainer.from_config(copy.deepcopy(policy), cfg, "cpu")
     assert t.critic.backbone is backbone_and_head(t.policy)[0]  # one backbone, not a copy
     b = make_batch(B=4, R=6)
     vmask = torch.zeros(4, 6)

@@ -207,8 +207,7 @@ def test_hdl_verdict_follows_the_root_reward():
 # ------------------------------------------------------------------------------------------ SEED
 def _seed_inp(lp, skill, adv, mask):
     lp = torch.tensor(lp, requires_grad=True)
-    return lp, PolicyLossInput(logprobs=lp, old_logprobs=lp.detach().clone(), advantages=torch.tensor(adv),
-                               response_mask=torch.tensor(mask), teacher_logprobs=torch.tensor(skill))
+    return lp, PolicyLossInput(logprobs=lp, old_logprobs=lp.detach().clone(), advantages=torch.tensor(adv), response_mask=torch.tensor(mask), extras={'teacher_logprobs': torch.tensor(skill)})
 
 
 def test_seed_loss_is_ppo_clip_plus_gated_distillation_hand_values():
@@ -234,7 +233,7 @@ def test_seed_loss_with_opd_coef_zero_is_ppo_clip_and_equal_contexts_give_gate_o
     _, m = compute_policy_loss("seed", x)
     assert float(m["seed/gate_mean"]) == 0.5 and float(m["seed/opd_term"]) == 0.0
     with pytest.raises(ValueError, match="skill"):
-        compute_policy_loss("seed", dataclasses.replace(x, teacher_logprobs=None))
+        compute_policy_loss("seed", dataclasses.replace(x, extras={}))
 
 
 class MarkerTok:
@@ -259,29 +258,35 @@ def test_skill_contexts_put_the_skill_in_front_and_leave_empty_skills_out():
         skill_contexts(MarkerTok(), [[1]], [])
 
 
-def test_seed_stage_writes_the_skill_logprobs_as_the_self_teacher():
-    from omegaconf import OmegaConf
+def test_seed_stage_writes_the_skill_logprobs_as_the_self_teacher(compose, monkeypatch):
+    import types
 
-    from rlpost.algos.stages import AlgoState, algo_requirements, prepare_algo_inputs
-    from rlpost.config.schema import AlgoConfig
+    import rlpost.methods.seed as seed_method
+    from rlpost.methods.base import MethodSet
 
-    c = OmegaConf.structured(AlgoConfig)
-    OmegaConf.update(c, "loss", "seed", merge=True)
-    OmegaConf.update(c, "loss_params", {"skill_tokens": 12}, merge=True)
-    req = algo_requirements(c)
-    assert req.skill == 12 and algo_requirements(OmegaConf.structured(AlgoConfig)).skill == 0
+    cfg = compose(["model=tiny", "algo.loss=seed", "algo.loss_params.skill_tokens=12"])
+    ms = MethodSet.for_config(cfg)
+    assert ms.names == ["seed"] and seed_method.skill_tokens(cfg.algo) == 12
+    assert seed_method.skill_tokens(compose(["model=tiny"]).algo) == 0
 
     class B:
         response_mask = torch.tensor([[1.0, 1.0, 0.0]])
+        prompt_index = torch.tensor([0])
         extras: dict = {}
 
-    b, asked = B(), []
-    m = prepare_algo_inputs(AlgoState(req), b, None,
-                            skill_logprobs=lambda n: (asked.append(n), (torch.tensor([[-0.5, -1.5, 0.0]]), ["ab", ""]))[1])
-    assert asked == [12] and torch.equal(b.extras["teacher_logprobs"], torch.tensor([[-0.5, -1.5, 0.0]]))
+    asked = []
+
+    def fake(batch, qs, engine, logprobs, tok, sp, n):
+        asked.append((qs, n))
+        return torch.tensor([[-0.5, -1.5, 0.0]]), ["ab", ""]
+
+    monkeypatch.setattr(seed_method, "batch_skill_logprobs", fake)
+    run = types.SimpleNamespace(task=types.SimpleNamespace(user_message=lambda e: f"q{e}"), examples=[7], engine=None,
+                                logprobs=None, tokenizer=None, sampling_params=lambda step: None, step=1)
+    b = B()
+    m = ms.prepare(b, run)
+    assert asked == [(["q7"], 12)] and torch.equal(b.extras["teacher_logprobs"], torch.tensor([[-0.5, -1.5, 0.0]]))
     assert m["seed/skill_chars_mean"] == 1.0 and m["seed/skill_empty_frac"] == 0.5
-    with pytest.raises(ValueError, match="skill"):
-        prepare_algo_inputs(AlgoState(req), B(), None)
 
 
 def test_hdl_hindsight_context_is_feedback_then_the_policys_reflection():

@@ -2,7 +2,7 @@
 
 ``launcher=none`` keeps every rollout in the trainer's process (or splits them across
 ``torchrun`` ranks, :mod:`rlpost.distributed`). ``launcher=ray`` keeps the trainer in the
-driver process and generates in a pool of Ray actors (:mod:`rlpost.launch.ray_workers`).
+driver process and generates in a pool of Ray actors (:mod:`rlpost.ray_pool.ray_workers`).
 The runner sees either as a rollout engine (:class:`rlpost.rollout.base.RolloutEngine`):
 :func:`build_rollout_backend` is its one hook.
 """
@@ -80,6 +80,6 @@ def build_rollout_backend(cfg: Any, local_engine: Any, policy: Any, tokenizer: A
     lc = cfg.get("launcher")
     if lc is None or lc.name == "none":
         return local_engine
-    from rlpost.launch.ray_workers import RayRolloutPool
+    from rlpost.ray_pool.ray_workers import RayRolloutPool
 
     return RayRolloutPool(cfg, local_engine, policy)

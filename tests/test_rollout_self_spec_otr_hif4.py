@@ -208,8 +208,7 @@ def test_otr_loss_hand_computed_and_expectation():
     lp = torch.log(torch.tensor([[[0.5, 0.25]]]))
     rew = torch.tensor([[[1.0, -0.1]]])
     z = torch.zeros(1, 1)
-    inp = PolicyLossInput(logprobs=torch.log(torch.tensor([[0.5]])), old_logprobs=torch.log(torch.tensor([[0.5]])),
-                          advantages=z, response_mask=torch.ones(1, 1), support_logprobs=lp, support_rewards=rew)
+    inp = PolicyLossInput(logprobs=torch.log(torch.tensor([[0.5]])), old_logprobs=torch.log(torch.tensor([[0.5]])), advantages=z, response_mask=torch.ones(1, 1), extras={'support_logprobs': lp, 'support_rewards': rew})
     loss, m = compute_policy_loss("otr", inp)
     # -(1 * log 0.5 + (-0.1) * log 0.25) / 2
     assert abs(float(loss[0, 0]) - (-(torch.log(torch.tensor(0.5)) - 0.1 * torch.log(torch.tensor(0.25))) / 2)) < 1e-6
@@ -236,21 +235,21 @@ def test_otr_update_raises_reference_token_likelihood():
     from rlpost.algos.otr import otr_forward
 
     model = _tiny_llama(2, sharpen=1.0).train()
-    trainer = types.SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    fwd = types.SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext, model=model)
     mb = types.SimpleNamespace(prompt_ids=torch.tensor([[1, 2], [3, 4]]), prompt_mask=torch.ones(2, 2, dtype=torch.long),
                                response_ids=torch.tensor([[3, 3, 0], [2, 0, 0]]),
                                response_mask=torch.tensor([[1.0, 1, 1], [1, 1, 0]]), extras={})
     params = {"k": 256, "kappa": 1.3, "beta": -0.1}
-    lp0, _, sup = otr_forward(trainer, model, mb, False, False, params, seed=0)
+    lp0, _, sup = otr_forward(fwd, mb, False, False, params, seed=0)
     assert sup["support_logprobs"].shape == (2, 3, 256) and float(sup["support_rewards"][1, 2].abs().sum()) == 0.0
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     m = mb.response_mask
-    inp = PolicyLossInput(logprobs=lp0, old_logprobs=lp0.detach(), advantages=torch.zeros_like(m), response_mask=m, **sup)
+    inp = PolicyLossInput(logprobs=lp0, old_logprobs=lp0.detach(), advantages=torch.zeros_like(m), response_mask=m, extras=sup)
     loss, _ = compute_policy_loss("otr", inp, **params)
     ((loss * m).sum() / m.sum()).backward()
     opt.step()
     with torch.no_grad():
-        lp1, _, _ = otr_forward(trainer, model, mb, False, False, params, seed=1)
+        lp1, _, _ = otr_forward(fwd, mb, False, False, params, seed=1)
     assert float((lp1 - lp0.detach())[m > 0].mean()) > 0.01
 
 

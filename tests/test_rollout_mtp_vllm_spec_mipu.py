@@ -8,7 +8,7 @@ import torch
 from rlpost.errors import ConfigError
 from rlpost.rollout.base import SamplingParams
 from rlpost.rollout.hf import HFRolloutEngine
-from test_rolleff_r18 import _exact_dist, _perturb, _tiny_llama, _Tok, response_chi2
+from test_rollout_self_spec_otr_hif4 import _exact_dist, _perturb, _tiny_llama, _Tok, response_chi2
 from conftest import tiny_overrides
 
 
@@ -234,7 +234,7 @@ def _mipu_setup(compose, min_gain):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from ds_worker import make_batch
 
-    from rlpost.algos.mipu import build_update_gate
+    from rlpost.methods.mipu import UpdateGate
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.rollout import build_engine
@@ -243,9 +243,16 @@ def _mipu_setup(compose, min_gain):
     cfg = compose(tiny_overrides("algo=mipu", "precision=rollout_fp8_sim", "trainer.lr=1e-2",
                                  f"algo.update_gate.min_gain={min_gain}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=3)
-    trainer = TorchTrainer(model, cfg, "cpu")
+    trainer = TorchTrainer.from_config(model, cfg, "cpu")
     eng = build_engine(cfg, trainer.policy, tok, torch.device("cpu"))
-    return cfg, trainer, eng, build_update_gate(cfg), make_batch()
+    gate = UpdateGate(cfg)
+    gate.validate()
+    return cfg, trainer, eng, gate.gate, make_batch()
+
+
+def _gate_update(gate, trainer, eng, batch, rng):
+    return gate.update(lambda: trainer.policy_update(batch, rng), eng, batch, trainer.policy, trainer.snapshot,
+                       trainer.restore)
 
 
 def _opt_tensors(opt):
@@ -264,7 +271,7 @@ def test_mipu_rejected_candidate_restores_weights_and_optimizer_exactly(compose)
     o0 = _opt_tensors(trainer.opt)
     s0 = trainer.sched.state_dict()["last_epoch"]
     lp_inf0 = inference_logprobs(eng, batch)
-    m = gate.update(trainer, eng, batch, torch.Generator().manual_seed(1))
+    m = _gate_update(gate, trainer, eng, batch, torch.Generator().manual_seed(1))
     assert m["mipu/accepted"] == 0.0 and m["mipu/accept_rate"] == 0.0
     assert m["loss/policy"] != 0.0 and m["mipu/kl"] > 0  # a real candidate was built and scored, then undone
     for k, v in trainer.policy.state_dict().items():
@@ -278,7 +285,7 @@ def test_mipu_rejected_candidate_restores_weights_and_optimizer_exactly(compose)
 def test_mipu_accepted_candidate_equals_the_plain_update(compose):
     _, t_gate, eng, gate, batch = _mipu_setup(compose, -1e9)  # every candidate accepted
     _, t_plain, _, _, _ = _mipu_setup(compose, -1e9)
-    m = gate.update(t_gate, eng, batch, torch.Generator().manual_seed(1))
+    m = _gate_update(gate, t_gate, eng, batch, torch.Generator().manual_seed(1))
     t_plain.policy_update(batch, torch.Generator().manual_seed(1))
     assert m["mipu/accepted"] == 1.0 and m["mipu/accept_rate"] == 1.0
     for (k, a), b in zip(t_gate.policy.state_dict().items(), t_plain.policy.state_dict().values()):

@@ -1,4 +1,4 @@
-"""Issue 17, helper m17a: R²VPO, XRPO, RAPID and CSCR on hand-computed tensors.
+"""R²VPO, XRPO, RAPID and CSCR on hand-computed tensors.
 
 Each method: values from the paper's (or our stated) equations on a small case,
 which tokens receive gradient, and the end-to-end plumbing on ``model=tiny``.
@@ -53,7 +53,7 @@ def test_r2vpo_loss_and_gradient_by_hand():
     assert float(met["ratio_var"]) == pytest.approx(0.25)
     assert float(met["clip_frac"]) == 0.0  # nothing is clipped: a ratio of 1.5 keeps its gradient
     # the trainer's running multiplier wins over lambda_init
-    x2 = make([[1.5, 0.5]], [[1.0, 1.0]], loss_state={"r2vpo_lambda": 0.0})
+    x2 = make([[1.5, 0.5]], [[1.0, 1.0]], extras={"loss_state": {"r2vpo_lambda": 0.0}})
     loss2, g2, _ = grad_of("r2vpo", x2, lambda_init=2.0)
     assert torch.allclose(g2, torch.tensor([[-1.5, -0.5]], dtype=torch.float64))  # plain -A r
 
@@ -106,9 +106,9 @@ def test_r2vpo_multiplier_survives_a_checkpoint(compose):
     from rlpost.trainer.torch_engine import TorchTrainer
 
     cfg = compose(tiny_overrides("algo=r2vpo"))
-    t = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
+    t = TorchTrainer.from_config(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
     t.loss_state["r2vpo_lambda"] = 3.25
-    t2 = TorchTrainer(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
+    t2 = TorchTrainer.from_config(load_policy(ModelConfig(source="tiny"), seed=3)[0], cfg, "cpu")
     assert t2.loss_state == {}
     t2.load_state_dict(t.state_dict())
     assert t2.loss_state == {"r2vpo_lambda": 3.25}
@@ -153,7 +153,7 @@ def test_xrpo_sharpens_only_correct_unlikely_responses_by_hand():
 
 
 def test_t_quantile_matches_the_table():
-    from rlpost.selectors.xrpo import t_quantile
+    from rlpost.selectors.xrpo_allocator import t_quantile
 
     for df, want in [(1, 12.7062), (2, 4.3027), (3, 3.1824), (4, 2.7764), (5, 2.5706), (6, 2.4469), (7, 2.3646),
                      (10, 2.2281), (30, 2.0423)]:

@@ -1,4 +1,4 @@
-"""Issue 17, third batch: trust-region and token-weighting methods on hand-computed tensors.
+"""Trust-region and token-weighting methods on hand-computed tensors.
 
 FIPO (future-KL token weights, arXiv:2603.19835) and HölderPO (power-mean
 sequence ratio, arXiv:2605.12058): values, which tokens get gradient, and the
@@ -240,14 +240,14 @@ def test_erc_cuts_the_gradient_of_tokens_whose_entropy_ratio_leaves_the_band_by_
     # | (0.9, -1, 1, 0.96) ratio 1.042: kept | (1.0, +1, 0.5, 0.5) kept
     x = make([[1.5, 1.1, 0.9, 1.0]], [[1.0, 1.0, -1.0, 1.0]])
     x.entropy = torch.tensor([[1.0, 1.0, 1.0, 0.5]])
-    x.old_entropy = torch.tensor([[1.0, 1.1, 0.96, 0.5]])
+    x.extras["old_entropy"] = torch.tensor([[1.0, 1.1, 0.96, 0.5]])
     loss, g, met = grad_of("erc", x)
     assert torch.allclose(loss, torch.tensor([[-1.28, -1.1, 0.9, -1.0]]), atol=1e-6)  # values stay in the loss
     assert torch.allclose(g, torch.tensor([[0.0, 0.0, 0.9, -1.0]]), atol=1e-6)
     assert float(met["erc_masked_frac"]) == pytest.approx(0.25)
     # a wider band keeps token 1: gradient -A r = -1.1
     x2 = make([[1.5, 1.1, 0.9, 1.0]], [[1.0, 1.0, -1.0, 1.0]])
-    x2.entropy, x2.old_entropy = x.entropy, x.old_entropy
+    x2.entropy, x2.extras["old_entropy"] = x.entropy, x.extras["old_entropy"]
     _, g2, _ = grad_of("erc", x2, entropy_ratio_low=0.9)
     assert torch.allclose(g2, torch.tensor([[0.0, -1.1, 0.9, -1.0]]), atol=1e-6)
 

@@ -1,4 +1,4 @@
-"""Objective-level methods of issue 17 on small hand-computed tensors.
+"""Objective-level methods (estimators and losses) on small hand-computed tensors.
 
 Each test takes a small case from the paper's equations and checks the
 advantages (or loss) against numbers worked out by hand in the comments.
@@ -484,7 +484,7 @@ def test_seed_grpo_semantic_entropy_scaling_by_hand():
 
 
 def test_answer_cluster_ids_normalise_numbers_and_isolate_unparseable():
-    from rlpost.algos.stages import answer_cluster_ids
+    from rlpost.methods.seed_grpo import answer_cluster_ids
 
     ids = answer_cluster_ids(["<answer>12</answer>", "so <answer>12.0</answer>", "no answer here",
                               "<answer> 7 </answer>", "<answer>1,000</answer>", "<answer>1000</answer>"], "tags")
@@ -495,9 +495,7 @@ def test_answer_cluster_ids_normalise_numbers_and_isolate_unparseable():
 
 def test_sspo_subsentence_ratio_and_entropy_scaled_clip_by_hand():
     lr = torch.tensor([[0.2, 0.4, -0.1, 0.1]])
-    x = PolicyLossInput(logprobs=lr.clone().requires_grad_(True), old_logprobs=torch.zeros(1, 4),
-                        advantages=torch.ones(1, 4), response_mask=torch.ones(1, 4),
-                        entropy=torch.tensor([[1.0, 1.0, 3.0, 3.0]]), segment_ids=torch.tensor([[0, 0, 1, 1]]))
+    x = PolicyLossInput(logprobs=lr.clone().requires_grad_(True), old_logprobs=torch.zeros(1, 4), advantages=torch.ones(1, 4), response_mask=torch.ones(1, 4), entropy=torch.tensor([[1.0, 1.0, 3.0, 3.0]]), extras={'segment_ids': torch.tensor([[0, 0, 1, 1]])})
     loss, g, met = grad_of("sspo", x)
     # subsentence ratios e^0.3 and e^0.0; entropy scales 1/2 and 3/2 of the batch mean 2 -> eps 0.1 and 0.3
     # first: 1.35 > 1.1 with A > 0 -> clipped, no gradient; second: ratio 1 -> gradient -A * 1 on each token
@@ -511,7 +509,7 @@ def test_sspo_subsentence_ratio_and_entropy_scaled_clip_by_hand():
 
 
 def test_subsentence_ids_cut_after_punctuation():
-    from rlpost.algos.stages import subsentence_ids
+    from rlpost.algos.inputs import subsentence_ids
 
     class Tok:
         def decode(self, ids):
