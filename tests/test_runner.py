@@ -306,7 +306,7 @@ def test_algo_state_survives_resume(compose, tmp_path, monkeypatch, algo, extra)
     ckpt = tmp_path / "stopped" / "checkpoints" / "step_000002" / "state.pt"
     algo_state = torch.load(ckpt, weights_only=False)["algo_state"]
     if algo == "mssr":
-        tracked = algo_state["tracker"]["state"]
+        tracked = algo_state["mssr"]["tracker"]["state"]  # the method mssr's own entry
         # one epoch over the 8 prompts, one reward each: alpha + beta = rho (1 + 1) + 1 = 2.8
         assert sorted(int(k) for k in tracked) == list(range(8))
         assert all(a + b == pytest.approx(2.8) for a, b in tracked.values())

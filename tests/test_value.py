@@ -69,14 +69,15 @@ def test_runner_samples_the_reference_once_per_prompt(compose, tmp_path):
     run = Run(cfg, tmp_path)
     assert run.trainer.ref is not None and cfg.algo.kl.coef == 0  # the loss's reference, no KL
     m1 = run.train_step()
-    assert run._reference_engine.model is run.trainer.ref  # fp32: the engine runs the frozen reference itself
-    seen = dict(run._reference_rewards)
+    ref = run.methods.get("a_star_po")
+    assert ref.engine.model is run.trainer.ref  # fp32: the engine runs the frozen reference itself
+    seen = dict(ref.cache)
     assert len(seen) == 2 and all(len(v) == 3 for v in seen.values())
     calls = []
-    gen = run._reference_engine.generate
-    run._reference_engine.generate = lambda prompts, sp: (calls.append(len(prompts)), gen(prompts, sp))[1]
+    gen = ref.engine.generate
+    ref.engine.generate = lambda prompts, sp: (calls.append(len(prompts)), gen(prompts, sp))[1]
     m2 = run.train_step()
-    new = set(run._reference_rewards) - set(seen)
+    new = set(ref.cache) - set(seen)
     assert calls == ([3 * len(new)] if new else [])  # only prompts not seen before are sampled
-    assert all(run._reference_rewards[i] == v for i, v in seen.items())  # cached values are kept
+    assert all(ref.cache[i] == v for i, v in seen.items())  # cached values are kept
     assert math.isfinite(m1["loss/policy"]) and math.isfinite(m2["loss/policy"])

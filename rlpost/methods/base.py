@@ -264,6 +264,17 @@ class MethodSet:
     def names(self) -> List[str]:
         return [m.name for m in self.methods]
 
+    def get(self, name: str) -> Method:
+        """The run's method ``name``.
+
+        Raises:
+            KeyError: the run does not use it (the message lists those it uses).
+        """
+        for m in self.methods:
+            if m.name == name:
+                return m
+        raise KeyError(f"this run uses no method {name!r}; it uses: {', '.join(self.names) or 'none'}")
+
     def needs(self) -> Needs:
         """The OR of every method's :class:`Needs` (``provides`` concatenated)."""
         out = Needs()
