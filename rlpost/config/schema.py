@@ -490,7 +490,7 @@ class PrecisionConfig:
         trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16 | auto
             (resolved at start by :func:`rlpost.autoprecision.resolve_precision`).
         rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM) | auto.
-        correction: none | tis | mis | cis | ais (importance correction against
+        correction: none | tis | mis | cis | ais | seq_is | geo_is (importance correction against
             the rollout log-probs).
         correction_params: e.g. ``{cap: 2.0}``.
         trainer_weight_quant: none | fp4 | hif4: the trainer multiplies its decoder weights
