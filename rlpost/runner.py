@@ -586,7 +586,7 @@ class Run:
                   "policy_step": row_oldest(ps.token_step, sb.response_mask), **getattr(ps, "extras", {})}
         res = SampleResult(gen, gi, ps.new_groups * self.partial.group_size, extras, {})
         # rows are positions in prompt_indices (one group per prompt position)
-        score_rows(SamplerContext(score=lambda rows, t, n: score([prompt_indices[r] for r in rows], t, n)), res)
+        score_rows(SamplerContext(score=lambda rows, t, n, **kw: score([prompt_indices[r] for r in rows], t, n, **kw)), res)
         rewards = res.rewards
         if getattr(ps, "episodes", None):  # RUN_DIR/transcripts/step_NNNNNN.json, as the per-step sampler writes
             self.sampler._write_transcript(SamplerContext(step=step, prompt_indices=ps.prompt_index), ps.episodes, res)

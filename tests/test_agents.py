@@ -190,13 +190,15 @@ def test_bad_tool_calls_cost_the_episode_never_the_run(tok):
     bad = [_ids(tok, "<tool_call>{oops</tool_call>"),
            _ids(tok, '<tool_call>{"name": "shell", "arguments": {"cmd": "rm -rf /"}}</tool_call>'),
            _ids(tok, '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>')]
+    bad.append(bad[0])  # the 4th turn, at the turn cap, calls again: that call is never executed
     eng = ScriptedEngine(tok, bad)
     s = EpisodeSampler(1, env_params={"tools": ["calculator", "python"], "tool_params": {"python": {"wall_s": 1.0, "cpu_s": 5}}},
-                       max_turns=3, max_total_tokens=1000)
+                       max_turns=4, max_total_tokens=1000)
     res = s.sample(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=64), SamplerContext(step=1))
     m = res.metrics
     assert m["episode/tool_calls_mean"] == 3 and m["episode/tool_error_rate"] == 1.0
     assert m["episode/tool_timeout_rate"] == pytest.approx(1 / 3) and m["episode/truncated_frac"] == 1.0  # out of turns
+    assert m["episode/tool_calls_skipped_mean"] == 1
     assert not bool(res.generation.finished[0])
 
 

@@ -265,3 +265,55 @@ def test_lora_with_gradient_checkpointing_gives_the_same_update(compose):
     assert m1["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-5)
     w0, w1 = plain.policy.state_dict(), ckpt.policy.state_dict()
     assert all(torch.allclose(w0[k], w1[k], atol=1e-6) for k in w0 if ".lora_" in k)
+
+
+# ------------------------------------------------------------------ issue 29: dropout, rsLoRA, modules_to_save
+def test_adapter_dropout_keeps_the_on_policy_ratio_exactly_one(compose):
+    """model.lora.dropout=0.1 used to give ratio_max 1.0456 and approx_kl 3.8e-4 on on-policy data (the update's
+    forward ran with dropout, the old log-probs without). Adapter dropout is now never applied."""
+    t = _trainer(compose, "model.lora.dropout=0.1", "trainer.lr=0.0", "algo.kl.coef=0.0")
+    b = make_batch(0)
+    with torch.no_grad():  # B = 0 at init would hide dropout: give the adapters a non-zero update
+        for n, p in t.policy.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    old, _ = t.compute_logprobs(b, "policy")
+    t.policy.train()
+    ids = torch.cat([b.prompt_ids, b.response_ids], 1)
+    train_logits = t.policy(input_ids=ids).logits.detach()
+    assert torch.equal(train_logits, _logits(t.policy, ids))  # train mode == eval mode: no dropout mask
+    b.extras["old_logprobs"] = old
+    m = t.policy_update(b, torch.Generator().manual_seed(0))
+    ratio_keys = [k for k in m if "ratio" in k and ("max" in k or "mean" in k)]
+    assert ratio_keys
+    for k in ratio_keys:
+        assert m[k] == pytest.approx(1.0, abs=1e-6), (k, m[k])
+    for k in (k for k in m if "approx_kl" in k):
+        assert abs(m[k]) < 1e-7, (k, m[k])
+    assert t.policy.peft_config["default"].lora_dropout == 0.1  # recorded for the exported adapter
+
+
+def test_rslora_scales_by_alpha_over_sqrt_rank_and_merges_that_delta(compose):
+    from rlpost.models.lora import merged_state_dict
+
+    t = _trainer(compose, "model.lora.use_rslora=true")
+    layer = next(m for n, m in t.policy.named_modules() if n.endswith("q_proj") and hasattr(m, "scaling"))
+    assert layer.scaling["default"] == pytest.approx(8 / 4 ** 0.5)  # alpha 8, rank 4: 4.0 (plain LoRA: 2.0)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.fill_(0.01)
+    name = next(n for n, m in t.policy.named_modules() if m is layer)
+    w = merged_state_dict(t.policy)[f"{name}.weight"]
+    want = layer.base_layer.weight + 4.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    assert torch.allclose(w, want, atol=1e-6)
+
+
+def test_modules_to_save_is_refused_with_the_fix(compose):
+    from rlpost.config.compose import validate_config
+    from rlpost.errors import ConfigError
+    from rlpost.models.lora import check_lora_config
+
+    cfg = compose(tiny_overrides(*LORA, "model.lora.modules_to_save=[lm_head]"))
+    with pytest.raises(ConfigError, match=r"modules_to_save=\['lm_head'\] is not supported.*Fix: model.lora.modules_to_save=\[\]"):
+        check_lora_config(cfg.model)
+    with pytest.raises(ConfigError, match="modules_to_save"):
+        validate_config(cfg)

@@ -73,7 +73,7 @@ PAPER_VALUES = {
     ("loss", "ppo_clip"): {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None},  # PPO arXiv:1707.06347
     ("loss", "cispo"): {"eps_low": 1.0},  # CISPO arXiv:2506.13585: no lower bound
     ("loss", "sapo"): {"tau_pos": 1.0, "tau_neg": 1.05},  # SAPO arXiv:2511.20347
-    ("loss", "clip_cov"): {"clip_cov_ratio": 2e-4, "cov_lb": 1.0, "cov_ub": 5.0},  # arXiv:2505.22617
+    ("loss", "clip_cov"): {"clip_cov_ratio": 2e-4, "cov_lb": 1.0, "cov_ub": 5.0, "eps_low": 0.2, "eps_high": 0.2},  # arXiv:2505.22617 + release
     ("loss", "kl_cov"): {"kl_cov_ratio": 2e-3, "kl_coef": 1.0},  # arXiv:2505.22617
     ("adv_estimator", "grpo"): {"norm_by_std": True},  # DeepSeekMath arXiv:2402.03300
     ("adv_estimator", "gpg"): {"norm_by_std": False},  # GPG arXiv:2504.02546: F_norm = 1

@@ -543,6 +543,12 @@ def reinforce_pp_advantage(inp: AdvantageInput, *, gamma: float) -> AdvantageOut
     tokens of the batch (global, not per group). A batch whose returns are all
     equal gets 0.
 
+    Std: the Bessel-corrected one (:func:`rlpost.algos.utils.masked_whiten`, as verl's
+    ``masked_whiten``). OpenRLHF, the REINFORCE++ authors' framework, divides by the population
+    std; the two differ by the factor ``sqrt(N / (N - 1))`` over ``N`` response tokens (3.6e-3 on
+    advantages up to about 3 in the issue-29 comparison). A documented departure
+    (docs/ALGORITHMS.md); the paper's text does not fix it.
+
     Returns:
         AdvantageOutput with advantages ``[B, R]`` and the un-whitened returns.
     """
@@ -566,7 +572,8 @@ def reinforce_pp_baseline_advantage(
     ``r'_i = r_i - mean_g``; the token reward-to-go of ``r'`` (plus any
     ``token_rewards``) is whitened over all response tokens of the batch. The
     group mean removes the prompt's difficulty; the global normalisation (not
-    per-group std) is the paper's remedy for GRPO's per-prompt std bias.
+    per-group std) is the paper's remedy for GRPO's per-prompt std bias. Std: Bessel-corrected,
+    a documented departure from OpenRLHF's population std (see :func:`reinforce_pp_advantage`).
     ``baseline="min_variance"`` subtracts VCPO's minimum-variance baseline
     instead (arXiv:2602.17616). Shapes: rewards ``[B]`` -> ``[B, R]``.
 

@@ -58,8 +58,16 @@ def ess(weights: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.
         return e, e / n
 
 
+def _work_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """The inputs' precision: their promoted dtype, at least float32 (fp64 log-probs stay fp64)."""
+    return torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+
+
 def _raw_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
-    return torch.exp((old_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(-clamp, clamp))
+    """``exp(clamp(old - rollout, -20, 20))`` per token in the inputs' precision (:func:`_work_dtype`;
+    no float32 cast: fp64 inputs give fp64 weights, as verl's fp64-capable path)."""
+    dt = _work_dtype(old_logprobs, rollout_logprobs)
+    return torch.exp((old_logprobs.detach().to(dt) - rollout_logprobs.detach().to(dt)).clamp(-clamp, clamp))
 
 
 def _base_metrics(ratio: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> Metrics:
@@ -164,6 +172,94 @@ def mis(
     m = _base_metrics(ratio, w, response_mask)
     m["frac_masked"] = masked_mean((~inside).float(), response_mask)
     return w.detach(), m
+
+
+@dataclass(frozen=True)
+class SequenceISParams:
+    """Sequence-level IS weights (verl's ``rollout_is`` levels ``sequence`` / ``geometric``: threshold 2, lower 1/2)."""
+
+    mode: str = param("truncate", "truncate: w = min(w_seq, hi); mask: w = w_seq inside [lo, hi], else 0 (verl's rollout_is_mode)")
+    hi: float = param(2.0, "upper threshold > 1 (verl's rollout_is_threshold: 2)")
+    lo: float = param(0.5, "lower threshold in [0, 1) for mode=mask (verl default: the reciprocal of hi)")
+
+
+def _sequence_weights(log_w: torch.Tensor, response_mask: torch.Tensor, ratio: torch.Tensor, mode: str, hi: float,
+                      lo: float, name: str) -> Tuple[torch.Tensor, Metrics]:
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"{name} mode={mode!r}: valid modes are truncate, mask")
+    if not (0.0 <= lo < 1.0 < hi):
+        raise ValueError(f"{name} needs 0 <= lo < 1 < hi, got lo={lo}, hi={hi}")
+    seq = torch.exp(log_w.clamp(-20.0, 20.0))  # [B, 1]
+    if mode == "truncate":
+        ws = seq.clamp(max=hi)
+    else:
+        ws = torch.where((seq >= lo) & (seq <= hi), seq, torch.zeros_like(seq))
+    w = ws.expand_as(ratio) * response_mask
+    m = _base_metrics(ratio, w, response_mask)
+    rows = response_mask.sum(-1) > 0
+    m["seq_weight_mean"] = seq[rows].mean() if bool(rows.any()) else torch.zeros((), dtype=seq.dtype)
+    m["frac_modified_seqs"] = ((ws != seq)[rows].to(seq.dtype).mean() if bool(rows.any())
+                               else torch.zeros((), dtype=seq.dtype))
+    return w.detach(), m
+
+
+@CORRECTIONS.register(
+    "seq_is",
+    paper="verl rollout correction, rollout_is=sequence (Policy Optimization for LLMs under train-inference mismatch; "
+    "Liu, Li et al. 2025, yingru.notion.site); sequence-level IS as in GSPO (arXiv:2507.18071)",
+    params=SequenceISParams,
+)
+def seq_is(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    mode: str,
+    hi: float,
+    lo: float,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Sequence-level IS: one weight per row, ``w = prod_t pi_old / pi_rollout = exp(sum_t log ratio)``
+    (the log clamped to ``[-20, 20]`` as verl), truncated at ``hi`` or masked outside ``[lo, hi]``,
+    broadcast to the row's tokens. Shapes: ``[B, R]`` in, ``[B, R]`` weights (0 outside the mask).
+    In the inputs' precision.
+
+    Raises:
+        ValueError: unknown ``mode``, or not ``0 <= lo < 1 < hi``.
+    """
+    dt = _work_dtype(old_logprobs, rollout_logprobs)
+    mask = response_mask.to(dt)
+    lr = (old_logprobs.detach().to(dt) - rollout_logprobs.detach().to(dt)) * mask
+    return _sequence_weights(lr.sum(-1, keepdim=True), response_mask, _raw_ratio(old_logprobs, rollout_logprobs),
+                             mode, hi, lo, "seq_is")
+
+
+@CORRECTIONS.register(
+    "geo_is",
+    paper="verl rollout correction, rollout_is=geometric (geometric-mean IS; Liu, Li et al. 2025, yingru.notion.site); "
+    "GMPO (arXiv:2507.20673)",
+    params=SequenceISParams,
+)
+def geo_is(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    mode: str,
+    hi: float,
+    lo: float,
+) -> Tuple[torch.Tensor, Metrics]:
+    """Geometric-mean IS: one weight per row, ``w = exp(mean_t log(pi_old / pi_rollout))`` over the
+    row's response tokens (a row without tokens gets log-weight 0), then as :func:`seq_is`. Shapes:
+    ``[B, R]`` in and out. In the inputs' precision.
+
+    Raises:
+        ValueError: unknown ``mode``, or not ``0 <= lo < 1 < hi``.
+    """
+    dt = _work_dtype(old_logprobs, rollout_logprobs)
+    mask = response_mask.to(dt)
+    lr = (old_logprobs.detach().to(dt) - rollout_logprobs.detach().to(dt)) * mask
+    mean = lr.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return _sequence_weights(mean, response_mask, _raw_ratio(old_logprobs, rollout_logprobs), mode, hi, lo, "geo_is")
 
 
 def cis_cap(rollout_logprobs: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -564,7 +564,9 @@ def _batch_covariance(inp: PolicyLossInput) -> Tuple[PolicyLossInput, torch.Tens
 
 
 def _n_select(ratio: float, n_tokens: int) -> int:
-    return max(1, int(round(ratio * n_tokens))) if n_tokens > 0 else 0
+    """``max(1, int(ratio * n_tokens))`` (truncation, as the authors' release: Entropy-Mechanism-of-RL
+    ``verl/trainer/ppo/core_algos.py`` lines 458 and 501); 0 without tokens."""
+    return max(1, int(ratio * n_tokens)) if n_tokens > 0 else 0
 
 
 def _cov_metrics(ratio, log_ratio, sel, A, cov, m) -> Metrics:
@@ -581,9 +583,11 @@ def _cov_metrics(ratio, log_ratio, sel, A, cov, m) -> Metrics:
 class ClipCovParams:
     """Clip-Cov's token selection (arXiv:2505.22617: ratio 2e-4, covariance bounds 1 and 5)."""
 
-    clip_cov_ratio: float = param(2e-4, "share of response tokens whose gradient is detached (paper: 2e-4)")
-    cov_lb: float = param(1.0, "lower covariance bound of the candidates (paper: 1)")
-    cov_ub: float = param(5.0, "upper covariance bound of the candidates (paper: 5)")
+    clip_cov_ratio: float = param(2e-4, "share of response tokens whose loss is zeroed (paper: 2e-4)")
+    cov_lb: float = param(1.0, "lower covariance bound of the candidates, strict (paper: 1)")
+    cov_ub: float = param(5.0, "upper covariance bound of the candidates, strict (paper: 5)")
+    eps_low: float = param(0.2, "PPO clip kept on the other tokens: ratio floor 1 - eps_low (authors' release: 0.2)")
+    eps_high: float = param(0.2, "PPO clip: ratio ceiling 1 + eps_high (authors' release: 0.2)")
 
 
 @POLICY_LOSSES.register(
@@ -598,23 +602,33 @@ def clip_cov_loss(
     clip_cov_ratio: float,
     cov_lb: float,
     cov_ub: float,
+    eps_low: float,
+    eps_high: float,
 ) -> Tuple[torch.Tensor, Metrics]:
-    """Clip-Cov: detach the gradient of a few high-covariance tokens.
+    """Clip-Cov: the PPO clipped surrogate, with the loss of a few high-covariance tokens set to 0.
 
-    Among response tokens whose covariance (:func:`token_covariance`) lies in
-    ``[cov_lb, cov_ub]``, ``max(1, round(clip_cov_ratio * N))`` are drawn at
-    random (``N`` = response tokens of the whole mini-batch, :func:`batch_view`;
-    drawn with ``inp.seed``, else torch's global RNG) and get
-    ``loss = -A sg(r)`` (value kept, gradient 0); all other tokens use the
-    unclipped surrogate ``-A r``, as in the paper (no PPO clip). Defaults are
-    the paper's (ratio 2e-4, bounds 1 and 5).
+    Follows the authors' release (PRIME-RL/Entropy-Mechanism-of-RL,
+    ``verl/trainer/ppo/core_algos.py``, ``compute_policy_loss_clip_cov``, lines 469-518; verl's
+    ``clip_cov`` is the same): every token gets PPO's ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``
+    (eps 0.2 both sides); tokens PPO clips are not candidates; among the rest, tokens whose
+    covariance (:func:`token_covariance`) lies strictly inside ``(cov_lb, cov_ub)`` are candidates,
+    and ``max(1, int(clip_cov_ratio * N))`` of them (``N`` = response tokens of the whole
+    mini-batch, :func:`batch_view`) are drawn at random (with ``inp.seed``, else torch's global
+    RNG) and get loss 0 (no value, no gradient). The paper's Eq. describes only the selection (no
+    PPO clip); the release is what its results were trained with. Defaults: ratio 2e-4, bounds 1
+    and 5, eps 0.2. ``clip_frac`` reports the zeroed share. Shapes: ``[B, R]`` in and out.
     """
     ratio, log_ratio = _ratio(inp)
     A = inp.advantages
     m = inp.response_mask
     full, rows, cov_all = _batch_covariance(inp)
     fm = full.response_mask
-    cand = torch.nonzero(((cov_all >= cov_lb) & (cov_all <= cov_ub) & (fm > 0)).flatten(), as_tuple=False).flatten()
+    with torch.no_grad():
+        fr = torch.exp(full.logprobs.detach() - full.old_logprobs.detach())
+        fa = full.advantages
+        clipped_all = (-fa * fr.clamp(1.0 - eps_low, 1.0 + eps_high) > -fa * fr) & (fm > 0)
+    cand_mask = (cov_all > cov_lb) & (cov_all < cov_ub) & (fm > 0) & ~clipped_all
+    cand = torch.nonzero(cand_mask.flatten(), as_tuple=False).flatten()
     sel_all = torch.zeros(fm.numel(), dtype=torch.bool, device=fm.device)
     k = min(_n_select(clip_cov_ratio, int(fm.sum())), cand.numel())
     if k > 0:
@@ -623,8 +637,8 @@ def clip_cov_loss(
         sel_all[cand[perm[:k]]] = True
     sel = sel_all.view_as(fm)[rows]
     cov = cov_all[rows]
-    r_used = torch.where(sel, ratio.detach(), ratio)
-    loss = -A * r_used
+    ppo = torch.maximum(-A * ratio, -A * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
+    loss = torch.where(sel, torch.zeros_like(ppo), ppo)
     return loss, _cov_metrics(ratio, log_ratio, sel, A, cov, m)
 
 
@@ -647,7 +661,8 @@ def kl_cov_loss(
 ) -> Tuple[torch.Tensor, Metrics]:
     """KL-Cov: a KL penalty on the top-covariance tokens only.
 
-    The ``max(1, round(kl_cov_ratio * N))`` response tokens with the largest
+    The ``max(1, int(kl_cov_ratio * N))`` response tokens (truncated, as the authors' release:
+    Entropy-Mechanism-of-RL ``verl/trainer/ppo/core_algos.py`` line 458) with the largest
     covariance (:func:`token_covariance`) get
     ``loss = -A r + kl_coef * |log pi - log pi_old|``; all others ``-A r``
     (no PPO clip). ``kl_cov_ratio = 2e-3`` is the paper's setting for 7B-class

@@ -34,10 +34,25 @@ def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 @KL_ESTIMATORS.register("k3", paper="Schulman (2020); GRPO (arXiv:2402.03300)")
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
-    """``exp(log_r) - 1 - log_r`` with ``log_r = log pi_ref - log pi`` (clamped to +-``clamp``)."""
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: float = 20.0,
+          value_clamp: Optional[float] = None) -> torch.Tensor:
+    """``exp(log_r) - 1 - log_r`` with ``log_r = log pi_ref - log pi`` (clamped to +-``clamp``), ``[B, R]``.
+
+    The estimate itself is not clamped by default (``value_clamp=None``), as TRL's and oat's k3;
+    verl's ``low_var_kl`` clamps it to ``[-10, 10]``: ``value_clamp=10`` reproduces that
+    (verl ``core_algos.py`` ``kl_penalty``). Schulman, "Approximating KL Divergence" (2020); GRPO
+    (arXiv:2402.03300).
+
+    Raises:
+        ValueError: ``value_clamp <= 0``.
+    """
     log_r = (ref_logprobs - logprobs).clamp(-clamp, clamp)
-    return torch.exp(log_r) - 1.0 - log_r
+    k3 = torch.exp(log_r) - 1.0 - log_r
+    if value_clamp is not None:
+        if float(value_clamp) <= 0:
+            raise ValueError(f"k3 value_clamp must be > 0 (verl: 10), got {value_clamp}")
+        k3 = k3.clamp(-float(value_clamp), float(value_clamp))
+    return k3
 
 
 def kl_penalty(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -238,13 +238,16 @@ class LoraConfig:
     Attributes:
         rank: adapter rank r; 0 or null turns LoRA off (full fine-tuning).
         alpha: scaling numerator: the update is ``(alpha / rank) * B A x``.
-        dropout: dropout on the adapter input during training (0: none; rollouts and
-            log-prob passes run in eval mode either way).
+        dropout: recorded in the exported adapter's ``lora_dropout`` only: rlpost never applies
+            adapter dropout (RL updates included), so the on-policy ratio is exactly 1
+            (:func:`rlpost.models.lora.apply_lora`).
         target_modules: module names (suffixes) that get adapters, e.g. the attention
             and MLP projections of Llama/Qwen models.
         export_merged: ``final/`` holds the merged model in Hugging Face format (the
             adapter beside it in ``final/adapter/``); false: ``final/`` holds only the
             adapter.
+        use_rslora: rank-stabilised scaling ``alpha / sqrt(rank)`` (rsLoRA, arXiv:2312.03732).
+        modules_to_save: refused when non-empty (see :func:`rlpost.models.lora.check_lora_config`).
     """
 
     rank: Optional[int] = 0
@@ -252,6 +255,8 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     export_merged: bool = True
+    use_rslora: bool = False
+    modules_to_save: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -485,7 +490,7 @@ class PrecisionConfig:
         trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16 | auto
             (resolved at start by :func:`rlpost.autoprecision.resolve_precision`).
         rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM) | auto.
-        correction: none | tis | mis | cis | ais (importance correction against
+        correction: none | tis | mis | cis | ais | seq_is | geo_is (importance correction against
             the rollout log-probs).
         correction_params: e.g. ``{cap: 2.0}``.
         trainer_weight_quant: none | fp4 | hif4: the trainer multiplies its decoder weights

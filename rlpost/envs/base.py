@@ -54,6 +54,16 @@ class Env:
         """React to the model turn ``text`` (decoded, special tokens skipped). Must not raise for bad model output."""
         raise NotImplementedError
 
+    def step_at_cap(self, text: str) -> EnvStep:
+        """React to the model's last allowed turn (``sampler.params.max_turns`` reached).
+
+        No model turn follows, so an observation would never be used. The default is
+        :meth:`step` (a game's last action is a transition whose reward counts); environments
+        whose actions have side effects (tools) override it to act only when the turn ends the
+        episode. The sampler marks the episode truncated unless the step is ``done``.
+        """
+        return self.step(text)
+
 
 @ENVS.register("tools", description="Tool calls (<tool_call> JSON) executed by registered tools; a turn without one is the final answer.")
 class ToolEnv(Env):
@@ -78,6 +88,17 @@ class ToolEnv(Env):
         names = ", ".join(f"{t.name}({', '.join(t.parameters)})" for t in self.tools.values())
         self.instructions = (f"Tools: {names}. Call one as <tool_call>{{\"name\": \"NAME\", \"arguments\": {{...}}}}"
                              "</tool_call> and wait for the result; answer without a tool call when done.")
+
+    def step_at_cap(self, text: str) -> EnvStep:
+        """The last allowed turn: a final answer ends the episode as in :meth:`step`; a turn that still
+        calls tools runs none of them (no side effects; ``info['tool_calls_skipped']`` counts them,
+        ``tool_calls`` stays 0) and the sampler marks the episode truncated."""
+        calls = parse_tool_calls(text)
+        if not calls:
+            return self.step(text)
+        return EnvStep([], 0.0, False, {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
+                                        "tool_calls_skipped": len(calls),
+                                        "void": float(all(c.error is not None for c in calls))})
 
     def step(self, text: str) -> EnvStep:  # noqa: D102
         calls = parse_tool_calls(text)
@@ -110,12 +131,14 @@ def make_env(name: str, params: Optional[Dict[str, Any]] = None) -> Env:
     return ENVS.get(name)(**dict(params or {}))
 
 
-def timed_step(env: Env, text: str) -> tuple:
-    """``(env.step(text), seconds)``; an exception inside the environment becomes a done step with
-    ``info['env_errors'] = 1`` (it costs the episode, never the run)."""
+def timed_step(env: Env, text: str, last: bool = False) -> tuple:
+    """``(env.step(text), seconds)`` (``env.step_at_cap(text)`` when ``last``: the turn cap is reached);
+    an exception inside the environment becomes a done step with ``info['env_errors'] = 1`` (it costs
+    the episode, never the run)."""
     t0 = time.perf_counter()
     try:
-        out = env.step(text)
+        fn = getattr(env, "step_at_cap", None) if last else None
+        out = fn(text) if fn is not None else env.step(text)
     except Exception as e:  # noqa: BLE001 - an environment bug must not stop training
         out = EnvStep([], 0.0, True, {"env_errors": 1, "error": f"{type(e).__name__}: {e}"})  # type: ignore[dict-item]
     return out, time.perf_counter() - t0

@@ -1,13 +1,24 @@
 """A sandbox for model-written Python: a child process under POSIX resource limits.
 
-Mechanisms (all standard POSIX / Linux, applied in the child between ``fork`` and ``exec``):
+Mechanisms (all standard Linux):
 
-- its own session and process group (``os.setsid``); on a wall-clock timeout the whole
-  group is killed (``os.killpg(SIGKILL)``), so ``fork``-ed children die with it;
-- ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address space: a 10 GB allocation raises
-  ``MemoryError``), ``RLIMIT_FSIZE`` (largest file the code may write; stdout goes to a file,
-  so a 100 MB print is cut at the limit by ``SIGXFSZ``), ``RLIMIT_NPROC`` (processes of the
-  sandbox user: a fork bomb gets ``EAGAIN``), ``RLIMIT_CORE`` = 0;
+- a **supervisor** process (``sandbox_supervisor.py``, run by the trainer's interpreter) that is a
+  child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): every orphaned descendant of the code is
+  re-parented to it, whatever session or process group it moved to (double fork, ``setsid``,
+  ``start_new_session``, daemonising). When the code exits or its wall clock runs out, the
+  supervisor SIGKILLs every descendant and reaps until it has no child left, so no process of a
+  call outlives the call (before, a ``setsid`` child re-parented to PID 1 survived the kill and
+  used up the sandbox user's ``RLIMIT_NPROC`` for every later call);
+- a **seccomp filter** (libseccomp through ``pyseccomp``) loaded just before exec: ``unshare``,
+  ``setns`` and ``clone`` with a namespace flag, ``ptrace`` and ``process_vm_readv/writev``,
+  ``mount`` and the new mount API, and the kernel keyring calls (``add_key``, ``request_key``,
+  ``keyctl``) fail with ``EPERM``; ``clone3`` gets ``ENOSYS`` (its flags are out of a filter's
+  reach; libc falls back to ``clone``). Without pyseccomp/libseccomp, :func:`run_python` refuses
+  with the fix unless ``SandboxLimits(seccomp=False)``;
+- in the code's process: ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address space: a 10 GB
+  allocation raises ``MemoryError``), ``RLIMIT_FSIZE`` (largest file the code may write; stdout
+  goes to a file, so a 100 MB print is cut at the limit by ``SIGXFSZ``), ``RLIMIT_NPROC``
+  (processes of the sandbox user: a fork bomb gets ``EAGAIN``), ``RLIMIT_CORE`` = 0;
 - a throw-away working directory (``tempfile.mkdtemp``), removed afterwards; ``HOME`` points
   there and the environment is emptied; ``python -I`` (isolated mode: no user site, no
   ``PYTHON*`` variables);
@@ -16,18 +27,19 @@ Mechanisms (all standard POSIX / Linux, applied in the child between ``fork`` an
   drops to the unprivileged user ``nobody`` (so ``RLIMIT_NPROC`` is enforced, and files
   outside world-writable places such as ``/tmp`` cannot be written).
 
-What it does NOT protect against (no container, seccomp or filesystem namespace here):
+What it does NOT protect against (no container or filesystem namespace here):
 reading world-readable files; writing world-writable directories (``/tmp``) when run as root
 (dropped to ``nobody``); and, when the parent is not root, writing anything the user can
 write and opening network connections (``network_isolated`` then reports False; run the
 trainer as root in a container, or inside a stronger sandbox such as a gVisor/Firecracker
 VM, when untrusted code must be contained). ``RLIMIT_NPROC`` counts every process of the
-user, so for a non-root parent it limits the sandbox only in proportion.
+user, so for a non-root parent it limits the sandbox only in proportion. The supervisor is
+killed with the trainer (``PR_SET_PDEATHSIG``); descendants alive at that instant are then
+re-parented to PID 1 (a trainer killed by SIGKILL mid-call is the one case not swept).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pwd
 import resource
@@ -39,8 +51,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
-
-CLONE_NEWNET = 0x40000000
 
 
 @dataclass
@@ -56,6 +66,8 @@ class SandboxLimits:
         isolate_network: enter an empty network namespace when possible.
         python: interpreter to run; default the system ``/usr/bin/python3`` when dropping to
             ``nobody`` (a virtualenv under ``/root`` is not readable by it), else ``sys.executable``.
+        seccomp: load the system-call filter (namespaces, ptrace, mounts and kernel keyrings denied;
+            needs pyseccomp + libseccomp, else :func:`run_python` refuses with the fix).
     """
 
     wall_s: float = 5.0
@@ -65,6 +77,7 @@ class SandboxLimits:
     nproc: int = 16
     isolate_network: bool = True
     python: Optional[str] = None
+    seccomp: bool = True
 
 
 @dataclass
@@ -122,16 +135,43 @@ def _nobody() -> Optional[tuple]:
     return _NOBODY or None
 
 
+_SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_supervisor.py")
+
+
+def seccomp_available() -> Optional[str]:
+    """None when the seccomp filter can be built here, else why not (with the fix)."""
+    try:
+        import pyseccomp  # noqa: F401
+
+        pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    except (ImportError, OSError, RuntimeError) as e:
+        return (f"the sandbox's seccomp filter needs pyseccomp and libseccomp ({type(e).__name__}: {e}). Fix: "
+                "pip install pyseccomp (scripts/setup.sh does) and apt-get install libseccomp2, or set "
+                "SandboxLimits(seccomp=False) to run without a system-call filter")
+    return None
+
+
 def run_python(code: str, limits: Optional[SandboxLimits] = None) -> SandboxResult:
     """Run ``code`` with ``python -I`` in a fresh directory under :class:`SandboxLimits`.
 
-    Never raises for anything the code does (loops, huge allocations, forks, sockets,
-    writes, floods of output): those end as a non-ok :class:`SandboxResult`.
+    The code runs under a supervisor process (``rlpost/envs/sandbox_supervisor.py``): a child
+    subreaper that, when the code exits or its wall clock runs out, kills and reaps every
+    descendant, whatever session or group it moved to (module docstring).
+
+    Never raises for anything the code does (loops, huge allocations, forks, detached children,
+    sockets, writes, floods of output): those end as a non-ok :class:`SandboxResult`.
 
     Raises:
-        OSError: the sandbox itself could not be set up (no temp directory, no python).
+        OSError: the sandbox itself could not be set up (no temp directory, no python, no
+            libseccomp while ``limits.seccomp`` is on: the message names the fix).
     """
+    import json
+
     lim = limits or SandboxLimits()
+    if lim.seccomp:
+        why = seccomp_available()
+        if why is not None:
+            raise OSError(why)
     root = os.geteuid() == 0
     drop = _nobody() if root else None
     isolate = bool(lim.isolate_network and root)
@@ -144,49 +184,52 @@ def run_python(code: str, limits: Optional[SandboxLimits] = None) -> SandboxResu
             for p in (work, os.path.join(work, "main.py")):
                 os.chown(p, *drop)
         fsize = int(lim.output_bytes) + 1
-
-        def child_setup() -> None:  # runs in the child between fork and exec
-            os.setsid()
-            if isolate:
-                if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:
-                    os._exit(99)
-            resource.setrlimit(resource.RLIMIT_CPU, (int(lim.cpu_s), int(lim.cpu_s) + 1))
-            mem = int(lim.memory_mb) * 1024 * 1024
-            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_NPROC, (int(lim.nproc), int(lim.nproc)))
-            if drop:
-                os.setgroups([])
-                os.setgid(drop[1])
-                os.setuid(drop[0])
-
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+        exe = lim.python or ("/usr/bin/python3" if drop and os.path.exists("/usr/bin/python3") else sys.executable)
+        with open(_SUPERVISOR) as fh:
+            supervisor = fh.read()
+        r_fd, w_fd = os.pipe()
+        cfg = {"status_fd": w_fd, "isolate": isolate, "cpu_s": int(lim.cpu_s), "memory_mb": int(lim.memory_mb),
+               "fsize": fsize, "nproc": int(lim.nproc), "drop": list(drop) if drop else None, "seccomp": bool(lim.seccomp),
+               "exe": exe, "env": env, "wall_s": float(lim.wall_s)}
         t0 = time.perf_counter()
-        timed_out = False
-        with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
-            if drop:
-                os.chown(out_path, *drop)
-                os.chown(err_path, *drop)
-            exe = lim.python or ("/usr/bin/python3" if drop and os.path.exists("/usr/bin/python3") else sys.executable)
-            proc = subprocess.Popen(
-                [exe, "-I", "main.py"], cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=fo,
-                stderr=fe, preexec_fn=child_setup, close_fds=True,
-            )
-            try:
-                proc.wait(timeout=float(lim.wall_s))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(proc.pid)  # the whole group: forked children die too, even those forked mid-kill
-                proc.wait()
+        status: dict = {}
+        try:
+            with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
+                if drop:
+                    os.chown(out_path, *drop)
+                    os.chown(err_path, *drop)
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-c", supervisor, json.dumps(cfg)], cwd=work, env={"PATH": env["PATH"]},
+                    stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, pass_fds=(w_fd,), close_fds=True,
+                    start_new_session=True,
+                )
+                os.close(w_fd)
+                w_fd = -1
+                try:
+                    proc.wait(timeout=float(lim.wall_s) + 30.0)  # the supervisor keeps the wall clock
+                except subprocess.TimeoutExpired:  # pragma: no cover - a hung supervisor
+                    _kill_group(proc.pid)
+                    proc.wait()
+            with os.fdopen(r_fd, "rb") as fr:
+                r_fd = -1
+                raw = fr.read()
+            status = json.loads(raw.decode() or "{}")
+        finally:
+            for fd in (r_fd, w_fd):
+                if fd >= 0:
+                    os.close(fd)
+        if status.get("error") or "returncode" not in status:
+            raise OSError(f"sandbox supervisor failed: {status.get('error') or 'no status'} "
+                          f"(exit {proc.returncode}; {_read_capped(err_path, 500)[0].strip()})")
         secs = time.perf_counter() - t0
-        if proc.returncode == 99 and isolate:
+        rc, timed_out = status["returncode"], bool(status["timed_out"])
+        if rc == 99 and isolate:
             isolate = False  # could not enter a network namespace: report it honestly
         stdout, n_out = _read_capped(out_path, lim.output_bytes)
         stderr, n_err = _read_capped(err_path, lim.output_bytes)
-        truncated = n_out >= fsize or n_err >= fsize or proc.returncode == -signal.SIGXFSZ
-        return SandboxResult(stdout, stderr, proc.returncode, timed_out, truncated, isolate, secs)
+        truncated = n_out >= fsize or n_err >= fsize or rc == -signal.SIGXFSZ
+        return SandboxResult(stdout, stderr, rc, timed_out, truncated, isolate, secs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

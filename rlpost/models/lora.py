@@ -69,6 +69,13 @@ def check_lora_config(model_cfg: Any) -> None:
                           "Fix: e.g. model.lora.alpha=32 for rank 16.")
     if not 0.0 <= float(lc.dropout) < 1.0:
         raise ConfigError(f"model.lora.dropout={lc.dropout} must be in [0, 1). Fix: model.lora.dropout=0.05.")
+    mts = list(getattr(lc, "modules_to_save", None) or [])
+    if mts:
+        raise ConfigError(
+            f"model.lora.modules_to_save={mts} is not supported: a fully trained copy of those modules would need "
+            "the KL reference to switch back to the base copies, every rollout engine and the merged export to take "
+            "them, and vLLM's LoRA path to load them; none is built. Fix: model.lora.modules_to_save=[] (train the "
+            "module with an adapter: add it to model.lora.target_modules), or full fine-tuning (model.lora.rank=0).")
     if not list(lc.target_modules or []):
         raise ConfigError("model.lora.target_modules is empty: no layer would get an adapter. "
                           "Fix: e.g. model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj].")
@@ -77,21 +84,35 @@ def check_lora_config(model_cfg: Any) -> None:
 def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> torch.nn.Module:
     """Inject LoRA adapters into ``model`` in place and freeze everything else.
 
+    **No adapter dropout, in any pass.** PEFT applies ``lora_dropout`` whenever the module is in
+    train mode, i.e. in the update's forward, while the rollout, old and reference log-probs run
+    without it: on fully on-policy data the PPO ratio was then not 1 (``ratio_max`` 1.0456,
+    ``approx_kl`` 3.8e-4 at ``model.lora.dropout=0.1``). TRL and OpenRLHF switch dropout off for RL
+    for this reason; so does rlpost: every adapter's dropout is the identity, and
+    ``model.lora.dropout`` is only recorded in the exported ``adapter_config.json`` (for later
+    supervised use). rsLoRA ("A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA",
+    Kalajdzievski, arXiv:2312.03732) scales by ``alpha / sqrt(rank)`` instead of ``alpha / rank``
+    (``model.lora.use_rslora``, PEFT's ``use_rslora``).
+
     Args:
         model: a Hugging Face causal LM.
-        lora_cfg: ``model.lora`` (``rank``, ``alpha``, ``dropout``, ``target_modules``).
+        lora_cfg: ``model.lora`` (``rank``, ``alpha``, ``dropout``, ``target_modules``, ``use_rslora``).
     Returns:
         the same ``model`` object, with ``peft.tuners.lora`` layers around each targeted
         ``nn.Linear``; only ``lora_A`` / ``lora_B`` parameters require grad. ``B`` is
         zero-initialised (PEFT's default), so the model's outputs are unchanged.
     Raises:
-        ConfigError: no module of the model matches ``target_modules``.
+        ConfigError: no module of the model matches ``target_modules``; ``modules_to_save`` set.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
+    mts = list(getattr(lora_cfg, "modules_to_save", None) or [])
+    if mts:
+        raise ConfigError(f"model.lora.modules_to_save={mts} is not supported. Fix: model.lora.modules_to_save=[] "
+                          "(see rlpost.models.lora.check_lora_config).")
     targets = [str(t) for t in lora_cfg.target_modules]
     pc = LoraConfig(r=int(lora_cfg.rank), lora_alpha=float(lora_cfg.alpha), lora_dropout=float(lora_cfg.dropout),
-                    target_modules=targets, bias="none")
+                    target_modules=targets, bias="none", use_rslora=bool(getattr(lora_cfg, "use_rslora", False)))
     try:
         model = inject_adapter_in_model(pc, model, adapter_name=ADAPTER)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
@@ -99,6 +120,9 @@ def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> torch.nn.Module:
         raise ConfigError(f"model.lora.target_modules={targets} matches no layer of this model "
                           f"({str(e).splitlines()[0][:120]}). Fix: choose from its linear layers: "
                           f"{', '.join(names)}.") from None
+    for layer in _lora_layers(model):  # no adapter dropout in any pass: the on-policy ratio stays exactly 1
+        if ADAPTER in getattr(layer, "lora_dropout", {}):
+            layer.lora_dropout[ADAPTER] = torch.nn.Identity()
     return model
 
 
@@ -198,7 +222,8 @@ def read_adapter(path: Path) -> tuple:
     d = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
     tm = d.get("target_modules")
     settings = {"rank": int(d["r"]), "alpha": float(d["lora_alpha"]), "dropout": float(d.get("lora_dropout", 0.0)),
-                "target_modules": sorted(tm) if isinstance(tm, (list, set)) else [tm]}
+                "target_modules": sorted(tm) if isinstance(tm, (list, set)) else [tm],
+                "use_rslora": bool(d.get("use_rslora", False))}
     return settings, load_file(str(Path(path) / ADAPTER_WEIGHTS))
 
 

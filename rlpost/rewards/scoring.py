@@ -362,10 +362,11 @@ class RewardFunction:
         r = self.score(responses, examples, lengths)
         return r.total, r.metrics
 
-    def score(self, responses: Sequence[str], examples: Sequence[Any], lengths: torch.Tensor) -> Rewards:
+    def score(self, responses: Sequence[str], examples: Sequence[Any], lengths: torch.Tensor,
+              overlong_lengths: Optional[torch.Tensor] = None) -> Rewards:
         """Shaped rewards of a batch, with their components.
 
-        ``reward = correctness + format_weight * format_ok + overlong_penalty(length)
+        ``reward = correctness + format_weight * format_ok + overlong_penalty(overlong_length)
         - length_penalty * length``.
 
         Args:
@@ -373,6 +374,10 @@ class RewardFunction:
             examples: their :class:`rlpost.tasks.Example`\\ s.
             lengths: ``[B]`` response lengths in generated tokens (the rollout's
                 response mask summed, plus a tree branch's shared prefix).
+            overlong_lengths: ``[B]`` lengths DAPO's overlong window compares with ``max_len``
+                (``rollout.max_new_tokens``, a per-turn budget); None: ``lengths``. Multi-turn
+                episodes pass their longest model turn: the budget is per turn, so an episode whose
+                every turn ended inside it is not punished for its summed length (docs/AGENTS.md).
         Returns:
             :class:`Rewards` (float32 ``[B]`` total and components, ``reward/...`` metrics).
         """
@@ -384,10 +389,13 @@ class RewardFunction:
         corr = torch.tensor(scores, dtype=torch.float32)
         fmt = torch.tensor([float(f) for f in fmts], dtype=torch.float32)
         lengths = torch.as_tensor(lengths).reshape(-1)
+        ol = lengths if overlong_lengths is None else torch.as_tensor(overlong_lengths).reshape(-1)
+        if ol.numel() != lengths.numel():
+            raise ValueError(f"score: {ol.numel()} overlong_lengths for {lengths.numel()} lengths (one per response)")
         parts = {
             "correct": corr,
             "format": self.format_weight * fmt,
-            "overlong": (overlong_penalty(lengths, self.max_len, self.overlong_buffer, self.overlong_pen)
+            "overlong": (overlong_penalty(ol, self.max_len, self.overlong_buffer, self.overlong_pen)
                          if self.overlong_buffer > 0 and self.max_len > 0 else torch.zeros(len(corr))),
             "length": -float(self.length_penalty) * lengths.float() if self.length_penalty else torch.zeros(len(corr)),
         }
@@ -461,8 +469,10 @@ class StepScorer:
         self._sums: Dict[str, float] = {}
         self._n = 0
 
-    def __call__(self, prompt_indices: Sequence[int], texts: Sequence[str], lengths: torch.Tensor) -> Rewards:
-        """Score ``texts[i]`` (answering dataset prompt ``prompt_indices[i]``, ``lengths[i]`` generated tokens).
+    def __call__(self, prompt_indices: Sequence[int], texts: Sequence[str], lengths: torch.Tensor,
+                 overlong_lengths: Optional[torch.Tensor] = None) -> Rewards:
+        """Score ``texts[i]`` (answering dataset prompt ``prompt_indices[i]``, ``lengths[i]`` generated tokens;
+        ``overlong_lengths[i]``: the length DAPO's overlong shaping compares, an episode's longest turn).
 
         Returns:
             :class:`Rewards` of the call.
@@ -476,7 +486,8 @@ class StepScorer:
             z = torch.zeros(0)
             return Rewards(z, {k: z for k in REWARD_COMPONENTS}, {})
         before, t0 = self.reward_fn.verifier_calls, time.perf_counter()
-        out = self.reward_fn.score(list(texts), [self.examples[int(i)] for i in prompt_indices], lengths)
+        out = self.reward_fn.score(list(texts), [self.examples[int(i)] for i in prompt_indices], lengths,
+                                   overlong_lengths=overlong_lengths)
         self.seconds += time.perf_counter() - t0
         self.calls += self.reward_fn.verifier_calls - before
         self._n += n

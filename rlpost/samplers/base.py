@@ -208,11 +208,24 @@ def response_lengths(res: SampleResult) -> torch.Tensor:
     return n + pre.long() if pre is not None else n
 
 
+def _takes(fn: Any, name: str) -> bool:
+    """Whether callable ``fn`` accepts keyword ``name`` (or ``**kwargs``)."""
+    import inspect
+
+    try:
+        ps = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in ps)
+
+
 def score_rows(ctx: SamplerContext, res: SampleResult) -> torch.Tensor:
     """Score every row of ``res`` once through ``ctx.score``; sets and returns ``res.rewards``.
 
     The reward components go to ``res.extras['reward_<part>']`` (``[B]``), so
-    they travel with their rows through merging, filtering and replay.
+    they travel with their rows through merging, filtering and replay. Rows with
+    ``extras['overlong_lengths']`` (episodes: each row's longest model turn) pass it to a
+    scorer that takes ``overlong_lengths``, the length DAPO's overlong shaping compares.
 
     Returns:
         ``[B]`` float32 rewards (``res.rewards``).
@@ -221,7 +234,9 @@ def score_rows(ctx: SamplerContext, res: SampleResult) -> torch.Tensor:
     """
     if ctx.score is None:
         raise ValueError("this sampler decides on rewards and needs SamplerContext.score")
-    out = ctx.score([int(p) for p in res.positions().tolist()], list(res.generation.texts), response_lengths(res))
+    args = ([int(p) for p in res.positions().tolist()], list(res.generation.texts), response_lengths(res))
+    ol = res.extras.get("overlong_lengths")  # episodes: the longest model turn (DAPO's per-turn budget)
+    out = ctx.score(*args, overlong_lengths=ol) if ol is not None and _takes(ctx.score, "overlong_lengths") else ctx.score(*args)
     res.rewards = out.total.float()
     for k, v in out.components.items():
         res.extras[f"reward_{k}"] = v.float()

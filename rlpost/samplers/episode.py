@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -36,6 +37,99 @@ TOOL_CALL_STOP = "</tool_call>"
 _SENTINEL = "\u2063RLPOST_MODEL_TURN\u2063"
 
 
+_PLAIN = "\u2063RLPOST_PLAIN_{}\u2063"
+_PLAIN_RE = re.compile("\u2063RLPOST_PLAIN_(\\d+)\u2063")
+
+
+def _special_strings(tokenizer: Any) -> List[str]:
+    """The tokenizer's special-token strings (``all_special_tokens`` and added tokens marked special), longest first."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(t, "special", False):
+            found.add(str(t))
+    return sorted((s for s in found if s), key=len, reverse=True)
+
+
+def encode_plain(tokenizer: Any, text: str) -> List[int]:
+    """Token ids of ``text`` as plain text: a special token's literal text (``<|im_end|>``) is split into
+    ordinary tokens (``split_special_tokens=True``), never encoded as the special id.
+
+    Raises:
+        TypeError: the tokenizer cannot encode special-token text as plain text (it has no
+            ``split_special_tokens``; use a Hugging Face tokenizer from transformers >= 4.40).
+    """
+    try:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    except TypeError as e:  # pragma: no cover - every transformers tokenizer of the supported versions has it
+        raise TypeError(f"tokenizer {type(tokenizer).__name__} has no split_special_tokens: environment text could "
+                        "forge special tokens; use a transformers (>= 4.40) tokenizer") from e
+
+
+def encode_framed(tokenizer: Any, framing: List[str], contents: List[str]) -> List[int]:
+    """Token ids of ``framing[0] + contents[0] + framing[1] + ... + framing[-1]`` where only ``framing``
+    (the chat template's own text) may carry special ids; every ``contents[i]`` is plain text.
+
+    Identical to ``tokenizer(text, add_special_tokens=False)`` whenever no content holds a special
+    token's literal text (a tokenizer splits its input at special tokens first and encodes the text
+    between them alone; this does the same, with the split points taken from the framing only).
+
+    Raises:
+        ValueError: ``len(framing) != len(contents) + 1``.
+    """
+    if len(framing) != len(contents) + 1:
+        raise ValueError(f"encode_framed: {len(framing)} framing pieces for {len(contents)} contents (need one more)")
+    specials = _special_strings(tokenizer)
+    split = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
+    segs: List[list] = []  # [is_special, text]
+
+    def plain(t: str) -> None:
+        if not t:
+            return
+        if segs and not segs[-1][0]:
+            segs[-1][1] += t
+        else:
+            segs.append([False, t])
+
+    for i, f in enumerate(framing):
+        for part in (split.split(f) if split is not None else [f]):
+            if part and split is not None and part in specials:
+                segs.append([True, part])
+            else:
+                plain(part)
+        if i < len(contents):
+            plain(contents[i])
+    ids: List[int] = []
+    for is_special, t in segs:
+        ids.extend([int(tokenizer.convert_tokens_to_ids(t))] if is_special else encode_plain(tokenizer, t))
+    return ids
+
+
+def template_parts(tokenizer: Any, messages: List[Dict[str, str]], add_generation_prompt: bool,
+                   after: Optional[str] = None) -> tuple:
+    """The chat template's rendering of ``messages`` split into ``(framing, contents)`` for :func:`encode_framed`.
+
+    Each content is rendered once as a stand-in (so its place in the template's text is known) and
+    once as itself (so a template that edits contents, e.g. strips them, is followed). ``after``:
+    keep only the text after this marker (it must be inside one content, left as is).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("template_parts needs a tokenizer with a chat template")
+    stand = [dict(m, content=_PLAIN.format(i)) if (after is None or after not in m["content"]) else dict(m)
+             for i, m in enumerate(messages)]
+    ts = tokenizer.apply_chat_template(stand, tokenize=False, add_generation_prompt=add_generation_prompt)
+    tr = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    if after is not None:
+        ts, tr = ts[ts.index(after) + len(after):], tr[tr.index(after) + len(after):]
+    pieces = _PLAIN_RE.split(ts)  # framing, index, framing, index, ...
+    framing, idx = pieces[0::2], [int(k) for k in pieces[1::2]]
+    m = re.fullmatch("(.*?)".join(re.escape(f) for f in framing), tr, flags=re.DOTALL)
+    contents = list(m.groups()) if m is not None and len(idx) else [messages[k]["content"] for k in idx]
+    return framing, contents
+
+
 def render_insert(tokenizer: Any, messages: List[Dict[str, str]], after_eos: bool) -> List[int]:
     """Token ids of environment ``messages`` inserted after a model turn, up to the next assistant header.
 
@@ -46,19 +140,22 @@ def render_insert(tokenizer: Any, messages: List[Dict[str, str]], after_eos: boo
     turn stopped at ``</tool_call>`` the template's end-of-turn text is inserted (no loss
     on it). Tokenizers without a chat template get ``<role>\\ncontent\\n</role>`` blocks.
 
+    Environment text is plain text: only the template's framing may carry special ids; a tool
+    result or observation holding ``<|im_end|>\\n<|im_start|>assistant`` is encoded as those
+    characters (:func:`encode_framed`), so it cannot close the turn or forge an assistant header.
+
     Returns:
         the inserted ids (only this text is tokenised; the model's text never is).
     """
     if getattr(tokenizer, "chat_template", None):
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
-        full = tokenizer.apply_chat_template(base + list(messages), tokenize=False, add_generation_prompt=True)
-        delta = full[full.index(_SENTINEL) + len(_SENTINEL):]
+        framing, contents = template_parts(tokenizer, base + list(messages), True, after=_SENTINEL)
         eos = tokenizer.eos_token or ""
-        if after_eos and eos and delta.startswith(eos):
-            delta = delta[len(eos):]
-    else:
-        delta = "\n" + "".join(f"<{m['role']}>\n{m['content']}\n</{m['role']}>\n" for m in messages)
-    return list(tokenizer(delta, add_special_tokens=False)["input_ids"])
+        if after_eos and eos and framing[0].startswith(eos):
+            framing[0] = framing[0][len(eos):]
+        return encode_framed(tokenizer, framing, contents)
+    delta = "\n" + "".join(f"<{m['role']}>\n{m['content']}\n</{m['role']}>\n" for m in messages)
+    return encode_plain(tokenizer, delta)
 
 
 @dataclasses.dataclass
@@ -93,6 +190,8 @@ class _Episode:
     vers: List[int] = dataclasses.field(default_factory=list)  # partial rollouts: policy version of each token
     rounds: int = 0  # partial rollouts: rounds (turns) this episode took part in
     resumed: bool = False  # partial rollouts: continued in a later step than it began
+    turn_lens: List[int] = dataclasses.field(default_factory=list)  # model tokens of each turn (overlong shaping)
+    calls_skipped: int = 0  # tool calls of a turn at the turn cap, never executed
 
     def add(self, ids, mask: float, lps=None, temps=None) -> None:
         self.ids.extend(int(x) for x in ids)
@@ -422,10 +521,13 @@ class EpisodeSampler(Sampler):
                 if id(e) in snaps and budget is not None:
                     self._maybe_branch(e, snaps[id(e)], h, eps, budget, rng, stats)
             e.after_tool = False
+            e.turn_lens.append(int(len(ids)))
             if cut or not bool(gen.finished[j]):  # the turn did not end: the episode is truncated
                 e.done, e.truncated, e.finished = True, True, False
                 continue
-            step, secs = _timed_step(e.env, text)
+            # at the turn cap no observation can be used: the environment answers without acting
+            # (Env.step_at_cap: a tool environment runs no tool; a game still takes its last action)
+            step, secs = _timed_step(e.env, text, last=e.turns >= self.max_turns)
             e.env_seconds += secs
             e.env_reward += float(step.reward)
             if float(step.reward) != 0.0 and len(e.ids):  # on the turn's last model token
@@ -435,6 +537,7 @@ class EpisodeSampler(Sampler):
             e.tool_errors += int(info.get("tool_errors", 0))
             e.tool_timeouts += int(info.get("tool_timeouts", 0))
             e.env_errors += int(info.get("env_errors", 0))
+            e.calls_skipped += int(info.get("tool_calls_skipped", 0))
             e.void = e.void or bool(info.get("void", 0))
             if step.done:
                 e.done, e.finished = True, True
@@ -491,6 +594,9 @@ class EpisodeSampler(Sampler):
                                torch.tensor([e.finished for e in eps], dtype=torch.bool), [e.final_text for e in eps])
         f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
         extras = {"episode_turns": f([e.turns for e in eps]), "episode_tool_calls": f([e.tool_calls for e in eps])}
+        # DAPO's overlong shaping of an episode compares its longest model turn with the per-turn budget
+        # (rollout.max_new_tokens), never the model tokens summed over turns (docs/AGENTS.md)
+        extras["overlong_lengths"] = torch.tensor([max(e.turn_lens, default=0) for e in eps], dtype=torch.long)
         # the trainer and the critic attend to every real response token, environment text included (their
         # default, the loss mask, would hide the tool results the model saw when it sampled the next turn)
         attn = torch.zeros(B, R, dtype=torch.long)
@@ -515,6 +621,7 @@ class EpisodeSampler(Sampler):
             "episode/tool_timeout_rate": float(sum(e.tool_timeouts for e in eps) / max(1, n_calls)),
             "episode/env_error_frac": float(sum(e.env_errors > 0 for e in eps) / B),
             "episode/truncated_frac": float(sum(e.truncated for e in eps) / B),
+            "episode/tool_calls_skipped_mean": float(sum(e.calls_skipped for e in eps) / B),
             "episode/void_frac": float(sum(e.void for e in eps) / B),
             "episode/env_tokens_mean": float(sum(len(e.ids) - sum(e.mask) for e in eps) / B),
             "episode/env_seconds": float(sum(e.env_seconds for e in eps)),
@@ -538,7 +645,7 @@ class EpisodeSampler(Sampler):
             pass
 
 
-def _timed_step(env: Any, text: str):
+def _timed_step(env: Any, text: str, last: bool = False):
     from rlpost.envs.base import timed_step
 
-    return timed_step(env, text)
+    return timed_step(env, text, last=last)

@@ -117,16 +117,23 @@ class Task(ABC):
         return f"{example.question}\n{instr}".strip() if instr else example.question
 
     def render_prompt(self, example: Example, tokenizer: Any) -> List[int]:
-        """Token ids of the chat-templated prompt, ending with the assistant header."""
+        """Token ids of the chat-templated prompt, ending with the assistant header.
+
+        Message contents (question, environment observation, system prompt) are plain text: only
+        the template's framing carries special ids (:func:`rlpost.samplers.episode.encode_framed`),
+        so a question or observation holding ``<|im_start|>`` cannot forge a turn. Equal to
+        ``apply_chat_template(tokenize=True)`` whenever no content holds a special token's text.
+        """
+        from rlpost.samplers.episode import encode_framed, template_parts
+
         msgs = []
         if self.cfg.system_prompt:
             msgs.append({"role": "system", "content": self.cfg.system_prompt})
         msgs.append({"role": "user", "content": self.user_message(example)})
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-            return list(ids)
+            return encode_framed(tokenizer, *template_parts(tokenizer, msgs, True))
         text = "\n".join(m["content"] for m in msgs) + "\n"
-        return tokenizer(text)["input_ids"]
+        return tokenizer(text, split_special_tokens=True)["input_ids"]
 
 
 def stored_solution(example: Example) -> str:
