@@ -180,7 +180,7 @@ class _JudgeBase(ModelReward):
     def score(self, responses: Sequence[str], examples: Sequence[Any], prior: Mapping[str, ModelScore]) -> ModelScore:
         prompts = self.prompts(responses, examples)
         todo = list(dict.fromkeys(p for p in prompts if p not in self._cache))  # identical requests: sent once
-        hits = len(prompts) - sum(1 for p in prompts if p in todo)
+        hits = len(prompts) - len(todo)  # rows answered from the cache or by an identical row of this call
         failed: Dict[str, str] = {}
         parse_errors = call_errors = 0
         for p, rep in zip(todo, self.replies(todo) if todo else []):
