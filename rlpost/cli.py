@@ -412,6 +412,8 @@ REGISTRY_GROUPS = {
     "sampler_kind": ("rlpost.samplers", "SAMPLERS"),
     "task_kind": ("rlpost.tasks.base", "TASKS"),
     "verifier": ("rlpost.tasks.verifiers", "VERIFIERS"),
+    "reward_model_kind": ("rlpost.rewards.kinds", "REWARD_MODELS"),  # task.reward.models.<name>.kind
+    "step_segment": ("rlpost.rewards.process", "SEGMENTERS"),  # a PRM's segment= rule
 }
 
 
