@@ -242,6 +242,9 @@ class OpenAIJudge(_JudgeBase):
                 import openai
             except ImportError:
                 raise ConfigError("kind=judge needs the openai package: pip install openai") from None
+            import logging
+
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would flood cli.log
             self._client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "EMPTY", max_retries=0,
                                          timeout=self.timeout_s)
         return self._client
