@@ -293,9 +293,52 @@ def test_unparsable_judge_reply_scores_zero_counted_and_identical_requests_sent_
         fn.begin_step()
         fn.score(["2"], exs[:1], torch.tensor([1]))  # a new step: sent again
         assert len(seen) == 3
+        srv.shutdown()
+        srv.server_close()  # the endpoint dies mid-run: connections are refused
+        j.retries, j.backoff_s, j.budget_s = 1, 0.01, 5.0
+        fn.begin_step()
+        dead = fn.score(["2", "3"], exs[:2], torch.tensor([1, 1]))
+        assert dead.components["judge"].tolist() == [0.0, 0.0]
+        assert dead.metrics["reward/judge_call_errors"] == 2.0 and dead.metrics["reward/judge_requests"] == 1.0
         fn.close()
     finally:
         srv.shutdown()
+        srv.server_close()
+
+
+def test_local_judge_generates_batched_and_counts_what_does_not_parse(tmp_path):
+    """In-process judge on a tiny random causal LM: its replies are noise, so what is checked is the
+    bookkeeping: one generate call per batch, every row either parsed into [0, 1] or scored 0 and counted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlpost.config.compose import compose_config
+    from rlpost.models.loader import load_tokenizer
+    from rlpost.tasks import Example
+
+    tok = load_tokenizer(compose_config(tiny_overrides()).model)
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=tok.vocab_size + len(tok.get_added_vocab()), hidden_size=32,
+                                      intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=2048))
+    lm.save_pretrained(str(tmp_path / "lj"))
+    tok.save_pretrained(str(tmp_path / "lj"))
+    fn = _reward_fn({"judge": {"kind": "local_judge", "model_path": str(tmp_path / "lj"), "batch_size": 4}},
+                    correct_weight=0.0)
+    fn.isolate = False
+    fn.attach(tok, torch.float32, "cpu")
+    j = fn.models["judge"]
+    gens = []
+    orig = j.model.generate
+    j.model.generate = lambda **kw: (gens.append(kw["input_ids"].shape[0]), orig(**kw))[1]
+    exs = [Example(i, f"{i} + 1", str(i + 1)) for i in range(6)]
+    out = fn.score([str(i + 1) for i in range(6)], exs, torch.ones(6, dtype=torch.long))
+    assert gens == [4, 2]  # six prompts, batch_size 4: two generate calls
+    v = out.components["judge"]
+    assert ((v >= 0) & (v <= 1)).all()
+    assert out.metrics["reward/judge_parse_errors"] + out.metrics["reward/judge_call_errors"] == out.metrics["reward/judge_errors"]
+    assert out.metrics["reward/judge_requests"] == 6.0 and j.requests_sent == 6
+    with pytest.raises(ConfigError, match="local causal LM"):
+        _reward_fn({"judge": {"kind": "local_judge", "model_path": str(tmp_path / "none")}})
 
 
 # ------------------------------------------------------------------ process rewards
