@@ -299,7 +299,7 @@ def test_unparsable_judge_reply_scores_zero_counted_and_identical_requests_sent_
         fn.begin_step()
         dead = fn.score(["2", "3"], exs[:2], torch.tensor([1, 1]))
         assert dead.components["judge"].tolist() == [0.0, 0.0]
-        assert dead.metrics["reward/judge_call_errors"] == 2.0 and dead.metrics["reward/judge_requests"] == 1.0
+        assert dead.metrics["reward/judge_call_errors"] == 2.0 and dead.metrics["reward/judge_requests"] == 2.0
         fn.close()
     finally:
         srv.shutdown()
