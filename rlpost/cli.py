@@ -412,6 +412,8 @@ REGISTRY_GROUPS = {
     "sampler_kind": ("rlpost.samplers", "SAMPLERS"),
     "task_kind": ("rlpost.tasks.base", "TASKS"),
     "verifier": ("rlpost.tasks.verifiers", "VERIFIERS"),
+    "reward_model_kind": ("rlpost.rewards.kinds", "REWARD_MODELS"),  # task.reward.models.<name>.kind
+    "step_segment": ("rlpost.rewards.process", "SEGMENTERS"),  # a PRM's segment= rule
 }
 
 
@@ -589,6 +591,75 @@ def reproduce_cmd(
     typer.echo(R.format_result(res))
     if record:
         typer.echo(f"recorded in {res['record']}")
+
+
+@app.command("rm-pairs", context_settings=EXTRA)
+def rm_pairs_cmd(
+    ctx: typer.Context,
+    out: Path = typer.Option(..., "--out", help="JSONL file to write."),
+    n: int = typer.Option(400, "--n", help="Number of pairs."),
+    seed: int = typer.Option(0, "--seed"),
+    min_offset: int = typer.Option(1, "--min-offset", help="Smallest |wrong - gold|."),
+    max_offset: int = typer.Option(10, "--max-offset", help="Largest |wrong - gold|."),
+) -> None:
+    """Write chosen/rejected pairs from a task's training prompts: the gold answer against a wrong one.
+
+    Arguments are Hydra overrides choosing the task (default task=arithmetic).
+
+    Example:
+
+      rlpost rm-pairs --out pairs.jsonl --n 400 task=arithmetic
+    """
+    from rlpost.config.compose import compose_config
+    from rlpost.rewards.train_rm import task_pairs, write_pairs
+    from rlpost.tasks import build_task
+
+    try:
+        cfg = compose_config(list(ctx.args))
+        rows = task_pairs(build_task(cfg.task), n, seed=seed, min_offset=min_offset, max_offset=max_offset)
+        write_pairs(rows, str(out))
+    except RlpostError as e:
+        _fail(e)
+    typer.echo(f"{len(rows)} pairs -> {out}")
+
+
+@app.command("train-rm", context_settings=EXTRA)
+def train_rm_cmd(
+    ctx: typer.Context,
+    pairs: Path = typer.Option(..., "--pairs", help="JSONL rows with prompt, chosen, rejected (system optional)."),
+    out: Path = typer.Option(..., "--out", help="Directory for the trained reward model."),
+    steps: int = typer.Option(60, "--steps"),
+    lr: float = typer.Option(2e-5, "--lr"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Pairs per step."),
+    eval_frac: float = typer.Option(0.2, "--eval-frac", help="Share of pairs held out for pairwise accuracy."),
+    train_layers: int = typer.Option(-1, "--train-layers", help="-1: all; k: last k layers + head; 0: head on cached features."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Train a Bradley-Terry reward model (one score head) on chosen/rejected pairs; print held-out pairwise accuracy.
+
+    Arguments are Hydra overrides choosing the base model (default model=smollm2-135m).
+    The result is a directory for task.reward.models.<name>.model_path (kind=rm).
+
+    Example:
+
+      rlpost train-rm --pairs pairs.jsonl --out rm/ --train-layers 0 --steps 300 --lr 1e-3
+    """
+    import json
+
+    from rlpost.config.compose import compose_config
+    from rlpost.rewards.train_rm import init_reward_model, read_pairs, train_reward_model
+
+    try:
+        cfg = compose_config(list(ctx.args))
+        rows = read_pairs(str(pairs))
+        model, tok = init_reward_model(cfg.model, seed=seed)
+        rep = train_reward_model(rows, model, tok, str(out), steps=steps, lr=lr, batch_size=batch_size,
+                                 eval_frac=eval_frac, seed=seed, train_layers=train_layers, log=typer.echo)
+    except RlpostError as e:
+        _fail(e)
+    typer.echo(json.dumps(rep))
+    typer.echo(f"held-out pairwise accuracy {rep['heldout_accuracy']:.3f} (before training {rep['heldout_accuracy_before']:.3f}, "
+               f"{rep['heldout_pairs']} pairs); saved to {out}")
 
 
 def main() -> None:

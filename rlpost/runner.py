@@ -290,11 +290,14 @@ class Run:
         # all reward shaping lives here (e.g. algo=dapo's overlong window); its config errors stop the run early too
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
                                                     preset_shaping=cfg.algo.adv_params)
+        self.reward_fn.check_estimator(cfg.algo.adv_estimator)  # a PRM's token rewards need an estimator that reads them
         from rlpost.memory import preflight
 
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
+        self.reward_fn.attach(self.tokenizer, getattr(self.trainer, "dtype", torch.float32),
+                              getattr(self.trainer, "device", self.device))  # reward models load in the trainer's dtype
         self.methods.attach_trainer(self.trainer.policy)  # before any copy of the weights is made
         self.teacher = None  # the frozen distillation teacher (model.teacher): owns its parameters
         if cfg.model.get("teacher", None):

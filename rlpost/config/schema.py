@@ -346,6 +346,11 @@ class RewardConfig:
             correct. reasoning-gym's generic scorer gives partial credit when the
             gold string is a substring of the answer (gold "-1" in "-10" scores
             2/3), which a policy learns to exploit; binarizing removes that hack.
+        models: model rewards, ``name -> {kind, weight, <params>}`` (kinds: rm,
+            judge, local_judge, prm, prs; :mod:`rlpost.rewards.models`, presets in
+            ``conf/reward_model/``); each weighted score is one more reward component.
+        correct_weight: weight of the rule verifier's correctness in the total
+            reward (0: model rewards only).
     """
 
     verifier: Optional[str] = None
@@ -358,6 +363,8 @@ class RewardConfig:
     format_regex: Optional[str] = None
     majority_vote: bool = False
     binarize: bool = False
+    models: Dict[str, Any] = field(default_factory=dict)
+    correct_weight: float = 1.0
 
 
 @dataclass

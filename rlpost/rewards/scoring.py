@@ -190,12 +190,17 @@ class Rewards:
         metrics: ``reward/...`` values of this call (means, verifier failure counts).
         format_ok: ``[B]`` float32 1/0 format flags (monitoring; their weighted
             share is the ``format`` component), or None.
+        token_rewards: per row, ``(response token index, reward)`` pairs from a
+            process reward model (:mod:`rlpost.rewards.process`), or None;
+            :func:`rlpost.samplers.base.score_rows` turns them into
+            ``extras['turn_rewards']`` ``[B, R]`` (added to the estimator's token rewards).
     """
 
     total: torch.Tensor
     components: Dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
     format_ok: Optional[torch.Tensor] = None
+    token_rewards: Optional[List[List[Tuple[int, float]]]] = None
 
 
 class RewardFunction:
@@ -225,6 +230,11 @@ class RewardFunction:
             answers are only used for the monitoring metrics
             ``reward/ttrl_label_accuracy`` and ``reward/gold_correct_mean``
             (a second verifier call per response).
+        models: model rewards (name -> :class:`rlpost.rewards.models.ModelReward`,
+            ``task.reward.models``): each weighted score is one more component,
+            named after its entry, added to the total.
+        correct_weight: weight of the rule verifier's correctness in the total
+            (``task.reward.correct_weight``; 0 for a model-only reward).
 
     Attributes:
         verifier_calls: responses handed to the verifier so far (a counter for
@@ -246,6 +256,8 @@ class RewardFunction:
         length_penalty: float = 0.0,
         isolate: bool = True,
         majority_vote: bool = False,
+        models: Optional[Dict[str, Any]] = None,
+        correct_weight: float = 1.0,
     ) -> None:
         self.task = task
         self.timeout_s = float(timeout_s)
@@ -260,6 +272,8 @@ class RewardFunction:
         self.majority_vote = majority_vote
         self.verifier_calls = 0
         self._pool: Optional[Any] = None
+        self.models: Dict[str, Any] = dict(models or {})
+        self.correct_weight = float(correct_weight)
 
     @classmethod
     def from_config(cls, task: Any, reward_cfg: Any, max_len: int = 0, preset_shaping: Optional[Dict[str, Any]] = None) -> "RewardFunction":
@@ -289,9 +303,15 @@ class RewardFunction:
                     f"task.reward.overlong_buffer={buf} and algo.adv_params.overlong_buffer={ps['overlong_buffer']} "
                     f"both ask for DAPO's overlong punishment, which would then count twice. Fix: set one of them to 0.")
             buf, pen = ps["overlong_buffer"], ps.get("overlong_penalty", 1.0)
+        from rlpost.rewards.models import _register_builtin, build_model_rewards
+
+        _register_builtin()
+        models = build_model_rewards(g("models", None), task)  # start-time checks: score head, endpoint
         try:
             return cls(
                 task,
+                models=models,
+                correct_weight=g("correct_weight", 1.0),
                 timeout_s=g("timeout_s", 5.0),
                 format_weight=g("format_weight", 0.0),
                 overlong_buffer=buf,
@@ -315,10 +335,28 @@ class RewardFunction:
             self._pool = None
 
     def close(self) -> None:
-        """Stop the worker process (never blocks for more than about a second)."""
+        """Stop the worker process (never blocks for more than about a second) and the model rewards."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        for m in self.models.values():
+            m.close()
+
+    def attach(self, tokenizer: Any = None, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> None:
+        """Hand the policy tokenizer and the trainer's dtype and device to the model rewards (loads their weights)."""
+        for m in self.models.values():
+            m.attach(tokenizer=tokenizer, dtype=dtype, device=device)
+
+    def check_estimator(self, adv_estimator: str) -> None:
+        """Raise :class:`rlpost.errors.ConfigError` when a process reward meets an estimator that drops token rewards."""
+        from rlpost.rewards.models import check_estimator
+
+        check_estimator(self.models, adv_estimator)
+
+    def begin_step(self) -> None:
+        """A new RL step: model rewards clear their per-step caches (the judge's request cache)."""
+        for m in self.models.values():
+            m.begin_step()
 
     def correctness(self, responses: Sequence[str], examples: Sequence[Any]) -> Tuple[List[float], List[bool], Dict[str, float]]:
         """Verifier scores and format flags for each response, plus failure counts.
@@ -399,15 +437,46 @@ class RewardFunction:
                          if self.overlong_buffer > 0 and self.max_len > 0 else torch.zeros(len(corr))),
             "length": -float(self.length_penalty) * lengths.float() if self.length_penalty else torch.zeros(len(corr)),
         }
-        total = parts["correct"] + parts["format"] + parts["overlong"] + parts["length"]
+        parts["correct"] = self.correct_weight * corr if self.correct_weight != 1.0 else corr
+        model_metrics, token_rewards = self._model_parts(responses, examples, parts, counts)
+        total = sum(parts.values(), torch.zeros(len(corr)))
         metrics = {
             "reward/correct_mean": float(corr.mean()) if len(corr) else 0.0,
             "reward/format_mean": float(fmt.mean()) if len(fmt) else 0.0,
             "reward/verifier_errors": float(counts["errors"]),
             "reward/verifier_timeouts": float(counts["timeouts"]),
             **extra,
+            **model_metrics,
         }
-        return Rewards(total.float(), {k: v.float() for k, v in parts.items()}, metrics, fmt)
+        if self.models:
+            metrics["reward/rule_correct_mean"] = float(corr.mean()) if len(corr) else 0.0
+        return Rewards(total.float(), {k: v.float() for k, v in parts.items()}, metrics, fmt, token_rewards)
+
+    def _model_parts(self, responses: Sequence[str], examples: Sequence[Any], parts: Dict[str, torch.Tensor],
+                     counts: Dict[str, int]) -> Tuple[Dict[str, float], Optional[List[List[Tuple[int, float]]]]]:
+        """Score with each model reward (config order); add its weighted component to ``parts``.
+
+        A model's failed rows score 0 and are added to ``counts['errors']`` (as
+        verifier errors are). Returns ``reward/<name>_...`` metrics and the
+        token rewards of the process rewards (summed per position), or None.
+        """
+        metrics: Dict[str, float] = {}
+        token: Optional[List[List[Tuple[int, float]]]] = None
+        prior: Dict[str, Any] = {}
+        for name, m in self.models.items():
+            out = m.score(responses, examples, prior)
+            prior[name] = out
+            v = out.values.float().reshape(-1)
+            parts[name] = float(m.weight) * v
+            counts["errors"] += int(out.errors)
+            metrics[f"reward/{name}_mean"] = float(v.mean()) if len(v) else 0.0
+            metrics[f"reward/{name}_errors"] = float(out.errors)
+            metrics.update(out.metrics)
+            if out.token_rewards is not None:
+                token = [[] for _ in responses] if token is None else token
+                for i, row in enumerate(out.token_rewards):
+                    token[i].extend((int(t), float(m.weight) * float(r)) for t, r in row)
+        return metrics, token
 
     def _ttrl_correctness(
         self, responses: Sequence[str], examples: Sequence[Any]
@@ -468,6 +537,8 @@ class StepScorer:
         self.seconds = 0.0  # wall time spent scoring (``time/reward_s``)
         self._sums: Dict[str, float] = {}
         self._n = 0
+        if hasattr(reward_fn, "begin_step"):
+            reward_fn.begin_step()  # a new step: the judge's request cache starts empty
 
     def __call__(self, prompt_indices: Sequence[int], texts: Sequence[str], lengths: torch.Tensor,
                  overlong_lengths: Optional[torch.Tensor] = None) -> Rewards:
@@ -492,9 +563,10 @@ class StepScorer:
         self.calls += self.reward_fn.verifier_calls - before
         self._n += n
         for k, v in out.metrics.items():
-            if k in ("reward/verifier_errors", "reward/verifier_timeouts"):
+            if k in ("reward/verifier_errors", "reward/verifier_timeouts") or k.endswith(_SUMMED):
                 self._sums[k] = self._sums.get(k, 0.0) + v
-            elif k.startswith("reward/ttrl_") or k == "reward/gold_correct_mean":
+            elif (k.startswith("reward/ttrl_") or k == "reward/gold_correct_mean"
+                  or k.startswith(self._model_keys)):
                 self._sums[k] = self._sums.get(k, 0.0) + v * n
         return out
 
@@ -503,5 +575,15 @@ class StepScorer:
         the step's calls) and TTRL's label metrics (means over scored responses)."""
         m = {"reward/verifier_calls": float(self.calls), "reward/verifier_errors": 0.0, "reward/verifier_timeouts": 0.0}
         for k, v in self._sums.items():
-            m[k] = v if k in m else v / max(1, self._n)
+            m[k] = v if (k in m or k.endswith(_SUMMED)) else v / max(1, self._n)
         return m
+
+    @property
+    def _model_keys(self) -> Tuple[str, ...]:
+        """``reward/<name>_`` prefixes of the model rewards (their means are averaged over rows) and the rule's."""
+        names = tuple(getattr(self.reward_fn, "models", {}) or {})
+        return tuple(f"reward/{n}_" for n in names) + ("reward/rule_correct_mean",) if names else ("\0",)
+
+
+#: per-call counts that a step sums (model-reward failures, judge requests, cache hits)
+_SUMMED = ("_errors", "_parse_errors", "_requests", "_cache_hits", "_no_step_rows", "_timeouts")

@@ -242,6 +242,11 @@ def score_rows(ctx: SamplerContext, res: SampleResult) -> torch.Tensor:
         res.extras[f"reward_{k}"] = v.float()
     if out.format_ok is not None:
         res.extras["format_ok"] = out.format_ok.float()
+    if getattr(out, "token_rewards", None) is not None:  # process rewards on step-end tokens (rlpost.rewards.process)
+        from rlpost.rewards.process import place_token_rewards
+
+        tr = place_token_rewards(out.token_rewards, res.generation.response_mask, res.extras.get("shared_prefix_len"))
+        res.extras["turn_rewards"] = tr if "turn_rewards" not in res.extras else res.extras["turn_rewards"] + tr
     return res.rewards
 
 
