@@ -394,8 +394,6 @@ def config(
 
         typer.echo(format_graph(cfg))
     else:
-        from rlpost.config.compose import effective_params
-
         typer.echo(OmegaConf.to_yaml(cfg, resolve=True))
         typer.echo("# effective component parameters (declared defaults + this config):")
         for key, kw in effective_params(cfg):
@@ -676,6 +674,32 @@ def main() -> None:
 
     register_report(app)  # `rlpost report`
     app()
+
+
+def effective_params(cfg: Any) -> List[tuple]:
+    """``(config key=name, {param: value})`` of each chosen component: its declared defaults plus this config.
+
+    What the run will pass to the loss, estimator, correction, selector and
+    sampler (``rlpost config`` prints it under the YAML). Call after
+    :func:`validate_config`.
+    """
+    from rlpost.algos.corrections import CORRECTIONS
+    from rlpost.algos.registries import ADV_ESTIMATORS
+    from rlpost.algos.validate import adv_overrides, loss_kwargs
+    from rlpost.registry import as_dict as _as_dict
+    from rlpost.samplers import SAMPLERS
+    from rlpost.selectors import SELECTORS
+
+    a = cfg.algo
+    return [
+        (f"algo.loss={a.loss}", loss_kwargs(a)),
+        (f"algo.adv_estimator={a.adv_estimator}", ADV_ESTIMATORS.kwargs(a.adv_estimator, adv_overrides(a))),
+        (f"precision.correction={cfg.precision.correction}",
+         CORRECTIONS.kwargs(cfg.precision.correction, _as_dict(cfg.precision.correction_params))),
+        (f"selector={cfg.selector.name}", SELECTORS.kwargs(cfg.selector.name, _as_dict(cfg.selector.params))),
+        (f"sampler={cfg.sampler.name}", SAMPLERS.kwargs(cfg.sampler.name, _as_dict(cfg.sampler.params))),
+    ]
+
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``launcher=ray`` (rlpost/launch): Ray rollout workers give the single-process run, and survive a killed worker.
+"""``launcher=ray`` (rlpost/ray_pool): Ray rollout workers give the single-process run, and survive a killed worker.
 
 One local Ray cluster of CPU processes for the whole module (Ray's start-up and each actor's
 imports are the slow part: the cases marked slow start more actors).
