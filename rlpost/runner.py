@@ -287,7 +287,7 @@ class Run:
             _check_episode_rewards(cfg)
         # the run's hook-using methods (rlpost.methods): their config errors stop the run before any weights load
         self.methods = MethodSet.for_config(cfg)
-        # all reward shaping lives here (e.g. algo=dapo's overlong window); its config errors stop the run early too
+        # all reward shaping lives here (e.g. a preset's overlong window); its config errors stop the run early too
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
                                                     preset_shaping=cfg.algo.adv_params)
         self.reward_fn.check_estimator(cfg.algo.adv_estimator)  # a PRM's token rewards need an estimator that reads them

@@ -53,9 +53,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
-    from rlpost.rewards.models import REWARD_MODELS, _register_builtin
+    from rlpost.rewards.models import REWARD_MODELS
 
-    _register_builtin()
     task, exs, resp = _rows(a.rows)
     print(f"# {a.rows} rows, {a.threads} threads, {a.dtype}")
     print(f"{'kind':<12} {'setting':<22} {'rows':>5} {'s':>8} {'rows/s':>8}")

@@ -1,7 +1,5 @@
-"""Every model-reward kind registered (importing this module registers rm, judge, local_judge, prm, prs)."""
+"""Every model-reward kind's file (rm in rlpost.rewards.models; judge, local_judge, prm, prs here), imported
+by :data:`rlpost.rewards.models.REWARD_MODELS` on its first lookup."""
 
-from rlpost.rewards.models import REWARD_MODELS, _register_builtin
-
-_register_builtin()
-
-__all__ = ["REWARD_MODELS"]
+from rlpost.rewards import judge, process, staged  # noqa: F401
+from rlpost.rewards.models import REWARD_MODELS  # noqa: F401

@@ -36,7 +36,11 @@ from rlpost.errors import ConfigError
 from rlpost.registry import Choice, Registry, param
 
 #: model-based reward kinds (``task.reward.models.<name>.kind``)
-REWARD_MODELS = Registry("model reward kind", "task.reward.models.<name>.kind", typed_params=True)
+#: the rule reward's components (rlpost.rewards.scoring), which a model reward's name may not take
+REWARD_COMPONENTS = ("correct", "format", "overlong", "length")
+
+REWARD_MODELS = Registry("model reward kind", "task.reward.models.<name>.kind", typed_params=True,
+                         catalog="rlpost.rewards.kinds")  # the files of the other kinds, loaded on first lookup
 
 #: keys of a ``task.reward.models`` entry that are not the kind's parameters
 ENTRY_KEYS = ("kind", "weight")
@@ -397,8 +401,6 @@ def build_model_rewards(models_cfg: Any, task: Any) -> Dict[str, ModelReward]:
     """
     from omegaconf import DictConfig, OmegaConf
 
-    from rlpost.rewards.scoring import REWARD_COMPONENTS
-
     if models_cfg is None:
         return {}
     if isinstance(models_cfg, DictConfig):
@@ -444,8 +446,3 @@ def check_estimator(models: Mapping[str, ModelReward], adv_estimator: str) -> No
                           f"(e.g. algo=reinforce_pp_baseline).")
 
 
-def _register_builtin() -> None:
-    """Import the modules that register the other kinds (judge, PRM, PRS)."""
-    import rlpost.rewards.judge  # noqa: F401
-    import rlpost.rewards.process  # noqa: F401
-    import rlpost.rewards.staged  # noqa: F401

@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rlpost.rewards.models import REWARD_COMPONENTS  # noqa: F401  (re-exported: the rule components)
+
 _WORKER_TASK: Any = None
 
 
@@ -175,7 +177,6 @@ def resolve_overlong_buffer(buffer: float, max_len: int) -> int:
 
 
 #: reward components, in the order they are summed (:meth:`RewardFunction.score`)
-REWARD_COMPONENTS = ("correct", "format", "overlong", "length")
 
 
 @dataclass
@@ -303,9 +304,8 @@ class RewardFunction:
                     f"task.reward.overlong_buffer={buf} and algo.adv_params.overlong_buffer={ps['overlong_buffer']} "
                     f"both ask for DAPO's overlong punishment, which would then count twice. Fix: set one of them to 0.")
             buf, pen = ps["overlong_buffer"], ps.get("overlong_penalty", 1.0)
-        from rlpost.rewards.models import _register_builtin, build_model_rewards
+        from rlpost.rewards.models import build_model_rewards
 
-        _register_builtin()
         models = build_model_rewards(g("models", None), task)  # start-time checks: score head, endpoint
         try:
             return cls(

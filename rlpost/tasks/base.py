@@ -120,11 +120,11 @@ class Task(ABC):
         """Token ids of the chat-templated prompt, ending with the assistant header.
 
         Message contents (question, environment observation, system prompt) are plain text: only
-        the template's framing carries special ids (:func:`rlpost.samplers.episode.encode_framed`),
+        the template's framing carries special ids (:func:`rlpost.tasks.chat.encode_framed`),
         so a question or observation holding ``<|im_start|>`` cannot forge a turn. Equal to
         ``apply_chat_template(tokenize=True)`` whenever no content holds a special token's text.
         """
-        from rlpost.samplers.episode import encode_framed, template_parts
+        from rlpost.tasks.chat import encode_framed, template_parts
 
         msgs = []
         if self.cfg.system_prompt:
