@@ -84,6 +84,49 @@ class EpisodePartialProducer:
     def _ready(self) -> List[int]:
         return [g for g, eps in self.groups.items() if all(e.done for e in eps)]
 
+    def _open_groups(self, take: List[int], encode: Any, tok: Any) -> None:
+        """A new group of ``group_size`` fresh episodes for each prompt index in ``take``."""
+        from rlpost.samplers.base import SamplerContext
+
+        s = self.sampler
+        for idx in take:
+            ctx = SamplerContext(prompt_indices=[idx])
+            g = self.next_key
+            self.next_key += 1
+            self.groups[g] = []
+            for _ in range(self.group_size):
+                e = s._new_episode(ctx, 0, list(encode(idx)), tok)
+                e.pos = g
+                self.groups[g].append(e)
+            self.group_prompt[g] = idx
+
+    def _advance(self, needed: int, engine: Any, params: Any, version: int, tok: Any, eos_ids: set) -> tuple:
+        """Turn rounds over every live episode until ``needed`` groups are complete or none is live;
+        returns ``(rounds, generated model tokens)``."""
+        import contextlib
+        import dataclasses
+
+        s = self.sampler
+        rounds = tokens = 0
+        session = getattr(engine, "session", None)
+        with (session() if session is not None else contextlib.nullcontext()):
+            while True:
+                live = [e for eps in self.groups.values() for e in eps if not e.done]
+                if live:
+                    p = params
+                    if rounds and params.seed is not None:
+                        p = dataclasses.replace(params, seed=int(params.seed) + 7919 * rounds)
+                    before = sum(int(sum(e.mask)) for e in live)
+                    s.round(engine, live, p, tok, eos_ids)
+                    tokens += sum(int(sum(e.mask)) for e in live) - before
+                    for e in live:
+                        e.vers.extend([int(version)] * (len(e.ids) - len(e.vers)))
+                        e.rounds += 1
+                    rounds += 1
+                if len(self._ready()) >= needed or not live:
+                    break
+        return rounds, tokens
+
     def produce(self, needed: int, select: Any, encode: Any, engine: Any, params: Any,
                 version: int, weights_step: int) -> EpisodePartialStep:
         """Top up, advance carried and new episodes turn by turn, release ``needed`` complete groups.
@@ -101,10 +144,7 @@ class EpisodePartialProducer:
         Raises:
             ValueError: ``needed < 1``; RuntimeError: ``select()`` returned nothing.
         """
-        import dataclasses
-
         from rlpost.rollout.hf import left_pad
-        from rlpost.samplers.base import SamplerContext
 
         if needed < 1:
             raise ValueError(f"needed={needed} must be >= 1")
@@ -118,36 +158,8 @@ class EpisodePartialProducer:
         carried_in = len(self.groups)
         new = num_requests(needed, self.over_provision, carried_in)
         take, self.queue = take_from_queue(self.queue, new, select)
-        for idx in take:
-            ctx = SamplerContext(prompt_indices=[idx])
-            g = self.next_key
-            self.next_key += 1
-            self.groups[g] = []
-            for _ in range(self.group_size):
-                e = s._new_episode(ctx, 0, list(encode(idx)), tok)
-                e.pos = g
-                self.groups[g].append(e)
-            self.group_prompt[g] = idx
-        rounds = tokens = 0
-        session = getattr(engine, "session", None)
-        import contextlib
-
-        with (session() if session is not None else contextlib.nullcontext()):
-            while True:
-                live = [e for eps in self.groups.values() for e in eps if not e.done]
-                if live:
-                    p = params
-                    if rounds and params.seed is not None:
-                        p = dataclasses.replace(params, seed=int(params.seed) + 7919 * rounds)
-                    before = sum(int(sum(e.mask)) for e in live)
-                    s.round(engine, live, p, tok, eos_ids)
-                    tokens += sum(int(sum(e.mask)) for e in live) - before
-                    for e in live:
-                        e.vers.extend([int(version)] * (len(e.ids) - len(e.vers)))
-                        e.rounds += 1
-                    rounds += 1
-                if len(self._ready()) >= needed or not live:
-                    break
+        self._open_groups(take, encode, tok)
+        rounds, tokens = self._advance(needed, engine, params, version, tok, eos_ids)
         keys = self._ready()[:needed]
         assert len(keys) == needed  # in flight + new >= needed, and every episode ends within max_turns rounds
         popped = [(self.groups.pop(g), self.group_prompt.pop(g)) for g in keys]
