@@ -151,3 +151,27 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
         grad = lp.grad if inp.extras.get("support_logprobs") is None else inp.extras["support_logprobs"].grad  # distillation: the support's
         assert torch.isfinite(total) and torch.isfinite(grad).all(), (adv, loss, agg)
         assert all(torch.isfinite(v) for v in met.values())
+
+
+def test_offpolicy_keys_have_one_owner_and_the_old_spelling_warns_once(compose, caplog):
+    """algo.offpolicy owns proximal / vcpo_*; algo.loss_params.<key> is an alias that warns once."""
+    import logging
+
+    import rlpost.algos.validate as v
+
+    new = v.trainer_loss_params(compose(["model=tiny", "+algo.offpolicy.proximal=a3po"]).algo)
+    assert str(new.proximal) == "a3po" and new.vcpo_lr is False  # the other keys keep their declared defaults
+    v._WARNED.discard("proximal")
+    with caplog.at_level(logging.WARNING, logger="rlpost"):
+        old_cfg = compose(["model=tiny", "+algo.loss_params.proximal=a3po"]).algo
+        old = v.trainer_loss_params(old_cfg)
+        v.trainer_loss_params(old_cfg)
+    assert str(old.proximal) == "a3po"
+    said = [r.getMessage() for r in caplog.records if "old spelling" in r.getMessage()]
+    assert len(said) == 1 and "algo.offpolicy.proximal=a3po" in said[0]
+    assert "proximal" not in v.loss_kwargs(old_cfg)  # never handed to the loss
+    with pytest.raises(ConfigError, match="set it once"):
+        v.trainer_loss_params(compose(["model=tiny", "+algo.loss_params.proximal=a3po",
+                                       "+algo.offpolicy.proximal=recompute"]).algo)
+    with pytest.raises(ConfigError, match="algo.offpolicy"):
+        v.trainer_loss_params(compose(["model=tiny", "+algo.offpolicy.proximl=a3po"]).algo)

@@ -119,7 +119,7 @@ def test_vcpo_lr_scaling_shrinks_the_step_on_stale_batches(compose):
     moved = {}
     for on in (False, True):
         cfg = compose(tiny_overrides("trainer.lr=1e-3", "trainer.grad_clip=0", "algo.loss=ppo_clip",
-                                     f"+algo.loss_params.vcpo_lr={str(on).lower()}"))
+                                     f"+algo.offpolicy.vcpo_lr={str(on).lower()}"))
         model, _ = load_policy(ModelConfig(source="tiny"), seed=3)
         w0 = {k: v.clone() for k, v in model.state_dict().items()}
         t = TorchTrainer.from_config(model, cfg, "cpu")
@@ -144,7 +144,10 @@ def test_vcpo_preset_feeds_importance_weights_to_the_baseline_on_stale_batches(c
     from conftest import tiny_overrides
     from rlpost.algos.advantages import AdvantageInput, min_variance_group_baseline
 
-    assert runner.needs_old_logprobs(compose(tiny_overrides("algo=vcpo")).algo)
+    from rlpost.methods.base import MethodSet
+
+    vcpo = compose(tiny_overrides("algo=vcpo"))
+    assert runner.needs_old_logprobs(vcpo.algo, MethodSet.for_config(vcpo))  # the VCPO method asks for the pass
     real_adv = runner.compute_advantages
     seen = []
 

@@ -103,7 +103,7 @@ def test_carried_groups_are_whole_and_keep_per_version_logprobs(compose, tmp_pat
 def test_async_partial_rollouts_run_several_steps(compose, tmp_path):
     """Decoupled PPO with A-3PO's proximal policy, per token from the stitched versions, over 2 mini-batches."""
     recs = _run(compose, tmp_path, "async", "executor=async", "executor.max_staleness=1", "steps=4",
-                "algo.loss=decoupled_ppo", "algo.mini_batches=2", "+algo.loss_params.proximal=a3po", *CARRY)
+                "algo.loss=decoupled_ppo", "algo.mini_batches=2", "+algo.offpolicy.proximal=a3po", *CARRY)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for r in recs:
         assert r["actor/behav_weight_mean"] > 0 and r["actor/grad_norm"] == r["actor/grad_norm"]  # finite

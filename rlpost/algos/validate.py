@@ -25,6 +25,7 @@ Who owns which key:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -42,7 +43,8 @@ class Proximal(Choice):
 
 @dataclass(frozen=True)
 class TrainerLossParams:
-    """Keys of ``algo.loss_params`` the trainer reads for any loss (:mod:`rlpost.trainer.torch_engine`)."""
+    """``algo.offpolicy``: how the update treats off-policy data, for any loss (read through the methods
+    :mod:`rlpost.methods.a3po` and :mod:`rlpost.methods.vcpo`)."""
 
     proximal: Proximal = param(Proximal.recompute, "recompute: a forward pass; a3po: A-3PO's interpolation (arXiv:2512.06547), no pass")
     vcpo_lr: bool = param(False, "scale each optimizer step's lr by the ESS fraction of the IS weights (VCPO, arXiv:2602.17616)")
@@ -131,14 +133,31 @@ def loss_kwargs(algo_cfg: Any) -> Dict[str, Any]:
     return POLICY_LOSSES.kwargs(loss, loss_overrides(algo_cfg), "algo.loss_params")
 
 
+#: old spellings already reported (each is said once per process)
+_WARNED: set = set()
+
+
 def trainer_loss_params(algo_cfg: Any) -> TrainerLossParams:
-    """The trainer's keys of ``algo.loss_params`` (:class:`TrainerLossParams`), defaults filled in.
+    """``algo.offpolicy`` (:class:`TrainerLossParams`), defaults filled in.
+
+    The old spelling ``algo.loss_params.<key>`` still works for these keys and
+    warns once; setting a key in both places to different values is an error.
 
     Raises:
-        ConfigError: wrong type or choice.
+        ConfigError: wrong type, choice or unknown key; a key set twice to different values.
     """
-    _, tk = _split(_as_dict(_get(algo_cfg, "loss_params")), TRAINER_LOSS_KEYS)
-    return resolve_params(TrainerLossParams, tk, "algo.loss_params", "trainer")
+    _, old = _split(_as_dict(_get(algo_cfg, "loss_params")), TRAINER_LOSS_KEYS)
+    new = _as_dict(_get(algo_cfg, "offpolicy"))
+    for k, v in old.items():
+        if k in new and new[k] != v:
+            raise ConfigError(f"algo.loss_params.{k}={v} and algo.offpolicy.{k}={new[k]} set the same key to "
+                              f"different values; set it once, as algo.offpolicy.{k}.")
+        if k not in _WARNED:
+            _WARNED.add(k)
+            logging.getLogger("rlpost").warning(
+                f"algo.loss_params.{k} is the old spelling of algo.offpolicy.{k} (a trainer setting, not a loss "
+                f"parameter); it still works. Fix: write algo.offpolicy.{k}={v}.")
+    return resolve_params(TrainerLossParams, {**old, **new}, "algo.offpolicy", "off-policy update")
 
 
 def adv_overrides(algo_cfg: Any) -> Dict[str, Any]:
@@ -328,10 +347,10 @@ def _check_trainer_loss_keys(tp: TrainerLossParams) -> None:
     """
     power = float(tp.vcpo_power)
     if power <= 0:
-        raise ConfigError(f"algo.loss_params.vcpo_power={power} must be > 0 (lr scale = ess_frac ** power).")
+        raise ConfigError(f"algo.offpolicy.vcpo_power={power} must be > 0 (lr scale = ess_frac ** power).")
     floor = float(tp.vcpo_min_scale)
     if not 0.0 < floor <= 1.0:
-        raise ConfigError(f"algo.loss_params.vcpo_min_scale={floor} must be in (0, 1] (the smallest lr multiplier).")
+        raise ConfigError(f"algo.offpolicy.vcpo_min_scale={floor} must be in (0, 1] (the smallest lr multiplier).")
 
 
 def validate_correction(name: Optional[str], params: Optional[Mapping[str, Any]] = None) -> None:

@@ -178,7 +178,11 @@ class AlgoConfig:
         loss: a registered policy loss.
         loss_params: the loss's parameters that differ from its declared
             defaults, including its clip range where it has one
-            (``rlpost list loss``); plus the trainer's ``proximal`` / ``vcpo_*``.
+            (``rlpost list loss``). Only loss keys: the trainer's ``proximal`` / ``vcpo_*``
+            are ``offpolicy`` keys (their old spelling here still works, with a warning).
+        offpolicy: how the update treats off-policy data, for any loss: ``proximal``
+            (recompute | a3po) and ``vcpo_lr`` / ``vcpo_power`` / ``vcpo_min_scale``
+            (:class:`rlpost.algos.validate.TrainerLossParams`, their defaults and docs).
         clip: shorthand for the loss's clip fields (see :class:`ClipConfig`).
         loss_agg: token-mean | seq-mean-token-mean | seq-mean-token-sum |
             seq-mean-token-sum-norm.
@@ -198,6 +202,7 @@ class AlgoConfig:
     adv_params: Dict[str, Any] = field(default_factory=dict)
     loss: str = "ppo_clip"
     loss_params: Dict[str, Any] = field(default_factory=dict)
+    offpolicy: Dict[str, Any] = field(default_factory=dict)
     loss_agg: LossAgg = LossAgg["token-mean"]  # type: ignore[valid-type]
     loss_agg_norm: Optional[float] = None
     n_samples_per_prompt: int = 8

@@ -1,6 +1,6 @@
 """A-3PO's proximal log-probs: an interpolation between the behaviour and the current policy, no pass.
 
-"A-3PO" (arXiv:2512.06547), ``algo.loss_params.proximal=a3po``: several
+"A-3PO" (arXiv:2512.06547), ``algo.offpolicy.proximal=a3po``: several
 optimizer steps per batch anchor their ratios to
 :func:`rlpost.algos.offpolicy.a3po_proximal_logprobs` of the rollout log-probs
 and the current ones (per token from ``extras['token_version']`` for partial

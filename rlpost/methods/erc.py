@@ -30,8 +30,8 @@ class OldEntropy(Method):
         if str(trainer_loss_params(self.cfg.algo).proximal) == "a3po":
             raise ConfigError(
                 f"algo.loss={self.cfg.algo.loss} compares each token's entropy with the old policy's, which the runner "
-                f"computes with the old log-probs; algo.loss_params.proximal=a3po skips that pass, so the ratio would "
-                f"always be 1. Use algo.loss_params.proximal=recompute with this loss.")
+                f"computes with the old log-probs; algo.offpolicy.proximal=a3po skips that pass, so the ratio would "
+                f"always be 1. Use algo.offpolicy.proximal=recompute with this loss.")
 
     def needs(self) -> Needs:
         return Needs(provides=("old_entropy",))

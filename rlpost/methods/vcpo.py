@@ -4,7 +4,7 @@
 
 * ``algo.adv_params.baseline=min_variance``: the group baseline weights each
   sequence by ``pi_old / pi_behav``, so the old log-probs are needed;
-* ``algo.loss_params.vcpo_lr=true``: each optimizer step's learning rate is
+* ``algo.offpolicy.vcpo_lr=true``: each optimizer step's learning rate is
   scaled by :func:`rlpost.algos.offpolicy.vcpo_lr_scale` of the effective
   sample size fraction of the mini-batch's importance weights
   ``exp(old - rollout)`` over its response tokens.
