@@ -412,3 +412,25 @@ def test_low_variance_baselines_match_float64_references():
     sd = ((L * (r - mu) ** 2).sum() / L.sum()).sqrt()
     a = seq_adv(compute_advantages("hapo", x, max_abs=1e9), x)
     assert torch.allclose(a.double(), (r - mu) / (sd + 1e-6), rtol=2e-7, atol=0)
+
+
+def test_grpo_batch_std_scope_divides_by_the_std_of_all_rewards_by_hand():
+    """TRL's scale_rewards='batch': the group mean is subtracted, the std is the whole batch's."""
+    from rlpost.algos.advantages import AdvantageInput, compute_advantages
+
+    inp = AdvantageInput(rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), response_mask=torch.ones(4, 2),
+                         group_index=torch.tensor([0, 0, 1, 1]))
+    # group means 0.5, 0.5, 1, 1; batch mean 0.75, Bessel variance (3 * 0.0625 + 0.5625) / 3 = 0.25 -> std 0.5
+    batch = compute_advantages("grpo", inp, std_scope="batch", eps=0.0).advantages[:, 0]
+    assert batch.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0])
+    # per group: group 0's Bessel std is sqrt(0.5) -> +-0.7071; the flat group 1 stays exactly 0
+    group = compute_advantages("grpo", inp, eps=0.0).advantages[:, 0]
+    assert group.tolist() == pytest.approx([2 ** -0.5, -(2 ** -0.5), 0.0, 0.0])
+    pop = compute_advantages("grpo", inp, std_scope="batch", unbiased_std=False, eps=0.0).advantages[:, 0]
+    assert pop.tolist() == pytest.approx([0.5 / 0.1875 ** 0.5, -0.5 / 0.1875 ** 0.5, 0.0, 0.0])  # population var 0.1875
+    from rlpost.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="std_scope"):
+        from rlpost.algos.registries import ADV_ESTIMATORS
+
+        ADV_ESTIMATORS.resolve("grpo", {"std_scope": "batchh"}, "algo.adv_params")

@@ -131,6 +131,13 @@ class Baseline(Choice):
     min_variance = "min_variance"
 
 
+class StdScope(Choice):
+    """Over which rewards GRPO's std is taken: each prompt's group, or the whole batch."""
+
+    group = "group"
+    batch = "batch"
+
+
 #: choices of ``algo.adv_params.baseline`` for the group-baseline estimators
 BASELINES = tuple(b.value for b in Baseline)
 
@@ -146,6 +153,8 @@ class GRPOParams:
     baseline: Baseline = param(Baseline.mean, _BASELINE_DOC)
     unbiased_std: bool = param(True, "Bessel-corrected group std (GRPO reference code); false: population std "
                                "(TPO's z-score, arXiv:2604.06159)")
+    std_scope: StdScope = param(StdScope.group, "group: each group's std (GRPO); batch: the std of all the step's "
+                                "rewards, the group mean still subtracted (TRL scale_rewards='batch')")
 
 
 @dataclass(frozen=True)
@@ -300,7 +309,7 @@ def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:
     needs_group=True,
 )
 def grpo_advantage(
-    inp: AdvantageInput, *, norm_by_std: bool, eps: float, baseline: str, unbiased_std: bool
+    inp: AdvantageInput, *, norm_by_std: bool, eps: float, baseline: str, unbiased_std: bool, std_scope: str
 ) -> AdvantageOutput:
     """Group-relative outcome advantage: ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
@@ -327,6 +336,10 @@ def grpo_advantage(
         unbiased_std: Bessel-corrected std (default); false uses the population
             std ``sqrt(sum (r - mean)^2 / G)``, TPO's within-group z-score
             ("Target Policy Optimization", arXiv:2604.06159, Appendix A).
+        std_scope: ``"group"`` (GRPO) or ``"batch"``: ``A_i = (r_i - mean_g) / (std_B + eps)``
+            with ``std_B`` the std of all ``B`` rewards of the step (Bessel-corrected unless
+            ``unbiased_std`` is false), TRL's ``scale_rewards="batch"``; zero-variance groups
+            still get 0.
     Returns:
         AdvantageOutput with ``advantages [B, R]`` and ``returns=None``.
     Raises:
@@ -342,6 +355,8 @@ def grpo_advantage(
         mean = torch.where(flat, mean, min_variance_group_baseline(inp))
     adv = r - mean
     if norm_by_std:
+        if str(std_scope) == "batch":
+            std = r.std(unbiased=bool(unbiased_std)) if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
         adv = adv / (std + eps)
     adv = torch.where(flat, torch.zeros_like(adv), adv)
     return AdvantageOutput(advantages=_broadcast(adv, inp.response_mask), returns=None)
