@@ -242,3 +242,15 @@ def test_kl_estimators_values_and_in_reward():
     assert torch.all(kl_penalty("k3", torch.randn(50, 1), torch.randn(50, 1)) >= 0)
     tr = kl_reward_penalty(lp, ref, torch.ones(1, 1), 0.1, "k1")
     assert torch.isclose(tr, torch.tensor([[-0.1]]))
+
+
+def test_k3_clamped_is_verls_low_var_kl_and_plain_k3_is_not_clamped(compose):
+    from rlpost.algos.regularizers import kl_penalty
+
+    lp = torch.tensor([[0.0, -1.0, 0.0]])
+    ref = torch.tensor([[12.0, -1.0, -1.0]])  # log_r = 12 (k3 = e^12 - 13, about 162742), 0 (k3 0), -1 (e^-1)
+    plain = kl_penalty("k3", lp, ref)
+    assert float(plain[0, 0]) == pytest.approx(math.exp(12) - 13, rel=1e-6) and float(plain[0, 1]) == 0.0
+    clamped = kl_penalty("k3_clamped", lp, ref)
+    assert clamped[0].tolist() == pytest.approx([10.0, 0.0, math.exp(-1)])  # only the large estimate is cut
+    assert str(compose(["model=tiny", "algo.kl.estimator=k3_clamped", "algo.kl.coef=0.01"]).algo.kl.estimator) == "k3_clamped"

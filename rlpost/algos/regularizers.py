@@ -55,6 +55,13 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: float = 20.
     return k3
 
 
+@KL_ESTIMATORS.register("k3_clamped", paper="verl's low_var_kl: k3 clamped to [-10, 10] (Schulman 2020; GRPO arXiv:2402.03300)")
+def kl_k3_clamped(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """:func:`kl_k3` with the estimate clamped to ``[-10, 10]`` per token ``[B, R]``, as verl's ``low_var_kl``
+    (``algo.kl.estimator=k3_clamped``; plain ``k3`` follows TRL and oat and is not clamped)."""
+    return kl_k3(logprobs, ref_logprobs, value_clamp=10.0)
+
+
 def kl_penalty(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token KL estimate ``[B, R]`` with the registered ``estimator``.
 

@@ -27,11 +27,12 @@ LossAgg.__doc__ = "algo.loss_agg: the registered loss aggregation modes (rlpost.
 
 
 class KLEstimator(Choice):
-    """algo.kl.estimator: Schulman's k1 | k2 | k3 (rlpost.algos.regularizers)."""
+    """algo.kl.estimator: Schulman's k1 | k2 | k3, or k3_clamped (verl's low_var_kl) (rlpost.algos.regularizers)."""
 
     k1 = "k1"
     k2 = "k2"
     k3 = "k3"
+    k3_clamped = "k3_clamped"
 
 
 class StateSpacing(Choice):
