@@ -128,11 +128,12 @@ def test_zero_stage_and_launch_errors_are_clear(compose):
     from rlpost.trainer.torchrun import launch_command, needs_launch
 
     with pytest.raises(ConfigError, match="zero_stage"):
-        build_ds_config(compose(tiny_overrides("trainer=deepspeed", "trainer.zero_stage=4")))
+        bad = compose(tiny_overrides("trainer=deepspeed", "trainer.zero_stage=4"))
+        build_ds_config(bad.trainer, bad.precision)
     with pytest.raises(ConfigError, match="trainer=deepspeed"):
         needs_launch(compose(tiny_overrides("trainer.num_procs=2")))
     cfg = compose(tiny_overrides("trainer=deepspeed", "trainer.zero_stage=3", "trainer.offload_optimizer=true"))
-    ds = build_ds_config(cfg)
+    ds = build_ds_config(cfg.trainer, cfg.precision)
     assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
     cmd = launch_command(["a=1", "hydra.run.dir=x"], 2, "/r", 1234)
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=2"] and cmd[-1] == "hydra.run.dir=/r"

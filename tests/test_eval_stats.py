@@ -117,7 +117,7 @@ class IdTokenizer:
     def __init__(self, task):
         self.lookup = {f"{e.question}\n{task.cfg.instruction}".strip() + "\n": i for i, e in enumerate(task.eval_examples())}
 
-    def __call__(self, text):
+    def __call__(self, text, **kw):  # prompt text is encoded as plain text (split_special_tokens=True)
         return {"input_ids": [self.lookup[text]]}
 
 

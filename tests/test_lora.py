@@ -92,8 +92,9 @@ def test_merged_export_loads_with_transformers_and_gives_the_same_logits(compose
 
     t = _trainer(compose)
     _update(t)
-    tok = load_tokenizer(t.cfg.model)
-    export_final(t.policy, tok, tmp_path / "final", t.cfg.model)
+    model_cfg = compose(tiny_overrides(*LORA)).model
+    tok = load_tokenizer(model_cfg)
+    export_final(t.policy, tok, tmp_path / "final", model_cfg)
     ids = make_batch(2).prompt_ids
     want = _logits(t.policy, ids)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
@@ -112,7 +113,7 @@ def test_hf_engine_copy_holds_merged_weights_and_follows_each_push(compose):
     from rlpost.rollout.hf import HFRolloutEngine
 
     t = _trainer(compose)
-    eng = HFRolloutEngine(t.policy, load_tokenizer(t.cfg.model), share_weights=False)
+    eng = HFRolloutEngine(t.policy, load_tokenizer(compose(tiny_overrides(*LORA)).model), share_weights=False)
     assert not any("lora" in n for n, _ in eng.model.named_parameters())  # a plain merged model
     ids = make_batch(2).prompt_ids
     _update(t)

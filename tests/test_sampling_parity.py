@@ -40,6 +40,8 @@ def test_trainer_logprobs_equal_hf_rollout_logprobs_under_truncation(compose, tr
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4), (ratio.min(), ratio.max())
     assert torch.isfinite(ent[m]).all()
     # the untruncated distribution (what the trainer computed before) is measurably different
-    t.cfg.rollout.top_k, t.cfg.rollout.top_p = 0, 1.0
+    import dataclasses
+
+    t.sampling = dataclasses.replace(t.sampling, top_k=0, top_p=1.0)
     full, _ = t.compute_logprobs(batch)
     assert float(torch.exp(full - gen.rollout_logprobs)[m].min()) < 0.99
