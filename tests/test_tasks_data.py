@@ -259,21 +259,35 @@ def test_format_regex_overrides_format_check():
 
 
 def test_prompt_rendering_with_chat_template_system_prompt_and_instruction_shortcut():
-    class ChatTok:
+    class ChatTok:  # renders "<|s|>role: content\n" per message; ids are character codes, <|s|> is id 1
         chat_template = "fake"
+        all_special_tokens = ["<|s|>"]
 
-        def apply_chat_template(self, msgs, add_generation_prompt, tokenize, return_dict):
+        def apply_chat_template(self, msgs, add_generation_prompt, tokenize=False, **kw):
             self.msgs = msgs
-            assert add_generation_prompt and tokenize and not return_dict
-            return [1, 2, 3]
+            assert add_generation_prompt and not tokenize
+            return "".join(f"<|s|>{m['role']}: {m['content']}\n" for m in msgs) + "<|s|>assistant: "
+
+        def convert_tokens_to_ids(self, t):
+            return 1
+
+        def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
+            assert split_special_tokens  # message text is always plain text
+            return {"input_ids": [ord(c) for c in text]}
 
     cfg = OmegaConf.structured(TaskConfig(train_size=3, eval_size=1, instruction="boxed", system_prompt="Be brief."))
     task = build_task(cfg)
     tok = ChatTok()
-    assert task.render_prompt(task.eval_examples()[0], tok) == [1, 2, 3]
+    ex = task.eval_examples()[0]
+    ids = task.render_prompt(ex, tok)
     assert tok.msgs[0] == {"role": "system", "content": "Be brief."}
     assert tok.msgs[1]["content"].endswith("put your final answer within \\boxed{}.")
-    assert tok.msgs[1]["content"].startswith(task.eval_examples()[0].question)
+    assert tok.msgs[1]["content"].startswith(ex.question)
+    text = tok.apply_chat_template(tok.msgs, True)
+    # the template's three <|s|> are the only special ids; every other character is encoded as itself
+    # (system, user, assistant header)
+    plain = [x for part in text.split("<|s|>") for x in ([1] + [ord(c) for c in part])][1:]
+    assert ids == plain and ids.count(1) == 3
     cfg.instruction = "Answer in French."
     assert build_task(cfg).user_message(task.eval_examples()[0]).endswith("\nAnswer in French.")
 
