@@ -268,7 +268,7 @@ def test_eval_tasks_from_presets_with_paths():
     class Tok:
         chat_template = None
 
-        def __call__(self, text):
+        def __call__(self, text, **kw):  # prompt text is encoded as plain text (split_special_tokens=True)
             return {"input_ids": [len(text)]}
 
     # always answers 27: right on AMC problem 0 only (and on no AIME problem)
