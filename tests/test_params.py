@@ -134,7 +134,7 @@ def test_misspelt_kinds_cover_every_component_registry():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["algo.kl.estimator=k4"], "Invalid choice algo.kl.estimator='k4'. Valid choices: k1, k2, k3."),
+    (["algo.kl.estimator=k4"], "Invalid choice algo.kl.estimator='k4'. Valid choices: k1, k2, k3, k3_clamped."),
     (["algo.loss_agg=token_mean"], "Did you mean 'token-mean'?"),
     (["+algo.loss_params.ratio_level=seq", "algo.loss=gapo"], "valid choices are token, sequence"),
     (["algo.loss=gspo", "algo.loss_params.eps_low=wide"], "could not be converted to Float"),
