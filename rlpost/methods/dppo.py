@@ -17,7 +17,7 @@ from rlpost.algos.predictive_mask import anchor_support
 from rlpost.algos.validate import loss_kwargs
 from rlpost.errors import ConfigError
 from rlpost.methods.base import METHODS, ForwardOut, ForwardPass, Method, Needs, RunServices
-from rlpost.models.teacher import support_logprobs
+from rlpost.models.teacher import support_logprobs, support_pass
 
 
 def _value(x: Any) -> str:
@@ -76,14 +76,8 @@ def region_support_pass(fwd, mb, with_entropy: bool, entropy_grad: bool):
     if entropy_grad:
         raise ConfigError("algo.entropy_coef != 0 with dppo direction=predictive: the entropy bonus's gradient is "
                           "not computed on this path. Fix: algo.entropy_coef=0.")
-    attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
-    dev = fwd.device
-    with fwd.autocast():
-        lp, ent, sup, _ = support_logprobs(
-            fwd.model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
-            temperature=fwd.temperature(mb), support_ids=mb.extras["old_topk_ids"],
-            chunk_size=fwd.chunk_size, with_entropy=with_entropy, **fwd.truncation)
-    R = lp.shape[1]
+    lp, ent, sup = support_pass(fwd, mb, mb.extras["old_topk_ids"], with_entropy)
+    dev, R = fwd.device, lp.shape[1]
     return lp, ent, {"region_support_logprobs": sup.detach().float(),
                      "region_anchor_logprobs": mb.extras["old_topk_logprobs"][:, :R].to(dev).float()}
 

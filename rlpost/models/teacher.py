@@ -315,6 +315,20 @@ def load_teacher(spec: str, student_tokenizer: Any, dtype: torch.dtype, device: 
     return Teacher(module, spec)
 
 
+def support_pass(fwd: Any, mb: Any, support_ids: torch.Tensor, with_entropy: bool):
+    """The update's forward of micro-batch ``mb`` under ``fwd`` (a :class:`rlpost.methods.base.ForwardPass`):
+    ``(sampled log-probs [b, R] with grad, entropy [b, R] or None, log-probs on support_ids [b, R, K])``,
+    with the sampler's temperature and truncation (:func:`support_logprobs`)."""
+    attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
+    dev = fwd.device
+    with fwd.autocast():
+        lp, ent, sup, _ = support_logprobs(
+            fwd.model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
+            temperature=fwd.temperature(mb), support_ids=support_ids, chunk_size=fwd.chunk_size,
+            with_entropy=with_entropy, **fwd.truncation)
+    return lp, ent, sup
+
+
 def student_support_pass(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool = False):
     """The policy update's forward for a top-K distillation loss: one pass, sampled and support log-probs.
 
@@ -334,14 +348,8 @@ def student_support_pass(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bo
     if entropy_grad:
         raise ConfigError("algo.entropy_coef != 0 with a top-K distillation loss: the entropy bonus's gradient is not "
                           "computed on this path. Fix: algo.entropy_coef=0.")
-    attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())
-    dev = fwd.device
-    with fwd.autocast():
-        lp, ent, sup, _ = support_logprobs(
-            fwd.model, mb.prompt_ids.to(dev), mb.prompt_mask.to(dev), mb.response_ids.to(dev), attn.to(dev),
-            temperature=fwd.temperature(mb), support_ids=mb.extras["teacher_topk_ids"],
-            chunk_size=fwd.chunk_size, with_entropy=with_entropy, **fwd.truncation)
-    R = lp.shape[1]
+    lp, ent, sup = support_pass(fwd, mb, mb.extras["teacher_topk_ids"], with_entropy)
+    dev, R = fwd.device, lp.shape[1]
     return lp, ent, {
         "teacher_logprobs": mb.extras["teacher_logprobs"][:, :R].to(dev),
         "support_logprobs": sup.float(),
