@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from rlpost.errors import ConfigError, Interrupted, RlpostError
+from rlpost.core.errors import ConfigError, Interrupted, RlpostError
 
 app = typer.Typer(
     add_completion=False,
@@ -151,7 +151,7 @@ def _mark_failed(err: BaseException) -> None:
     """Write ``<run dir>/FAILED`` holding the error, so a failed run is told apart from a finished one."""
     import traceback
 
-    from rlpost.checkpoint import FAILED_MARKER
+    from rlpost.run.checkpoint import FAILED_MARKER
 
     try:
         d = _run_dir()
@@ -166,11 +166,11 @@ def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Wrap a Hydra task so user errors exit cleanly (SystemExit passes through Hydra).
 
     A run that fails gets a ``FAILED`` file with the error; an interrupted one
-    (:class:`rlpost.errors.Interrupted`) does not, since ``resume=auto`` continues it.
+    (:class:`rlpost.core.errors.Interrupted`) does not, since ``resume=auto`` continues it.
     """
-    from rlpost.errors import Interrupted
-    from rlpost.sweep import summarize_current_sweep
-    from rlpost.tracking import log
+    from rlpost.core.errors import Interrupted
+    from rlpost.experiments.sweep import summarize_current_sweep
+    from rlpost.core.tracking import log
 
     def wrapped(cfg: Any) -> Any:
         import logging
@@ -227,7 +227,7 @@ def train(
     try:
         _validate(overrides, multirun)
         if not multirun:  # resume=...: the run's own overrides, checked before Hydra writes anything
-            from rlpost.resume import plan_resume
+            from rlpost.run.resume import plan_resume
 
             plan = plan_resume(overrides)
             overrides, note = plan.overrides, plan.note
@@ -245,8 +245,8 @@ def train(
         from omegaconf import OmegaConf
 
         from rlpost.config.compose import window_rollout_overrides
-        from rlpost.runner import train as run_train
-        from rlpost.tracking import log
+        from rlpost.run.runner import train as run_train
+        from rlpost.core.tracking import log
 
         for line in (note or "").splitlines():
             log.info(line)
@@ -304,10 +304,10 @@ def eval_cmd(ctx: typer.Context) -> None:
         from omegaconf import OmegaConf
 
         from rlpost.eval.evaluate import evaluate
-        from rlpost.tracking import eval_line, log
+        from rlpost.core.tracking import eval_line, log
         from rlpost.models.loader import load_policy
         from rlpost.rollout import build_engine
-        from rlpost.runner import pick_device, seed_everything
+        from rlpost.run.runner import pick_device, seed_everything
         from rlpost.tasks import build_task
 
         seed_everything(cfg.seed)
@@ -390,7 +390,7 @@ def config(
     except RlpostError as e:
         _fail(e)
     if graph:
-        from rlpost.runner import format_graph
+        from rlpost.run.runner import format_graph
 
         typer.echo(format_graph(cfg))
     else:
@@ -466,7 +466,7 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
     import rlpost.tasks  # noqa: F401
     from rlpost.config.compose import conf_dir, group_choices
     from rlpost.config.schema import GROUP_SCHEMAS
-    from rlpost.registry import param_rows
+    from rlpost.core.registry import param_rows
 
     conf_groups = list(GROUP_SCHEMAS) + ["recipe"]
     groups = [group] if group else conf_groups + list(REGISTRY_GROUPS)
@@ -505,7 +505,7 @@ def recipes_cmd(
     """
     from omegaconf import OmegaConf
 
-    from rlpost import recipes as R
+    from rlpost.experiments import recipes as R
 
     try:
         if name is not None:
@@ -558,7 +558,7 @@ def reproduce_cmd(
 
       rlpost reproduce dapo --dry-run
     """
-    from rlpost import recipes as R
+    from rlpost.experiments import recipes as R
 
     extra = list(ctx.args)
     try:
@@ -575,7 +575,7 @@ def reproduce_cmd(
             return
         import logging
 
-        from rlpost.tracking import log
+        from rlpost.core.tracking import log
 
         if not log.handlers and not logging.getLogger().handlers:  # outside Hydra: progress lines to stdout
             logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -686,7 +686,7 @@ def effective_params(cfg: Any) -> List[tuple]:
     from rlpost.algos.corrections import CORRECTIONS
     from rlpost.algos.registries import ADV_ESTIMATORS
     from rlpost.algos.validate import adv_overrides, loss_kwargs
-    from rlpost.registry import as_dict as _as_dict
+    from rlpost.core.registry import as_dict as _as_dict
     from rlpost.samplers import SAMPLERS
     from rlpost.selectors import SELECTORS
 

@@ -9,7 +9,7 @@ passes of the *whole* step, so N processes did N times the rollout work. Here:
   draws the same prompts (same RNG, same updates);
 * **generation** (:class:`ShardedEngine`): every ``generate`` call is split into
   contiguous runs of identical prompts (a group is never split), the runs are
-  apportioned across ranks (:func:`rlpost.apportion.apportion`, equal weights,
+  apportioned across ranks (:func:`rlpost.core.apportion.apportion`, equal weights,
   so uneven counts differ by at most one run), each rank generates its runs and
   the results are all-gathered, so every rank holds the whole call's output in
   the single-process row order. Row ``i`` of the call samples from its own
@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rlpost.apportion import apportion
+from rlpost.core.apportion import apportion
 
 
 def world_size() -> int:

@@ -60,8 +60,8 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
     the real model) is deleted afterwards unless ``keep``.
     """
     from rlpost.config.compose import compose_config
-    from rlpost.errors import TrainingDiverged
-    from rlpost.runner import train
+    from rlpost.core.errors import TrainingDiverged
+    from rlpost.run.runner import train
 
     row: Dict[str, Any] = {"preset": name, "steps": 0, "status": "ok"}
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
@@ -69,7 +69,7 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
     try:
         base = [f"algo={name}", f"steps={steps}", "logger=jsonl", "eval.at_start=false", "eval.at_end=false", "checkpoint.every=0"]
         cfg = compose_config([*base, *overrides])
-        from rlpost.models.teacher import uses_teacher
+        from rlpost.algos.validate import uses_teacher
 
         if uses_teacher(cfg.algo) and not cfg.model.get("teacher"):  # distillation: the model is its own teacher
             base.append(f"model.teacher={cfg.model.name}")

@@ -44,7 +44,7 @@ def main() -> None:
     import torch
 
     from rlpost.config.compose import compose_config
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
     from rlpost.samplers import SAMPLERS, SamplerContext
     from rlpost.samplers.base import group_reward_stats
 

@@ -3,7 +3,7 @@
 
 Each configuration runs in its own process (peak resident memory is a process-wide
 high-water mark), a few RL steps of the given config through the real run loop
-(:class:`rlpost.runner.Run`), with a KL reference (``algo.kl.coef=0.04``) so the
+(:class:`rlpost.run.runner.Run`), with a KL reference (``algo.kl.coef=0.04``) so the
 full fine-tuning run holds its reference copy and LoRA uses the base under its
 adapters. Then, in the LoRA process, the two ways the hf engine can generate with
 an adapter are timed on the same prompts: the PEFT model directly (unmerged: two
@@ -42,7 +42,7 @@ def child(mode: str, steps: int, rank: int, overrides: list) -> dict:
     import torch
 
     from rlpost.config.compose import compose_config
-    from rlpost.runner import Run, peak_rss_mb
+    from rlpost.run.runner import Run, peak_rss_mb
 
     lora = [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}",
             "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"] if mode == "lora" else []
@@ -74,10 +74,10 @@ def child_update(mode: str, steps: int, rank: int, overrides: list) -> dict:
     (reference log-probs + one policy update); no rollouts, no task scoring."""
     import torch
 
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
-    from rlpost.runner import peak_rss_mb
+    from rlpost.run.runner import peak_rss_mb
     from rlpost.trainer.torch_engine import TorchTrainer
 
     lora = [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}",

@@ -5,7 +5,7 @@ Usage::
     python scripts/bench_rollout_efficiency.py --steps 10 --out /tmp/bench/rolleff \\
         --entries "sampler=group" "sampler=spec_rl" --extra task.train_size=8
 
-Each entry is one ``rlpost.runner.train`` run (``algo=grpo``, the real model by
+Each entry is one ``rlpost.run.runner.train`` run (``algo=grpo``, the real model by
 default, held-out evaluation at the end) built like ``scripts/bench_sampling.py``
 (finished run directories are reused). The table reports, summed over the steps:
 rollouts, response tokens in the training batches, tokens the rollout engine

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 def run(mode: str, args) -> dict:
     import torch
 
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
     from rlpost.models.moe_replay import attach_routing

@@ -15,7 +15,7 @@ Table mode builds one run per entry (``algo=grpo`` on the default task, same
 seed) and reports, over the steps: rollouts spent (total), mean training reward
 per step, share of zero-variance groups, mean effective batch (rows with a
 non-zero group advantage), prompts skipped, seconds. ``--compare`` trains each
-method with ``rlpost.runner.train`` (held-out evaluation at the end) for every
+method with ``rlpost.run.runner.train`` (held-out evaluation at the end) for every
 seed, then prints the paired comparison against the first method
 (:func:`rlpost.eval.compare.compare`, paired bootstrap over problems).
 ``--protocol dataflex`` is DataFlex-RL's protocol (arXiv:2609.06107,
@@ -70,9 +70,9 @@ def run_entry(entry: str, seed: int, args, root: Path) -> Dict[str, float]:
     (``final/``, ``checkpoints/``) are deleted afterwards to save disk; the
     metrics and ``eval.json`` stay.
     """
-    from rlpost.checkpoint import DONE_MARKER
+    from rlpost.run.checkpoint import DONE_MARKER
     from rlpost.config.compose import compose_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     run_dir = run_dir_of(root, entry, seed)
     if not (run_dir / DONE_MARKER).exists():

@@ -128,7 +128,7 @@ def long_tailed_batch(n: int, vocab: int, seed: int = 0):
     """``n`` rows: prompts of 20-60 tokens, response lengths log-normal (median 24, sigma 1) capped at 256."""
     import torch
 
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(20, 61, (n,), generator=g)

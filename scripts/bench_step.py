@@ -32,7 +32,7 @@ sys.path.insert(0, str(_P(__file__).resolve().parents[1]))  # this checkout's rl
 
 def bench(precision: str, steps: int, overrides: list[str]) -> dict:
     from rlpost.config.compose import compose_config
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
 
     cfg = compose_config([f"precision={precision}", "logger=none", f"steps={steps}", *overrides])
     with tempfile.TemporaryDirectory() as d:

@@ -60,7 +60,7 @@ def rlpost_worker(steps: int, precision: str, data_path: str) -> None:
     import torch
 
     from rlpost.config.compose import compose_config
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
 
     cfg = compose_config([
         f"precision={precision}", "logger=none", f"steps={steps}", "model=smollm2-135m", "task=arithmetic",

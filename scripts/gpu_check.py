@@ -17,7 +17,7 @@ architectures' configs (Qwen3-8B's shape, :data:`SHAPES`), prompts are random
 token ids, and the tokenizer is a word-level ``tokenizers`` model over the
 vocabulary. It runs
 
-1. the memory budget (:mod:`rlpost.memory`) of the check's own configuration
+1. the memory budget (:mod:`rlpost.run.memory`) of the check's own configuration
    against this GPU, and of the flagship ``algo=sao model=qwen3-8b`` on 8 x 80 GB;
 2. the hf rollout engine on the full 36-layer Qwen3-8B shape in bf16:
    generation tokens/s;
@@ -174,7 +174,7 @@ def rl_config(overrides: List[str]):
 
 def batch_from(gen, group: int = 4):
     """A RolloutBatch from a GenerationResult with a fixed advantage per group (so the update moves weights)."""
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
 
     B = gen.response_ids.shape[0]
     g = torch.Generator().manual_seed(1)
@@ -208,7 +208,7 @@ def masked_abs_mean(a: torch.Tensor, b: torch.Tensor, m: torch.Tensor) -> float:
 
 # --------------------------------------------------------------------------- plan and budget
 def budget_section(device_bytes: int, shape: str, layers: int, overrides: List[str]) -> Any:
-    from rlpost.memory import check, estimate, shape_from_config
+    from rlpost.run.memory import check, estimate, shape_from_config
 
     print(f"\n== memory budget: {shape} with {layers} layers on this device ({device_bytes / GiB:.1f} GiB)")
     s = shape_from_config(hf_config(shape, layers).to_dict())
@@ -231,7 +231,7 @@ def budget_section(device_bytes: int, shape: str, layers: int, overrides: List[s
 
 def layers_that_fit(device_bytes: int, shape: str, overrides: List[str]) -> int:
     """The most layers of ``shape`` whose trainer + hf-engine budget fits ``device_bytes`` (at least 1)."""
-    from rlpost.memory import estimate, shape_from_config
+    from rlpost.run.memory import estimate, shape_from_config
 
     full = int(SHAPES[shape]["num_hidden_layers"])
     cfg = rl_config(overrides)
@@ -493,7 +493,7 @@ def part_spec(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
     tokens/s is printed against the plain engine. ``method=mtp`` on this model (no MTP layers) must
     stop with the ConfigError before any engine starts; no MTP checkpoint is available offline.
     """
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.rollout.vllm import VLLMRolloutEngine
     from rlpost.trainer.torch_engine import TorchTrainer
 
@@ -1053,7 +1053,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ov = ["precision=bf16", "trainer.micro_batch_size=8", "rollout.batch_size=64", "rollout.max_new_tokens=128",
               "trainer.logprob_chunk_size=128"]
         n = layers_that_fit(int(0.8 * 141 * GiB), "qwen3-8b", ov)
-        from rlpost.memory import estimate, shape_from_config
+        from rlpost.run.memory import estimate, shape_from_config
 
         b = estimate(rl_config(ov), shape_from_config(hf_config("qwen3-8b", n).to_dict()), 141 * GiB, world_size=1)
         print(f"\n== on a 141 GiB GPU the trainer check would use {n} of Qwen3-8B's 36 layers:\n{b.table()}")

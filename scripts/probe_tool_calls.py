@@ -32,7 +32,7 @@ def main() -> None:
     from rlpost.config.compose import compose_config
     from rlpost.envs.tools import parse_tool_calls
     from rlpost.rollout.base import SamplingParams
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
 
     cfg = compose_config(["+recipe=agent_multiply_grpo", "logger=jsonl", *a.overrides])
     run = Run(cfg, Path(tempfile.mkdtemp(prefix="probe-")))

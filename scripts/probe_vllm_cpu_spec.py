@@ -41,7 +41,7 @@ def run(method: str, tokens: int, spec: bool) -> None:
     import torch
     import vllm
 
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
     from rlpost.rollout.vllm import VLLMRolloutEngine, cpu_threads_kept, extract_result

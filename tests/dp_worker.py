@@ -30,7 +30,7 @@ OVERRIDES = ["algo=reinforce_pp", "algo.mini_batches=2", "task.reward.length_pen
 def run(out: Path, engine: str) -> dict:
     """Two steps with ``trainer=<engine>``; returns what the test compares."""
     from rlpost.config.compose import compose_config
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
 
     cfg = compose_config(tiny_overrides(*OVERRIDES, f"trainer={engine}"))
     r = Run(cfg, out / f"run_{engine}")

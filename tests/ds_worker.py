@@ -21,7 +21,7 @@ from conftest import tiny_overrides  # noqa: E402
 
 def make_batch(seed: int = 0, B: int = 8, P: int = 5, R: int = 6):
     """A fixed synthetic rollout batch for the tiny model (ids < 1000, ragged masks)."""
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     resp_mask = torch.ones(B, R)

@@ -280,7 +280,7 @@ def test_gymnasium_frozenlake_runs_unchanged_through_the_adapter():
 # ------------------------------------------------------------------ one real step on episodes
 @pytest.mark.parametrize("algo", ["sao", "grpo"])
 def test_one_training_step_on_episodes_logs_episode_metrics_and_a_transcript(compose, tmp_path, algo):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides(f"algo={algo}", "env=calculator", "task=multiply", "steps=1", "eval.at_end=false",
                                  "eval.every=0", "sampler.params.max_total_tokens=40", "checkpoint.every=0"))
@@ -296,8 +296,8 @@ def test_one_training_step_on_episodes_logs_episode_metrics_and_a_transcript(com
 
 
 def test_held_out_evaluation_runs_episodes_and_branching_partial_rollouts_are_refused(compose, tmp_path):
-    from rlpost.errors import ConfigError
-    from rlpost.runner import Run
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.runner import Run
 
     run = Run(compose(tiny_overrides("env=calculator", "task=multiply", "eval.limit=3", "sampler.params.max_total_tokens=30")),
               tmp_path / "r")
@@ -433,8 +433,8 @@ def test_per_turn_rewards_sit_on_each_turns_last_model_token(tok, echo_env):
 
 
 def test_turn_rewards_need_an_estimator_that_reads_token_rewards(compose, tmp_path):
-    from rlpost.errors import ConfigError
-    from rlpost.runner import Run
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.runner import Run
 
     with pytest.raises(ConfigError, match="env_reward_at=turn"):
         Run(compose(tiny_overrides("algo=grpo", "env=calculator", "sampler.params.env_reward_at=turn",
@@ -605,7 +605,7 @@ def test_carried_episodes_resume_token_exact_under_new_weights(compose, echo_env
 
 
 def test_async_partial_rollouts_train_on_episodes(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("algo=grpo", "env=calculator", "task=multiply", "executor=async",
                                  "executor.partial_rollout=true", "executor.over_provision=2.0", "steps=2",

@@ -10,7 +10,7 @@ from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.algos.shaping import BetaBaselineTracker
 from rlpost.rewards import RewardFunction, overlong_penalty
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 
 def inp(rewards, lengths, groups, R=None, **kw):
@@ -203,7 +203,7 @@ def test_stage_requirements_and_reference_answers(compose):
 
     from rlpost.algos.inputs import reference_response
     from rlpost.config.schema import AlgoConfig
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.methods.base import MethodSet
     from rlpost.methods.hapo import check_sampler
 
@@ -428,7 +428,7 @@ def test_grpo_batch_std_scope_divides_by_the_std_of_all_rewards_by_hand():
     assert group.tolist() == pytest.approx([2 ** -0.5, -(2 ** -0.5), 0.0, 0.0])
     pop = compute_advantages("grpo", inp, std_scope="batch", unbiased_std=False, eps=0.0).advantages[:, 0]
     assert pop.tolist() == pytest.approx([0.5 / 0.1875 ** 0.5, -0.5 / 0.1875 ** 0.5, 0.0, 0.0])  # population var 0.1875
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="std_scope"):
         from rlpost.algos.registries import ADV_ESTIMATORS

@@ -157,7 +157,7 @@ def test_mask_gradient_and_shadow_state_do_not_depend_on_micro_batch_size(compos
 
 def test_capo_two_steps_on_tiny(tmp_path):
     from rlpost.config.compose import compose_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose_config(["algo=capo", "model=tiny", "steps=2", "logger=jsonl", "rollout.max_new_tokens=6",
                           "selector.prompts_per_step=1", "eval.at_end=false", "checkpoint.every=1", "trainer.lr=1e-4"])
@@ -178,7 +178,7 @@ def test_capo_two_steps_on_tiny(tmp_path):
 
 
 def test_capo_refuses_a_multi_process_engine():
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     class Lockstep:  # a DeepSpeed-like engine's forward pass: processes step together, each with its own shadow state
         multi_process = True

@@ -13,7 +13,7 @@ PRESETS = group_choices("algo")
 
 def uses_teacher_preset(name: str) -> bool:
     """Distillation presets need ``model.teacher`` (a tiny teacher here)."""
-    from rlpost.models.teacher import uses_teacher
+    from rlpost.algos.validate import uses_teacher
 
     return uses_teacher(compose_config([f"algo={name}"]).algo)
 
@@ -33,7 +33,7 @@ def test_every_preset_names_its_paper_and_only_registered_parts():
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_two_steps_on_tiny(name, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose_config([
         f"algo={name}", "model=tiny", "steps=2", "logger=jsonl", "rollout.max_new_tokens=6",

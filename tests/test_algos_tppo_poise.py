@@ -10,7 +10,7 @@ import torch
 
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.poise import PoiseProbe, cross_rollout_baseline, other_rollout_targets
-from rlpost.partial import PartialRolloutProducer
+from rlpost.core.partial import PartialRolloutProducer
 from rlpost.rollout.base import SamplingParams
 from test_partial import EOS, ScriptEngine
 
@@ -104,8 +104,8 @@ def test_window_producer_trains_each_token_once_and_continues_cut_responses():
 
 
 def test_window_mode_needs_partial_rollouts(compose):
-    from rlpost.errors import ConfigError
-    from rlpost.executor import check_partial
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.executor import check_partial
 
     cfg = compose(["model=tiny", "executor.partial_train_unfinished=true"])
     with pytest.raises(ConfigError, match="partial_rollout=true"):
@@ -206,7 +206,7 @@ def test_poise_probe_pca_uses_hidden_states_and_buffer_keeps_recent_rows():
 def _run(tmp_path, *overrides):
     from conftest import tiny_overrides
     from rlpost.config.compose import compose_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose_config(tiny_overrides("steps=2", "eval.at_end=false", "checkpoint.every=0",
                                         "selector.prompts_per_step=2", *overrides))

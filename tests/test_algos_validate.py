@@ -12,7 +12,7 @@ from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
 from rlpost.algos.registries import ADV_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 from rlpost.algos.validate import loss_overrides, validate_algo, validate_correction
 from rlpost.config.schema import AlgoConfig
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from teacher_inputs import teacher_inputs  # noqa: E402  (tests/teacher_inputs.py)
 
 

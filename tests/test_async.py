@@ -13,7 +13,7 @@ VOLATILE = ("time/", "throughput/", "memory/", "async/", "bench/")
 
 
 def _run(compose, tmp_path, name, *extra):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("steps=3", "eval.at_end=false", "checkpoint.every=2", *extra))
     run_dir = tmp_path / name
@@ -42,7 +42,7 @@ def test_async_at_staleness_zero_matches_sync_exactly(compose, tmp_path):
 def test_async_respects_the_staleness_bound_and_records_versions(compose, tmp_path, monkeypatch):
     import time
 
-    import rlpost.runner as runner
+    import rlpost.run.runner as runner
 
     real_learn = runner.Run.learn
     seen = []
@@ -68,8 +68,8 @@ def test_async_respects_the_staleness_bound_and_records_versions(compose, tmp_pa
 
 
 def test_bad_executor_settings_are_config_errors(compose):
-    from rlpost.errors import ConfigError
-    from rlpost.executor import build_executor
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.executor import build_executor
 
     cfg = compose(tiny_overrides("executor=async", "executor.max_staleness=-1"))
     with pytest.raises(ConfigError, match="max_staleness"):

@@ -140,7 +140,7 @@ def test_vcpo_preset_feeds_importance_weights_to_the_baseline_on_stale_batches(c
     import json
     import time
 
-    import rlpost.runner as runner
+    import rlpost.run.runner as runner
     from conftest import tiny_overrides
     from rlpost.algos.advantages import AdvantageInput, min_variance_group_baseline
 

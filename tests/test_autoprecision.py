@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rlpost.autoprecision import MARGIN, cached_measure, choose_precision, resolve_precision
+from rlpost.core.autoprecision import MARGIN, cached_measure, choose_precision, resolve_precision
 
 
 def rates(train32, train16, dec32, dec16):
@@ -60,8 +60,8 @@ def test_cache_measures_once_per_machine(tmp_path, monkeypatch):
         calls.append(1)
         return {"train_fp32": 1.0, "train_bf16": 2.0, "decode_fp32": 3.0, "decode_bf16": 4.0}
 
-    monkeypatch.setattr("rlpost.autoprecision.measure_matmul_gflops", fake)
-    monkeypatch.setattr("rlpost.autoprecision.os.getloadavg", lambda: (0.5, 0.5, 0.5))
+    monkeypatch.setattr("rlpost.core.autoprecision.measure_matmul_gflops", fake)
+    monkeypatch.setattr("rlpost.core.autoprecision.os.getloadavg", lambda: (0.5, 0.5, 0.5))
     path = tmp_path / "precision_auto.json"
     m = cached_measure({"avx512_bf16"}, path)
     assert m() == fake() and len(calls) == 2  # one measured, one direct call above
@@ -77,8 +77,8 @@ def test_cache_measures_once_per_machine(tmp_path, monkeypatch):
 def test_resolve_replaces_auto_and_leaves_concrete_alone(monkeypatch, capsys):
     from rlpost.config.compose import compose_config
 
-    monkeypatch.setattr("rlpost.autoprecision.cpu_flags", lambda: {"avx2"})
-    monkeypatch.setattr("rlpost.autoprecision._PRINTED", False)
+    monkeypatch.setattr("rlpost.core.autoprecision.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("rlpost.core.autoprecision._PRINTED", False)
     cfg = compose_config(["model=tiny"])
     assert cfg.precision.name == "auto" and cfg.precision.trainer_dtype == "auto"  # the default
     choice = resolve_precision(cfg, torch.device("cpu"))
@@ -97,15 +97,15 @@ def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(monkeypatch, tmp
         calls.append(1)
         return {"train_fp32": 30.0, "train_bf16": 26.0, "decode_fp32": 8.0, "decode_bf16": 49.0}
 
-    monkeypatch.setattr("rlpost.autoprecision.measure_matmul_gflops", fake)
-    monkeypatch.setattr("rlpost.autoprecision.os.cpu_count", lambda: 2)
-    monkeypatch.setattr("rlpost.autoprecision.os.getloadavg", lambda: (7.5, 6.0, 4.0))
+    monkeypatch.setattr("rlpost.core.autoprecision.measure_matmul_gflops", fake)
+    monkeypatch.setattr("rlpost.core.autoprecision.os.cpu_count", lambda: 2)
+    monkeypatch.setattr("rlpost.core.autoprecision.os.getloadavg", lambda: (7.5, 6.0, 4.0))
     path = tmp_path / "precision_auto.json"
     m = cached_measure({"avx512_bf16"}, path)
     assert m()["train_fp32"] == 30.0 and not path.exists()
     m()
     assert len(calls) == 2  # measured again: nothing was cached
-    monkeypatch.setattr("rlpost.autoprecision.os.getloadavg", lambda: (1.0, 1.0, 1.0))  # only this process runs
+    monkeypatch.setattr("rlpost.core.autoprecision.os.getloadavg", lambda: (1.0, 1.0, 1.0))  # only this process runs
     m()
     m()
     assert len(calls) == 3 and path.exists()

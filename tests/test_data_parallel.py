@@ -110,8 +110,8 @@ def test_shard_rollouts_setting_and_what_prevents_it(compose, monkeypatch):
 
     import rlpost.distributed as dist_mod
     from conftest import tiny_overrides
-    from rlpost.errors import ConfigError
-    from rlpost.runner import Run
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.runner import Run
 
     def decide(*over, world=2):
         monkeypatch.setattr(dist_mod, "world_size", lambda: world)

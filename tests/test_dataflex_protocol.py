@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.errors import DataError
+from rlpost.core.errors import DataError
 from rlpost.eval.protocol import budget_steps, protocol_report, run_spend
 
 

@@ -123,7 +123,7 @@ def test_cli_runs_two_processes_and_resumes(tmp_path):
 
 
 def test_zero_stage_and_launch_errors_are_clear(compose):
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.trainer.deepspeed_engine import build_ds_config
     from rlpost.trainer.torchrun import launch_command, needs_launch
 

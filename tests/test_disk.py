@@ -17,7 +17,7 @@ def _bytes(d):
 
 def test_start_line_predicts_the_run_directory_and_cpu_full_fine_tuning_keeps_one_checkpoint(compose, tmp_path,
                                                                                              caplog):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("steps=3", "checkpoint.every=1"))
     assert cfg.checkpoint.keep_last is None  # the default: decided by the run
@@ -36,8 +36,8 @@ def test_start_line_predicts_the_run_directory_and_cpu_full_fine_tuning_keeps_on
 
 
 def test_estimate_counts_policy_adam_moments_and_tokenizer_exactly(compose, tmp_path):
-    from rlpost.checkpoint import estimate_disk, save_checkpoint
-    from rlpost.runner import Run
+    from rlpost.run.checkpoint import estimate_disk, save_checkpoint
+    from rlpost.run.runner import Run
 
     run = Run(compose(tiny_overrides("steps=1")), tmp_path / "run")
     try:
@@ -46,7 +46,7 @@ def test_estimate_counts_policy_adam_moments_and_tokenizer_exactly(compose, tmp_
             p.grad = torch.zeros_like(p)
         run.trainer.opt.step()
         est = estimate_disk(run.trainer, 1, run.tokenizer)
-        from rlpost.checkpoint import collect_states
+        from rlpost.run.checkpoint import collect_states
 
         path = save_checkpoint(tmp_path / "run", 1, run.trainer.policy, run.tokenizer, collect_states(run.stateful()))
         assert est["checkpoint"] == pytest.approx(_bytes(path), rel=0.01)
@@ -55,8 +55,8 @@ def test_estimate_counts_policy_adam_moments_and_tokenizer_exactly(compose, tmp_
 
 
 def test_keep_last_default_is_two_for_lora_or_a_gpu_and_a_given_value_is_kept(compose):
-    from rlpost.checkpoint import resolve_keep_last
-    from rlpost.errors import ConfigError
+    from rlpost.run.checkpoint import resolve_keep_last
+    from rlpost.core.errors import ConfigError
 
     assert resolve_keep_last(compose(tiny_overrides()), torch.device("cpu")) == 1
     assert resolve_keep_last(compose(tiny_overrides("model.lora.rank=4")), torch.device("cpu")) == 2

@@ -21,7 +21,7 @@ from ds_worker import make_batch  # noqa: E402
 from rlpost.algos.aggregation import aggregate  # noqa: E402
 from rlpost.algos.distill import truncated_reverse_kl  # noqa: E402
 from rlpost.algos.losses import PolicyLossInput, compute_policy_loss  # noqa: E402
-from rlpost.errors import ConfigError  # noqa: E402
+from rlpost.core.errors import ConfigError  # noqa: E402
 
 # Two response positions, vocabulary of 5 (hand case). Position 0: the teacher prefers token 1 over 0
 # by one logit, the student the reverse; position 1: both identical.
@@ -207,7 +207,7 @@ def test_load_teacher_from_a_directory_checks_its_tokenizer(tmp_path):
 
 def test_opd_run_scores_with_the_teacher_stage(compose, tmp_path):
     """Two steps of algo=opd on model=tiny with itself as teacher: the stage runs, the first loss is 0."""
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("algo=opd", "model.teacher=tiny", "steps=2", "selector.prompts_per_step=2",
                                  "algo.n_samples_per_prompt=2", "rollout.max_new_tokens=6", "eval.at_end=false",
@@ -224,7 +224,7 @@ def test_opd_run_scores_with_the_teacher_stage(compose, tmp_path):
 @pytest.mark.slow
 def test_smollm2_as_its_own_teacher_two_steps(compose, tmp_path):
     """Real model: SmolLM2-135M distilled from a frozen copy of itself; loss ~0 and finite."""
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(["model=smollm2-135m", "algo=opd", "model.teacher=smollm2-135m", "steps=2", "logger=jsonl",
                    "selector.prompts_per_step=2", "algo.n_samples_per_prompt=2", "rollout.max_new_tokens=16",
@@ -256,7 +256,7 @@ def test_opd_token_advantage_hand_values():
 def test_sampled_token_opd_reads_the_teacher_stage(compose, tmp_path):
     """algo.adv_estimator=opd_token with ppo_clip: the runner hands the teacher's log-probs to the estimator;
     with the student as its own teacher every advantage of step 1 is 0."""
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("algo=opd", "algo.adv_estimator=opd_token", "algo.loss=ppo_clip",
                                  "model.teacher=tiny", "steps=1", "selector.prompts_per_step=2",

@@ -294,7 +294,7 @@ def test_max_at_k_group_smaller_than_k_is_a_config_error():
 ])
 def test_headline_defaults_are_the_sources_values(kind, name, values):
     from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
-    from rlpost.registry import defaults_of
+    from rlpost.core.registry import defaults_of
 
     reg = ADV_ESTIMATORS if kind == "adv" else POLICY_LOSSES
     d = defaults_of(reg.params_of(name))
@@ -391,7 +391,7 @@ def test_tpo_needs_group_index_and_refuses_seq_mean_token_mean():
     from omegaconf import OmegaConf
 
     from rlpost.algos.validate import validate_algo
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     x = make([[1.0, 1.0]], [[1.0, 1.0]])
     with pytest.raises(ValueError, match="group_index"):

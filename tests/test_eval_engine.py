@@ -44,7 +44,7 @@ def test_evaluate_with_hf_engine_on_gsm8k(compose):
 
 @needs_data
 def test_training_on_gsm8k_logs_periodic_eval(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("task=gsm8k", *GSM8K, "steps=2", "eval.every=1", "eval.limit=4", "eval.n_boot=100",
                                  "checkpoint.every=0"))

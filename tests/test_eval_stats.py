@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlpost.config.schema import EvalConfig, TaskConfig
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 from rlpost.eval import aggregate, bootstrap_ci, evaluate, maj_at_k, paired_bootstrap, pass_at_k, scalar_metrics
 from rlpost.eval.compare import compare, compare_methods, load_run
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams

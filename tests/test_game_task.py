@@ -36,7 +36,7 @@ def test_boards_are_distinct_held_out_and_reach_the_environment(compose):
 
 
 def test_train_env_frozenlake_runs_two_steps(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("env=frozenlake", "steps=2", "eval.limit=2", "eval.at_start=false", "checkpoint.every=0",
                                  "rollout.max_new_tokens=8", "sampler.params.max_turns=3", "sampler.params.max_total_tokens=200"))

@@ -48,7 +48,7 @@ metric_list:
 def test_harness_scores_a_checkpoint_with_a_local_task_offline(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlpost.checkpoint import save_hf
+    from rlpost.run.checkpoint import save_hf
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
 
@@ -94,7 +94,7 @@ def test_harness_refuses_unknown_task_and_missing_folder(tmp_path):
     from types import SimpleNamespace
 
     from rlpost.config.schema import HarnessConfig
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.eval.harness import check_tasks, run_harness
 
     with pytest.raises(ConfigError, match="is not a folder"):

@@ -11,8 +11,8 @@ from conftest import tiny_overrides
 
 def test_in_process_interrupt_reaches_the_caller_and_the_handler_does_not_outlive_the_run(compose, tmp_path,
                                                                                           monkeypatch):
-    from rlpost import runner
-    from rlpost.errors import Interrupted
+    from rlpost.run import runner
+    from rlpost.core.errors import Interrupted
 
     before = signal.getsignal(signal.SIGINT)
     cfg = compose(tiny_overrides("steps=3", "checkpoint.every=100"))

@@ -34,8 +34,8 @@ def _stable(rec):
     ("algo=remax",),  # a greedy baseline rollout: algo_inputs
 ])
 def test_executed_stages_are_the_printed_graph(compose, tmp_path, monkeypatch, extra):
-    from rlpost import runner
-    from rlpost.runner import build_graph, format_graph
+    from rlpost.run import runner
+    from rlpost.run.runner import build_graph, format_graph
 
     cfg = compose(tiny_overrides(*extra, "steps=2"))
     printed = [line.split()[1] for line in format_graph(cfg).splitlines() if not line.endswith("(skipped)")]
@@ -54,7 +54,7 @@ def test_executed_stages_are_the_printed_graph(compose, tmp_path, monkeypatch, e
 
 
 def test_graph_skips_what_the_config_does_not_run(compose):
-    from rlpost.runner import build_graph
+    from rlpost.run.runner import build_graph
 
     on = {s.name for s in build_graph(compose(tiny_overrides("algo=grpo"))) if s.enabled}
     assert {"values", "critic_update", "ref_logprobs", "old_logprobs", "algo_inputs"}.isdisjoint(on)
@@ -81,7 +81,7 @@ class _Counter:
 def test_checkpoint_round_trips_every_component_of_the_map(tmp_path):
     from transformers import AutoTokenizer
 
-    from rlpost.checkpoint import GeneratorState, collect_states, load_checkpoint, save_checkpoint
+    from rlpost.run.checkpoint import GeneratorState, collect_states, load_checkpoint, save_checkpoint
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
 
@@ -107,7 +107,7 @@ def test_checkpoint_round_trips_every_component_of_the_map(tmp_path):
 
 
 def test_run_stateful_map_is_what_a_checkpoint_holds(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     run_dir = tmp_path / "run"
     train(compose(tiny_overrides("steps=1")), run_dir)
@@ -208,7 +208,7 @@ def test_sigint_checkpoints_and_resume_auto_reaches_the_same_result(tmp_path):
 def test_format_summary_hand_computed(tmp_path):
     from types import SimpleNamespace
 
-    from rlpost.tracking import format_summary
+    from rlpost.core.tracking import format_summary
 
     recs = [{"step": 0, "eval/accuracy": 0.25}] + [
         {"step": s, "reward/mean": r, "response/length_mean": ln}
@@ -267,7 +267,7 @@ def test_version_and_recipe_hint():
 def test_compare_takes_one_sweep_folder_and_compares_its_methods(tmp_path):
     import numpy as np
 
-    from rlpost.errors import DataError
+    from rlpost.core.errors import DataError
     from rlpost.eval.compare import compare, split_sweep
 
     sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
@@ -337,7 +337,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 @pytest.mark.parametrize("task,n_eval", [("gsm8k", 1319), ("aime24", 30), ("amc23", 40)])
 def test_task_presets_read_a_local_file_and_name_the_fix_without_one(compose, task, n_eval, monkeypatch):
     """Benchmark presets: ``task.path=FILE`` reads a local copy; with no file and no hub the error names the fix."""
-    from rlpost.errors import DataError
+    from rlpost.core.errors import DataError
     from rlpost.tasks import build_task
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -399,7 +399,7 @@ def test_resumed_offline_wandb_run_names_every_segment_to_upload(tmp_path):
     name only the last, so `wandb sync` as printed uploaded the steps after the resume and dropped the rest."""
     from types import SimpleNamespace
 
-    from rlpost.tracking import RunLogger, format_summary
+    from rlpost.core.tracking import RunLogger, format_summary
 
     infos = []
     for resume_step, steps in ((None, (1, 2)), (2, (3,))):
@@ -425,7 +425,7 @@ def test_summary_windows_do_not_overlap_on_an_odd_number_of_steps(tmp_path):
     """3 steps used to print 'reward/mean: ... (steps 1-2) -> ... (steps 2-3)', step 2 in both means."""
     from types import SimpleNamespace
 
-    from rlpost.tracking import format_summary
+    from rlpost.core.tracking import format_summary
 
     recs = [{"step": s, "reward/mean": r, "response/length_mean": ln} for s, r, ln in [(1, 0.1, 30), (2, 0.4, 20), (3, 0.7, 10)]]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))

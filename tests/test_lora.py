@@ -87,7 +87,7 @@ def test_merged_export_loads_with_transformers_and_gives_the_same_logits(compose
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlpost.checkpoint import export_final
+    from rlpost.run.checkpoint import export_final
     from rlpost.models.loader import load_tokenizer
 
     t = _trainer(compose)
@@ -124,7 +124,7 @@ def test_hf_engine_copy_holds_merged_weights_and_follows_each_push(compose):
 
 def test_lora_config_errors_name_the_fix(compose, tmp_path):
     from rlpost.config.compose import validate_config
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.models.loader import load_policy
 
     with pytest.raises(ConfigError, match="model.lora.rank=-1 is negative"):
@@ -143,7 +143,7 @@ def test_lora_config_errors_name_the_fix(compose, tmp_path):
 def test_lora_checkpoint_resumes_to_the_same_metrics(compose, tmp_path, monkeypatch):
     from test_runner import _Stopped, _assert_same_metrics, _stop_after_checkpoint, _train
 
-    from rlpost.errors import RlpostError
+    from rlpost.core.errors import RlpostError
 
     # an entropy bonus and a KL term move the adapters even where every reward is 0 on the random model
     over = (*LORA, "steps=3", "checkpoint.every=1", "eval.at_end=false", "selector.prompts_per_step=2",
@@ -310,7 +310,7 @@ def test_rslora_scales_by_alpha_over_sqrt_rank_and_merges_that_delta(compose):
 
 def test_modules_to_save_is_refused_with_the_fix(compose):
     from rlpost.config.compose import validate_config
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.models.lora import check_lora_config
 
     cfg = compose(tiny_overrides(*LORA, "model.lora.modules_to_save=[lm_head]"))

@@ -272,7 +272,7 @@ def test_erc_runner_supplies_the_old_policy_entropy(tmp_path):
     import json
 
     from rlpost.config.compose import compose_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose_config(["algo=erc", "model=tiny", "steps=1", "logger=jsonl", "rollout.max_new_tokens=6",
                           "selector.prompts_per_step=2", "algo.n_samples_per_prompt=4", "algo.mini_batches=2",

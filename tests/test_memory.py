@@ -1,4 +1,4 @@
-"""The per-GPU memory budget (rlpost.memory) against hand-computed numbers for Qwen3-8B's shape."""
+"""The per-GPU memory budget (rlpost.run.memory) against hand-computed numbers for Qwen3-8B's shape."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, n
 
 
 def test_qwen3_8b_parameter_count_and_kv_bytes_by_hand():
-    from rlpost.memory import shape_from_config
+    from rlpost.run.memory import shape_from_config
 
     s = shape_from_config(QWEN3_8B)
     # per layer: q 4096*4096 + k,v 2*4096*1024 + o 4096*4096 + MLP 3*4096*12288 + 2 RMSNorms 2*4096 + q/k norms 2*128
@@ -27,7 +27,7 @@ def test_qwen3_8b_parameter_count_and_kv_bytes_by_hand():
 
 
 def test_zero3_sao_vllm_budget_items_by_hand(compose):
-    from rlpost.memory import estimate, shape_from_config
+    from rlpost.run.memory import estimate, shape_from_config
 
     s = shape_from_config(QWEN3_8B)
     P = 8_190_735_360
@@ -52,7 +52,7 @@ def test_zero3_sao_vllm_budget_items_by_hand(compose):
 
 
 def test_offload_and_stage_partitioning(compose):
-    from rlpost.memory import estimate, shape_from_config
+    from rlpost.run.memory import estimate, shape_from_config
 
     s = shape_from_config(QWEN3_8B)
     P = s.params
@@ -66,8 +66,8 @@ def test_offload_and_stage_partitioning(compose):
 
 
 def test_does_not_fit_names_the_cheapest_fix(compose):
-    from rlpost.errors import ConfigError
-    from rlpost.memory import check, cheapest_fix, estimate, shape_from_config
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.memory import check, cheapest_fix, estimate, shape_from_config
 
     s = shape_from_config(QWEN3_8B)
     # the flagship command with fp32 asked for, on one 80 GB GPU: fp32 everything, no sharding
@@ -89,7 +89,7 @@ def test_does_not_fit_names_the_cheapest_fix(compose):
 def test_preflight_skips_cpu_and_tiny(compose):
     import torch
 
-    from rlpost.memory import preflight
+    from rlpost.run.memory import preflight
 
     assert preflight(compose(tiny_overrides()), torch.device("cpu")) is None
 
@@ -123,7 +123,7 @@ def test_gpu_check_dry_run_runs_on_cpu(tmp_path):
                                                                    vocab_size=152064, max_position_embeddings=32768,
                                                                    tie_word_embeddings=False))])
 def test_gpu_recipes_fit_one_8x80gb_node_and_the_bare_preset_does_not(compose, recipe, shape):
-    from rlpost.memory import estimate, shape_from_config
+    from rlpost.run.memory import estimate, shape_from_config
 
     s = shape_from_config(shape)
     cfg = compose([f"+recipe={recipe}", "logger=none"])

@@ -19,7 +19,7 @@ from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
 from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS
 from rlpost.samplers.base import SamplerContext, SampleResult, generate_groups, score_rows
-from rlpost.samplers.driver import collect_rollouts
+from rlpost.run.collect import collect_rollouts
 from rlpost.samplers.hdl import context_logprobs
 from rlpost.selectors import SELECTORS
 from rlpost.selectors.mixture import make_hint_fn

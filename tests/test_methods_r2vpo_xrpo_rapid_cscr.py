@@ -31,7 +31,7 @@ def grad_of(name, x, **p):
 def train_rows(tmp_path, overrides):
     """Train on model=tiny and return the logged step rows."""
     from rlpost.config.compose import compose_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose_config(["model=tiny", "logger=jsonl", "rollout.max_new_tokens=6", "selector.prompts_per_step=2",
                           "algo.n_samples_per_prompt=4", "eval.at_end=false", "checkpoint.every=0", *overrides])
@@ -243,7 +243,7 @@ def test_cscr_reallocates_credit_but_keeps_each_responses_total_and_sign_by_hand
 
 def test_cscr_privileged_batch_prepends_the_context_before_the_real_prompt():
     from rlpost.algos.cscr import privileged_batch
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
 
     b = RolloutBatch(prompt_ids=torch.tensor([[0, 5, 6], [7, 8, 9]]), prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
                      response_ids=torch.tensor([[1, 2], [3, 4]]), response_mask=torch.ones(2, 2),

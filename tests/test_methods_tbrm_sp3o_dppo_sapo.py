@@ -256,7 +256,7 @@ def test_dppo_predictive_runs_through_the_trainer_with_a_recorded_support(compos
 
 
 def test_dppo_predictive_needs_the_old_anchor(compose):
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     from rlpost.config.compose import validate_config
 
@@ -323,7 +323,7 @@ def test_sapo_ar_shared_backbone_critic_step_moves_the_policy(compose):
     t.critic_update(b)  # now the value loss reaches the shared backbone
     after, _ = t.compute_logprobs(b)
     assert not torch.allclose(before, after, atol=1e-5)  # the value step moved the policy
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.algos.validate import validate_algo
 
     with pytest.raises(ConfigError, match="warmup_steps"):

@@ -95,7 +95,7 @@ def _layer0_mismatch_after_drift(compose, mode):
     """Rollout after one observed drift; then the routers drift once more by the same amount.
     Returns the share of layer-0 token positions whose recorded route differs from the drifted
     router's own choice, and the trainer routing's replay stats under its own mode."""
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
     from rlpost.models.moe_replay import routes_mismatch
     from rlpost.rollout.base import SamplingParams
 
@@ -159,7 +159,7 @@ def test_greedy_calls_route_by_the_current_router(compose):
 
 
 def test_pr2_config_errors(compose):
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.models.loader import load_policy
     from rlpost.models.moe_replay import attach_routing
     from rlpost.trainer.torch_engine import TorchTrainer
@@ -174,7 +174,7 @@ def test_pr2_config_errors(compose):
 
 
 def test_pr2_two_steps_fit_the_predictor_and_checkpoint_it(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("model=tiny_moe", "model.routing_replay=pr2", "algo.mini_batches=2", "trainer.lr=0.02",
                                  "algo.entropy_coef=0.05",  # a random model scores 0: the entropy bonus moves the routers

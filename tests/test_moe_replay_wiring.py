@@ -23,7 +23,7 @@ PROMPTS = [[504, 2, 7, 9], [16, 33], [504, 2, 7, 9], [900, 11, 12], [7, 7, 7, 7,
 
 
 def _setup(compose, mode: str, *extra: str):
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
     from rlpost.models.loader import load_policy
     from rlpost.models.moe_replay import attach_routing
     from rlpost.rollout import build_engine
@@ -127,7 +127,7 @@ def test_policy_update_reports_drift_between_mini_batches(compose, mode):
 
 
 def test_config_errors(compose):
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.models.moe_replay import attach_routing
 
     cfg = compose(tiny_overrides("model.routing_replay=replay"))

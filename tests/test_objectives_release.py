@@ -148,7 +148,7 @@ def test_sequence_and_geometric_is_match_verls_rollout_is(name, level, mode):
 
 
 def test_a_misspelt_sequence_is_parameter_is_an_error():
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     old, lp, _, mask = _batch(3)
     with pytest.raises(ConfigError, match="hi"):

@@ -20,8 +20,8 @@ from rlpost.algos.registries import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, PO
 from rlpost.algos.validate import loss_kwargs
 from rlpost.cli import app
 from rlpost.config.compose import compose_config, conf_dir, group_choices, validate_config
-from rlpost.errors import ConfigError
-from rlpost.registry import defaults_of, param_rows
+from rlpost.core.errors import ConfigError
+from rlpost.core.registry import defaults_of, param_rows
 from rlpost.samplers import SAMPLERS
 from rlpost.selectors import SELECTORS
 
@@ -165,7 +165,7 @@ def test_presets_set_only_what_differs_from_their_components(preset):
 
 
 def test_registration_refuses_a_second_declaration_or_a_catch_all():
-    from rlpost.registry import NoParams, Registry, param
+    from rlpost.core.registry import NoParams, Registry, param
 
     reg = Registry("thing", typed_params=True)
 

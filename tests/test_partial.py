@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from rlpost.partial import PartialRolloutBuffer, continue_round, num_requests, stitch
+from rlpost.core.partial import PartialRolloutBuffer, continue_round, num_requests, stitch
 from rlpost.rollout.base import GenerationResult, SamplingParams
 from rlpost.rollout.hf import left_pad
 
@@ -200,7 +200,7 @@ def _producer_steps():
     """
     import io
 
-    from rlpost.partial import PartialRolloutProducer
+    from rlpost.core.partial import PartialRolloutProducer
 
     eng = ScriptEngine()
     batches = [[2, 9, 3, 5], [4, 6, 7, 2]]
@@ -270,8 +270,8 @@ def test_producer_state_round_trip_continues_identically():
 
 def test_partial_rollout_config_errors(compose):
     from rlpost.config.compose import validate_config
-    from rlpost.errors import ConfigError
-    from rlpost.executor import build_executor, check_partial
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.executor import build_executor, check_partial
 
     cfg = compose(tiny_overrides("executor=async"))
     assert cfg.executor.partial_rollout is False and cfg.executor.over_provision == 1.0

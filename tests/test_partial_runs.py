@@ -23,7 +23,7 @@ CARRY = ("executor.partial_rollout=true", "executor.partial_chunk_tokens=2", "ex
 
 
 def _run(compose, tmp_path, name, *extra):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("steps=3", "eval.at_end=false", "checkpoint.every=0", *extra))
     train(cfg, tmp_path / name)
@@ -52,7 +52,7 @@ def test_one_round_partial_rollouts_equal_plain_rollouts(compose, tmp_path):
 
 
 def test_carried_groups_are_whole_and_keep_per_version_logprobs(compose, tmp_path, monkeypatch):
-    import rlpost.runner as runner
+    import rlpost.run.runner as runner
 
     real_learn = runner.Run.learn
     seen = []
@@ -114,8 +114,8 @@ def test_async_partial_rollouts_run_several_steps(compose, tmp_path):
 
 
 def test_partial_buffer_is_checkpointed_and_resumed(compose, tmp_path, monkeypatch):
-    import rlpost.runner as runner
-    from rlpost.runner import train
+    import rlpost.run.runner as runner
+    from rlpost.run.runner import train
 
     extra = ("executor=sync", "steps=4", "checkpoint.every=2", *CARRY)
     straight = _run(compose, tmp_path, "straight", *extra)

@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 
 def _one_step(compose, tmp_path, *extra):
     """One real model=tiny step with the real reward function; returns (metrics, verifier calls, run, collected)."""
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
 
     cfg = compose(tiny_overrides("steps=1", "eval.at_end=false", *extra))
     run = Run(cfg, tmp_path / "run")
@@ -65,7 +65,7 @@ def test_each_rollout_is_scored_exactly_once_with_partial_rollouts_and_async(com
 
 def test_async_executor_scores_each_rollout_once(compose, tmp_path):
     # the async executor's producer thread runs Run.collect: count through a whole two-step run
-    from rlpost.runner import Run, train
+    from rlpost.run.runner import Run, train
 
     calls = []
     orig = Run.collect
@@ -105,7 +105,7 @@ def test_selector_learns_exactly_the_rewards_training_uses_with_length_shaping(c
 
 def test_dapo_preset_gets_the_papers_overlong_window_in_the_reward(compose, tmp_path):
     # DAPO (arXiv:2503.14476): punish the last 4096 of 20480 tokens = 20% of the budget; 12 tokens -> 2
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.rewards import RewardFunction
 
     cfg = compose(tiny_overrides("algo=dapo"))
@@ -156,7 +156,7 @@ def test_uniform_still_covers_every_prompt_once_per_pass():
 
 def test_hapo_preset_composes_with_the_sampler_that_owns_per_token_temperature(compose):
     from rlpost.methods.hapo import check_sampler
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     cfg = compose(tiny_overrides("algo=hapo"))
     assert cfg.sampler.name == "adaptive_temperature" and "temperature_tau" not in cfg.algo.loss_params

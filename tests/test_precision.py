@@ -141,7 +141,7 @@ def test_int8_and_fp4_rollout_engines_generate_with_a_mismatch():
 
 
 def test_unknown_or_gpu_only_rollout_dtype_is_a_clear_error():
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.rollout.precision import rollout_converter
 
     with pytest.raises(ConfigError, match="rollout=vllm"):

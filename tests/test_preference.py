@@ -98,7 +98,7 @@ def test_sppo_on_policy_gradient_is_a_win_rate_policy_gradient():
 def test_exo_loads_a_reference_model_without_kl(compose):
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
-    from rlpost.runner import build_graph
+    from rlpost.run.runner import build_graph
     from rlpost.trainer.torch_engine import TorchTrainer
 
     cfg = compose(["algo=exo", "model=tiny", "precision=fp32"])

@@ -11,8 +11,8 @@ from conftest import tiny_overrides
 
 
 def test_progress_bar_and_cli_log_print_the_same_seconds_per_step():
-    from rlpost.runner import _progress
-    from rlpost.tracking import step_line
+    from rlpost.run.runner import _progress
+    from rlpost.core.tracking import step_line
 
     buf = io.StringIO()
     bar = _progress(total=2, start=0, file=buf)
@@ -25,7 +25,7 @@ def test_progress_bar_and_cli_log_print_the_same_seconds_per_step():
 
 
 def test_evaluations_show_a_bar_and_log_their_result_and_time(compose, tmp_path, caplog, capsys):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides("steps=1", "eval.at_start=true", "eval.batch_size=4"))
     with caplog.at_level(logging.INFO, logger="rlpost.step"):

@@ -69,7 +69,7 @@ def test_d3s_keeps_max_variance_rows_and_records_the_rest():
 
 
 def test_driver_gives_the_selector_the_pruned_rewards():
-    from rlpost.samplers.driver import collect_rollouts
+    from rlpost.run.collect import collect_rollouts
     from rlpost.selectors import SELECTORS
 
     eng = FakeEngine({k: 0.5 for k in range(100)})
@@ -132,7 +132,7 @@ def test_arrol_prunes_after_prefix_keeps_groups_and_learns_the_head():
 def test_pruning_params_are_checked():
     from omegaconf import OmegaConf
 
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.samplers.base import build_sampler
 
     for name, bad in (("d3s", {"keep_start": 0}), ("d3s", {"min_keep": 0}), ("arrol", {"keep_ratio": 1.5}),

@@ -17,7 +17,7 @@ pytest.importorskip("ray")
 
 
 def test_ray_logger_chatter_is_kept_off_the_console_but_not_errors():
-    from rlpost.tracking import ConsoleFilter
+    from rlpost.core.tracking import ConsoleFilter
 
     f = ConsoleFilter()
 

@@ -36,8 +36,8 @@ def _run(tmp_path, name, *extra, hook=None, steps=2):
     """``steps`` steps through the configured executor; returns per-step batch tensors and metrics,
     the final weights and the pool's counters."""
     from rlpost.config.compose import compose_config
-    from rlpost.executor import build_executor
-    from rlpost.runner import Run
+    from rlpost.run.executor import build_executor
+    from rlpost.run.runner import Run
 
     cfg = compose_config(tiny_overrides(*OVERRIDES, "trainer=torch", f"steps={steps}", *extra))
     r = Run(cfg, tmp_path / name)
@@ -141,7 +141,7 @@ def test_bad_launcher_settings_are_one_line_config_errors(compose, monkeypatch):
     import importlib.util
 
     from rlpost.config.compose import validate_config
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     for extra, words in ((["launcher.num_rollout_workers=0"], "num_rollout_workers=0 must be >= 1"),
                          (["launcher.placement=colocate"], "Fix: launcher.placement=colocated"),

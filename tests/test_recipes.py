@@ -1,4 +1,4 @@
-"""Recipes (rlpost/recipes.py): cards, composition, the verdict, the power estimate, `rlpost reproduce`.
+"""Recipes (rlpost/experiments/recipes.py): cards, composition, the verdict, the power estimate, `rlpost reproduce`.
 
 What runs where: every recipe composes (with and without its baseline overrides) in the
 normal suite; a representative subset of CPU variants (one per kind of component, plus the
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from rlpost import recipes as R
-from rlpost.errors import ConfigError, DataError
+from rlpost.experiments import recipes as R
+from rlpost.core.errors import ConfigError, DataError
 
 NAMES = R.recipe_names()
 # short runs: the tiny random model, few tokens, few held-out problems; group sizes stay the recipe's own
@@ -263,7 +263,7 @@ def test_every_cpu_variant_trains_two_steps_on_tiny(name, tmp_path):
 
 def _cpu_variant_runs(name: str, tmp_path: Path) -> None:
     from rlpost.config.compose import compose_config, validate_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     rec = R.load_recipe(name)
     if isinstance(rec.card, R.LinkCard) and name not in ("agent_multiply_sao", "agent_multiply_grpo"):
@@ -380,7 +380,7 @@ def test_claim_text_says_in_words_what_is_unknown():
     """A sentinel is named at the end ("not yet read from the paper"), never printed as a benchmark."""
     import dataclasses
 
-    import rlpost.recipes as R
+    import rlpost.experiments.recipes as R
 
     card = next(r.card for r in map(R.load_recipe, R.recipe_names()) if isinstance(r.card, R.Card))
     claim = R.Claim(summary="s", metric="accuracy", benchmark=R.NOT_CHECKED, baseline="GRPO", value=R.NOT_CHECKED,

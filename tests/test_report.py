@@ -128,7 +128,7 @@ def test_submitit_slurm_launcher_composes():
     lc = cfg.hydra.launcher
     assert lc._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert lc.partition == "gpu" and lc.timeout_min == 30
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "rlpost.sweep.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "rlpost.experiments.sweep.SweepSummary"
 
 
 def test_misspelt_launcher_names_the_installed_launchers():
@@ -138,7 +138,7 @@ def test_misspelt_launcher_names_the_installed_launchers():
 
 
 def test_mean_band_and_grouping_by_config_minus_seed(tmp_path):
-    from rlpost.errors import ConfigError, DataError
+    from rlpost.core.errors import ConfigError, DataError
     from rlpost.eval.report import discover, group_runs, load_run_curves, mean_band
 
     m, lo, hi = mean_band([1.0, 2.0, 3.0])
@@ -182,7 +182,7 @@ def test_report_logs_figures_to_an_offline_wandb_run(tmp_path):
 
 
 def test_summary_marks_failed_and_incomplete_jobs(tmp_path):
-    from rlpost.sweep import write_summary
+    from rlpost.experiments.sweep import write_summary
 
     for num, marker in ((0, "DONE"), (1, "FAILED"), (2, None)):
         d = tmp_path / f"{num}_seed={num}"
@@ -203,7 +203,7 @@ def test_summary_marks_failed_and_incomplete_jobs(tmp_path):
 def test_report_leaves_out_a_run_that_failed_before_its_first_step(tmp_path):
     """A folder of runs with one that stopped before step 1 (empty metrics.jsonl, FAILED): the report covers
     the others and names the skipped one; before, the whole report stopped with exit 4."""
-    from rlpost.errors import DataError
+    from rlpost.core.errors import DataError
     from rlpost.eval.report import make_report
 
     good = tmp_path / "runs" / "2026-01-01_10-00-00"

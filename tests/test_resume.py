@@ -36,7 +36,7 @@ def _tree(d: Path):
 
 
 def test_continue_command_repeats_the_runs_overrides(tmp_path):
-    from rlpost.resume import continue_command
+    from rlpost.run.resume import continue_command
 
     d = _fake_run(tmp_path / "x", OWN + ["resume=auto", "task.path=/data/a b.jsonl"])
     assert continue_command(d) == (f"rlpost train model=tiny steps=50 logger=jsonl seed=3 "
@@ -44,7 +44,7 @@ def test_continue_command_repeats_the_runs_overrides(tmp_path):
 
 
 def test_bare_resume_takes_the_saved_overrides_and_says_so(tmp_path):
-    from rlpost.resume import plan_resume
+    from rlpost.run.resume import plan_resume
 
     d = _fake_run(tmp_path / "x")
     plan = plan_resume(["resume=auto", f"hydra.run.dir={d}"])
@@ -58,8 +58,8 @@ def test_bare_resume_takes_the_saved_overrides_and_says_so(tmp_path):
 
 
 def test_resume_that_changes_the_config_is_refused_naming_the_keys(tmp_path):
-    from rlpost.errors import ConfigError
-    from rlpost.resume import plan_resume
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.resume import plan_resume
 
     d = _fake_run(tmp_path / "x")
     with pytest.raises(ConfigError) as e:
@@ -72,7 +72,7 @@ def test_resume_that_changes_the_config_is_refused_naming_the_keys(tmp_path):
 
 
 def test_a_resume_may_extend_the_run_and_says_what_it_changes(tmp_path):
-    from rlpost.resume import plan_resume
+    from rlpost.run.resume import plan_resume
 
     d = _fake_run(tmp_path / "x")
     plan = plan_resume(["resume=auto", f"hydra.run.dir={d}", "steps=80", "eval.limit=50"])
@@ -82,7 +82,7 @@ def test_a_resume_may_extend_the_run_and_says_what_it_changes(tmp_path):
 
 
 def test_no_checkpoint_means_a_fresh_run_with_the_commands_overrides(tmp_path):
-    from rlpost.resume import plan_resume
+    from rlpost.run.resume import plan_resume
 
     ov = ["model=tiny", "resume=auto", f"hydra.run.dir={tmp_path / 'new'}"]
     plan = plan_resume(ov)
@@ -110,7 +110,7 @@ def test_interrupt_hint_resumes_the_same_run_and_clears_failed(tmp_path):
     """A real run: its hint, pasted as printed, resumes it; the earlier FAILED file goes once it is done."""
     import shlex
 
-    from rlpost.resume import continue_command
+    from rlpost.run.resume import continue_command
 
     d = tmp_path / "run"
     run = tiny_overrides("steps=2", "checkpoint.every=1", "checkpoint.keep_last=2")

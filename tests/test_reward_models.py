@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,7 +129,7 @@ def test_rm_scores_are_batched_padding_invariant_and_compose_by_weight(tmp_path)
 
 
 def test_rm_run_logs_its_component_and_reward_time(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     rm = _tiny_classifier(tmp_path)
     cfg = compose(tiny_overrides("steps=2", "+reward_model=rm", f"task.reward.models.rm.model_path={rm}"))
@@ -406,7 +406,7 @@ def test_prm_needs_an_estimator_that_reads_token_rewards(tmp_path):
 
 
 def test_prm_run_trains_on_step_token_rewards(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     prm = _tiny_classifier(tmp_path, token=True)
     cfg = compose(tiny_overrides("steps=2", "+reward_model=prm", f"task.reward.models.prm.model_path={prm}",

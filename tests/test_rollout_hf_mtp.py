@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import SamplingParams
 from rlpost.rollout.hf import HFRolloutEngine
 from rlpost.rollout.self_spec import MTP_KEYS, check_speculative, spec_config
@@ -177,7 +177,7 @@ def test_hf_mtp_two_training_steps(tmp_path):
     """`rlpost train model=tiny rollout=hf_mtp steps=2`: the head is fitted, saved and drafts every step's rows."""
     from rlpost.config.compose import compose_config
     from rlpost.rollout.mtp_draft import HEAD_FILE, load_mtp_head
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     over = tiny_overrides("rollout=hf_mtp", "steps=2", "selector.prompts_per_step=2", "eval.at_end=false",
                           "checkpoint.every=0", "rollout.max_new_tokens=6", "rollout.speculative.switch_batch=64",

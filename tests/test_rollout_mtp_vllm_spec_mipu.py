@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import SamplingParams
 from rlpost.rollout.hf import HFRolloutEngine
 from test_rollout_self_spec_otr_hif4 import _exact_dist, _perturb, _tiny_llama, _Tok, response_chi2
@@ -166,8 +166,8 @@ def test_fp8_gpu_recipe_names_vllm_fp8_and_fits_its_node(compose, tmp_path):
     import sys
     from pathlib import Path
 
-    from rlpost.memory import check, shape_from_config
-    from rlpost.recipes import parse_card
+    from rlpost.run.memory import check, shape_from_config
+    from rlpost.experiments.recipes import parse_card
     from rlpost.rollout.vllm import engine_kwargs
 
     cfg = compose(["+recipe=fp8_rollout_qwen3_8b", "trainer.num_procs=8", "logger=none"])
@@ -301,7 +301,7 @@ def test_mipu_runs_two_steps_through_the_runner(tmp_path):
     import json
 
     from rlpost.config.compose import compose_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose_config(["model=tiny", "logger=jsonl", "rollout.max_new_tokens=6", "selector.prompts_per_step=2",
                           "algo.n_samples_per_prompt=4", "eval.at_end=false", "checkpoint.every=0", "algo=mipu",

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import SamplingParams
 from rlpost.rollout.hf import HFRolloutEngine
 from rlpost.rollout.self_spec import SelfSpeculativeEngine, next_draft_len, spec_config

@@ -28,7 +28,7 @@ def _stable(rec):
 
 
 def _train(compose, tmp_path, *extra, name="run"):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(tiny_overrides(*extra))
     run_dir = tmp_path / name
@@ -139,7 +139,7 @@ def test_hive_prunes_by_the_policy_prompt_entropy_on_tiny(compose, tmp_path, mon
     recorded with the step-0 weights; the update changed their entropy, so all 4 are pruned and
     the 4 others are chosen. Step 3: the same for the prompts of step 2.
     """
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
 
     calls = []
     real = Run.prompt_entropy
@@ -177,8 +177,8 @@ def test_prompt_entropy_under_async_staleness_needs_an_engine_model():
 
     from omegaconf import OmegaConf
 
-    from rlpost.errors import ConfigError
-    from rlpost.runner import Run
+    from rlpost.core.errors import ConfigError
+    from rlpost.run.runner import Run
 
     fake = SimpleNamespace(cfg=OmegaConf.create({"executor": {"name": "async", "max_staleness": 1}}), engine=object())
     with pytest.raises(ConfigError, match="rollout.engine=hf"):
@@ -263,7 +263,7 @@ class _Stopped(Exception):
 
 
 def _stop_after_checkpoint(monkeypatch, step: int) -> None:
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
 
     real = Run.checkpoint
 
@@ -320,7 +320,7 @@ def test_algo_state_survives_resume(compose, tmp_path, monkeypatch, algo, extra)
 
 def test_nan_loss_skips_steps_then_stops_with_checkpoint_intact(compose, tmp_path, monkeypatch):
     import rlpost.trainer.torch_engine as te
-    from rlpost.errors import TrainingDiverged
+    from rlpost.core.errors import TrainingDiverged
 
     real = te.compute_policy_loss
 
@@ -338,7 +338,7 @@ def test_nan_loss_skips_steps_then_stops_with_checkpoint_intact(compose, tmp_pat
 
 @pytest.mark.slow
 def test_two_steps_end_to_end_on_real_model(compose, tmp_path):
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose(["logger=wandb", "steps=2", "selector.prompts_per_step=2", "algo.n_samples_per_prompt=4",
                    "rollout.max_new_tokens=24", "eval.limit=8", "eval.max_new_tokens=24", "task.train_size=64", "eval.at_start=false",

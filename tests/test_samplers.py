@@ -8,7 +8,7 @@ import pytest
 from fake_engine import FakeEngine, correct, scorer
 from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS, SamplerContext
-from rlpost.apportion import apportion
+from rlpost.core.apportion import apportion
 from rlpost.samplers.adaptive import DarsSampler, PilotCommitSampler
 from rlpost.samplers.base import group_reward_stats
 
@@ -249,7 +249,7 @@ class EchoEngine(FakeEngine):
 def test_every_row_keeps_its_prompt_reward_and_text_through_the_driver(name, kw):
     # multi-round samplers merge several engine calls: after the merge, each row's reward must
     # be the verifier's score of that row's own text, and its prompt the one that produced it
-    from rlpost.samplers.driver import collect_rollouts
+    from rlpost.run.collect import collect_rollouts
     from rlpost.selectors import SELECTORS
 
     p = {100 + i: q for i, q in enumerate([0.0, 0.3, 0.5, 0.8, 1.0, 0.5])}
@@ -278,7 +278,7 @@ def test_every_row_keeps_its_prompt_reward_and_text_through_the_driver(name, kw)
 def test_sampler_params_and_allocation_are_checked_at_config_time():
     from types import SimpleNamespace
 
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.samplers.base import build_sampler, check_allocation
     from rlpost.selectors import SELECTORS
 
@@ -299,7 +299,7 @@ def test_sampler_params_and_allocation_are_checked_at_config_time():
 
 
 def test_sampler_metrics_of_several_rounds_average_means_and_sum_counts():
-    from rlpost.samplers.driver import _merge_round_metrics
+    from rlpost.run.collect import _merge_round_metrics
 
     m = _merge_round_metrics({"sampler/mean_fork_pos": [20.0, 10.0], "sampler/branches_pruned": [1.0, 2.0],
                               "sampler/temperature_mean": [1.0, 0.5]})

@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 @pytest.mark.parametrize("trunc", [("rollout.top_k=5",), ("rollout.top_p=0.9",),
                                    ("rollout.top_k=5", "rollout.top_p=0.9", "rollout.temperature=0.7")])
 def test_trainer_logprobs_equal_hf_rollout_logprobs_under_truncation(compose, trunc):
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.rollout.base import SamplingParams

@@ -7,7 +7,7 @@ import torch
 from fake_engine import FakeEngine, correct, scorer
 from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS
-from rlpost.samplers.driver import collect_rollouts
+from rlpost.run.collect import collect_rollouts
 from rlpost.selectors import SELECTORS, build_selector
 from rlpost.selectors.base import Role, append_history, pack_state, success_rate, unpack_state
 from rlpost.selectors.mixture import Hint, fit_irt_difficulty, make_hint_fn
@@ -374,7 +374,7 @@ def test_dynamic_filter_falls_back_when_every_round_is_filtered():
 def test_selector_config_errors_and_domain_targets():
     from types import SimpleNamespace
 
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.selectors.base import build_selector
     from rlpost.tasks.base import Example
 

@@ -145,7 +145,7 @@ def test_spec_rl_rollouts_are_fresh_samples_of_the_current_policy():
 
 
 def test_spec_rl_params_and_engine_errors():
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.samplers.base import build_sampler
     from omegaconf import OmegaConf
 

@@ -32,7 +32,7 @@ def test_reference_solution_of_the_default_task_is_the_requested_calculation(com
 
 
 def test_composite_task_labels_domains_for_domain_mixture(compose):
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.selectors import SELECTORS
     from rlpost.tasks import build_task
 
@@ -54,7 +54,7 @@ def test_composite_task_labels_domains_for_domain_mixture(compose):
 
 
 def test_composite_errors_name_the_datasets(compose):
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.tasks import build_task
 
     with pytest.raises(ConfigError, match="task.params.datasets of the composite task.*chain_sum \\(weight 0.0"):

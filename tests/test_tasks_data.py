@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlpost.config.schema import TaskConfig
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 from rlpost.tasks import build_task
 from rlpost.tasks.answer_tags import extract_answer, extract_auto, parse_gsm8k_gold
 from rlpost.tasks.file_task import parse_gold, read_rows

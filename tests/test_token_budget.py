@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_overrides, update_with_gradient
 
 from rlpost.algos.registries import LOSS_AGGS
-from rlpost.batch import RolloutBatch
+from rlpost.core.batch import RolloutBatch
 from rlpost.trainer.torch_engine import padded_tokens, row_lengths, token_budget_micro_batches, trim_batch
 
 _CACHE: dict = {}
@@ -110,7 +110,7 @@ def test_token_budget_with_a_batch_statistics_loss(compose):
 
 def test_negative_budget_is_a_config_error(compose):
     from rlpost.config.compose import validate_config
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch must be >= 0"):
         validate_config(compose(tiny_overrides("trainer.max_tokens_per_micro_batch=-1")))

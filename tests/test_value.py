@@ -61,7 +61,7 @@ def test_a_star_po_loss_hand_values_and_gradient():
 
 
 def test_runner_samples_the_reference_once_per_prompt(compose, tmp_path):
-    from rlpost.runner import Run
+    from rlpost.run.runner import Run
 
     cfg = compose(tiny_overrides("algo=a_star_po", "algo.adv_params.num_value_samples=3", "steps=2",
                                  "selector.prompts_per_step=2", "rollout.max_new_tokens=4", "eval.at_end=false",

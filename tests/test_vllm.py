@@ -54,7 +54,7 @@ def test_extract_result_pads_masks_and_reads_sampled_logprobs():
 
 
 def test_extract_result_errors_on_missing_logprobs():
-    from rlpost.errors import RlpostError
+    from rlpost.core.errors import RlpostError
     from rlpost.rollout.vllm import extract_result
 
     bad = NS(outputs=[NS(token_ids=[5], logprobs=None, text="", finish_reason="stop")])
@@ -82,7 +82,7 @@ def test_weight_names_for_load_weights():
 
 
 def test_missing_vllm_or_gpu_is_a_clear_error(compose, monkeypatch):
-    from rlpost.errors import RlpostError
+    from rlpost.core.errors import RlpostError
     from rlpost.rollout import build_engine
 
     cfg = compose(tiny_overrides("rollout=vllm"))
@@ -199,7 +199,7 @@ def test_fp8_push_goes_through_worker_reload(compose, monkeypatch, tmp_path):
     """fp8: quantization=fp8 and every push is collective_rpc('reload_weights', is_checkpoint_format=True),
     never model.load_weights on the processed fp8 model; a vLLM without that API is refused up front."""
     from rlpost.config.schema import ModelConfig
-    from rlpost.errors import RlpostError
+    from rlpost.core.errors import RlpostError
     from rlpost.models.loader import load_policy
     from rlpost.rollout import build_engine
     from rlpost.rollout.base import SamplingParams
@@ -226,7 +226,7 @@ def test_fp8_push_goes_through_worker_reload(compose, monkeypatch, tmp_path):
 
 def test_torchrun_ranks_use_external_launcher_and_multiprocessing_is_refused(compose, monkeypatch, tmp_path):
     from rlpost.config.schema import ModelConfig
-    from rlpost.errors import RlpostError
+    from rlpost.core.errors import RlpostError
     from rlpost.models.loader import load_policy
     from rlpost.rollout import build_engine
 
@@ -262,7 +262,7 @@ def test_temperature_is_recorded_as_vllm_samples_it():
 
 def test_local_rank_sets_the_current_cuda_device(monkeypatch):
     """Under torchrun, rank k places models on cuda:k and makes it current before any engine is built."""
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.trainer.torchrun import local_device
 
     seen = []
@@ -353,7 +353,7 @@ def test_init_dir_is_renamed_into_place_and_a_lost_race_keeps_the_winner(compose
 def test_cpu_platform_plan_and_engine_arguments(compose, tmp_path):
     """vLLM's CPU platform: no sleep mode, pushes through the in-place reload, KV cache from rollout.cpu_kv_cache_gib,
     eager by default; fp8, several torchrun ranks and speculative decoding are refused with the fix."""
-    from rlpost.errors import RlpostError
+    from rlpost.core.errors import RlpostError
     from rlpost.rollout.vllm import engine_kwargs, platform_plan, reload_items
 
     assert platform_plan("cpu", "fp32") == platform_plan("cpu", "bf16")
@@ -382,7 +382,7 @@ def test_engine_on_the_cpu_platform_drives_the_calls_the_real_cpu_engine_needs(c
     """The fake follows vLLM's CPU backend (tests/test_vllm_engine.py runs the real one): no sleep mode and no
     sleep/wake calls, every push through the worker's reload with the tied head included, threads kept, and a
     head size the CPU kernels lack refused before any engine is built."""
-    from rlpost.errors import RlpostError
+    from rlpost.core.errors import RlpostError
     from rlpost.models.loader import load_policy
     from rlpost.rollout import build_engine
     from rlpost.rollout.base import SamplingParams

@@ -74,7 +74,7 @@ def _prompts(tok, n: int = 4) -> List[List[int]]:
 
 
 def _batch(gen):
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
 
     B = gen.response_ids.shape[0]
     return RolloutBatch(prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
@@ -264,7 +264,7 @@ def test_multi_turn_episodes_are_token_exact_and_hit_the_prefix_cache(engine, cf
             assert any(r[:len(p)] == p for r in rows), k
         if k:
             assert all(len(p) > len(prompt) for p in call)  # later turns carry earlier turns and tool text
-    from rlpost.batch import RolloutBatch
+    from rlpost.core.batch import RolloutBatch
 
     B = len(rows)
     b = RolloutBatch(prompt_ids=g.prompt_ids, prompt_mask=g.prompt_mask, response_ids=g.response_ids,

@@ -73,7 +73,7 @@ def test_lora_adapters_are_served_through_lora_requests_and_never_stale(cfg):
 
 def test_speculative_decoding_on_cpu_is_refused_with_the_reason(policy):
     from rlpost.config.compose import compose_config
-    from rlpost.errors import RlpostError
+    from rlpost.core.errors import RlpostError
     from rlpost.rollout import build_engine
 
     model, tok = policy
@@ -88,7 +88,7 @@ def test_rlpost_train_with_rollout_vllm_trains_and_logs_a_small_logprob_gap(tmp_
     import json
 
     from rlpost.config.compose import compose_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     cfg = compose_config(tiny_overrides("rollout=vllm", "model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2",
                                         "model.tiny.num_key_value_heads=1", "rollout.cpu_kv_cache_gib=0.25", "steps=2",
@@ -109,8 +109,8 @@ VLLM_TINY = ("rollout=vllm", "model.tiny.hidden_size=128", "model.tiny.num_atten
 def _two_steps(tmp_path, name, *extra):
     """Two RL steps through the configured executor; the batches' tokens and rewards, and the final weights."""
     from rlpost.config.compose import compose_config
-    from rlpost.executor import build_executor
-    from rlpost.runner import Run
+    from rlpost.run.executor import build_executor
+    from rlpost.run.runner import Run
 
     cfg = compose_config(tiny_overrides(*VLLM_TINY, "steps=2", f"model.cache_dir={tmp_path / 'cache'}", *extra))
     r = Run(cfg, tmp_path / name)

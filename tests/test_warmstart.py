@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlpost.errors import ConfigError
-from rlpost.warmstart import build_demonstration, calculator_turns, demonstration_nll, warm_start
+from rlpost.core.errors import ConfigError
+from rlpost.experiments.warmstart import build_demonstration, calculator_turns, demonstration_nll, warm_start
 
 
 @pytest.fixture(scope="module")

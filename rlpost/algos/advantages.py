@@ -4,7 +4,7 @@ Calling convention: ``fn(inp: AdvantageInput, *, <params>) -> AdvantageOutput``.
 estimator returns ``[B, R]`` advantages that are 0 outside ``response_mask``.
 Estimators are pure: no model, no config object. Each estimator's ``<params>``
 are declared once, by the frozen dataclass registered with it (``params=``:
-the paper's defaults, one doc line per field; :mod:`rlpost.registry`).
+the paper's defaults, one doc line per field; :mod:`rlpost.core.registry`).
 
 Numerics shared by every estimator: rewards are promoted to float64 and every
 baseline (group mean, leave-one-out mean, length-weighted mean, median, VCPO's
@@ -41,7 +41,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from rlpost.algos.registries import ADV_ESTIMATORS
-from rlpost.registry import Choice, param
+from rlpost.core.registry import Choice, param
 from rlpost.algos.utils import group_all_equal, group_ids, group_median, group_stats, masked_mean, masked_whiten
 
 
@@ -113,7 +113,7 @@ class AdvantageInput:
 
     @classmethod
     def from_batch(cls, batch: Any, token_rewards: Optional[torch.Tensor] = None) -> "AdvantageInput":
-        """The estimator's input from a :class:`rlpost.batch.RolloutBatch`: every optional field from
+        """The estimator's input from a :class:`rlpost.core.batch.RolloutBatch`: every optional field from
         ``batch.extras`` under its own name (or :attr:`EXTRAS_KEYS`), absent -> None; ``extras`` holds
         every entry of ``batch.extras`` (a new estimator input needs no new field: a method writes it
         there in its ``prepare`` hook and the estimator reads ``inp.extras[key]``)."""

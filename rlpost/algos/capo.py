@@ -67,7 +67,7 @@ import torch
 from rlpost.algos.losses import Metrics, PolicyLossInput, _clip_metrics, _ppo_core, _ratio
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 _CAPO_PAPER = ("Stabilizing Policy Gradients for Sample-Efficient Reinforcement Learning in LLM Reasoning "
                "(CAPO, arXiv:2510.00819; code https://github.com/luckeciano/stable-pg-llm)")
@@ -276,7 +276,7 @@ def capo_forward(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool,
     """
     from torch.utils.checkpoint import checkpoint
 
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.models.logprobs import _chunk_logprobs, packed_response_states
 
     if fwd.multi_process:

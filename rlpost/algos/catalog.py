@@ -1,7 +1,7 @@
 """Every file of :mod:`rlpost.algos` that registers a component, imported by the registries on first lookup.
 
 A new estimator, loss, aggregation mode or KL estimator in a new file adds one
-import here (:attr:`rlpost.registry.Registry.catalog`).
+import here (:attr:`rlpost.core.registry.Registry.catalog`).
 """
 
 from rlpost.algos import advantages, aggregation, corrections, hapo, losses, offpolicy, regularizers, shaping  # noqa: F401

@@ -14,7 +14,7 @@ Calling convention (registry :data:`CORRECTIONS`, config key
         -> (weights [B, R] detached, 0 outside the mask; metrics: dict of 0-d tensors)
 
 Each correction's ``<params>`` are declared once, by the frozen dataclass
-registered with it (``params=``, one doc line per field; :mod:`rlpost.registry`),
+registered with it (``params=``, one doc line per field; :mod:`rlpost.core.registry`),
 so ``precision.correction_params`` with a key the correction does not declare
 is a config error.
 
@@ -31,7 +31,7 @@ from typing import Dict, Tuple
 import torch
 
 from rlpost.algos.utils import masked_mean
-from rlpost.registry import Registry, param
+from rlpost.core.registry import Registry, param
 
 CORRECTIONS = Registry("importance-sampling correction", "precision.correction", typed_params=True)
 

@@ -29,7 +29,7 @@ import torch
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.algos.utils import group_all_equal, group_stats
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 _CSCR_PAPER = ("Counterfactual Sensitivity Credit Reallocation (CSCR), an extension of GRPO "
                "(title and arXiv id not found; implemented from the abstract)")
@@ -51,7 +51,7 @@ class CSCRParams:
 def privileged_batch(batch: Any, context_ids: torch.Tensor) -> Any:
     """A copy of ``batch`` whose every prompt starts with ``context_ids`` (``[C]`` long); responses unchanged.
 
-    The prompts are left-padded (:class:`rlpost.batch.RolloutBatch`); the
+    The prompts are left-padded (:class:`rlpost.core.batch.RolloutBatch`); the
     context goes right before each prompt's first real token, so the chat
     template and the response stay aligned. Extras are dropped (the copy only
     feeds a log-prob pass).

@@ -23,7 +23,7 @@ from rlpost.algos.advantages import AdvantageInput, AdvantageOutput
 from rlpost.algos.losses import PolicyLossInput, ratio_metrics
 from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 Metrics = Dict[str, torch.Tensor]
 

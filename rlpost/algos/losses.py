@@ -22,7 +22,7 @@ clip), ``clip_frac_low`` / ``clip_frac_high`` (per side), ``ratio_mean``,
 
 Parameters: each loss's ``<params>`` are declared once, by the frozen dataclass
 registered with it (``params=``, defaults = the paper's setting, one doc line per
-field; see :mod:`rlpost.registry`). The function lists the same names as
+field; see :mod:`rlpost.core.registry`). The function lists the same names as
 keyword-only arguments without defaults. A clip range (``eps_low`` /
 ``eps_high`` / ``dual_clip``) is a parameter of exactly the losses that declare
 one; ``algo.clip.*`` writes into those (:func:`rlpost.algos.validate.loss_kwargs`).
@@ -38,7 +38,7 @@ import torch
 
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean, masked_quantile
-from rlpost.registry import Choice, param
+from rlpost.core.registry import Choice, param
 
 Metrics = Dict[str, torch.Tensor]
 

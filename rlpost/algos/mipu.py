@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 #: keys of ``algo.update_gate`` and their defaults (one owner: this module)
 GATE_DEFAULTS: Dict[str, Any] = {"name": "mipu", "min_gain": 0.0, "max_kl": None}

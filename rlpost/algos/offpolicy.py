@@ -32,7 +32,7 @@ import torch
 from rlpost.algos.losses import PolicyLossInput, ppo_clip_loss
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import group_ids, masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 
 @dataclass(frozen=True)

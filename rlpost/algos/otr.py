@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from rlpost.algos.losses import POLICY_LOSSES, PolicyLossInput, _clip_metrics, _ratio, masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def otr_forward(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool,
 
     Args:
         fwd: the trainer's :class:`rlpost.methods.base.ForwardPass` (device, autocast, the module being trained).
-        mb: micro-batch (:class:`rlpost.batch.RolloutBatch`) whose responses are the reference answers.
+        mb: micro-batch (:class:`rlpost.core.batch.RolloutBatch`) whose responses are the reference answers.
         with_entropy, entropy_grad: also return the per-token entropy (with grad when ``entropy_grad``).
         params: the loss's resolved parameters (``k``, ``kappa``, ``beta``).
         seed: seed of the candidate draws (None: global RNG). With a seed, candidate ``j`` of response

@@ -48,7 +48,7 @@ import torch
 
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, _broadcast
 from rlpost.algos.registries import ADV_ESTIMATORS
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 _PAPER = ("Your Language Model is Its Own Critic: Reinforcement Learning with Value Estimation from Actor's "
           "Internal States (POISE, arXiv:2605.07579); authors' code https://github.com/holi-lab/POISE")

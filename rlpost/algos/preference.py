@@ -22,7 +22,7 @@ from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, _broadcast
 from rlpost.algos.losses import PolicyLossInput, _group_log_softmax, _nonempty_mean, batch_view, ratio_metrics
 from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
 from rlpost.algos.utils import group_ids, masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 Metrics = Dict[str, torch.Tensor]
 

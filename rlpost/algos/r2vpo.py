@@ -28,7 +28,7 @@ import torch
 from rlpost.algos.losses import Metrics, PolicyLossInput, _clip_metrics, _ratio, batch_view
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 _R2VPO_PAPER = ("Ratio-Variance Regularized Policy Optimization for Efficient LLM Fine-tuning (R²VPO, arXiv:2601.03320; "
                 "Ratio-Variance Regularized Policy Optimization, arXiv:2605.26784)")

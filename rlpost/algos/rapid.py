@@ -25,7 +25,7 @@ from rlpost.algos.losses import (Metrics, PolicyLossInput, _clip_metrics, _is_we
                                  batch_view)
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import group_ids, masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 _RAPID_PAPER = "RAPID: An Efficient Reinforcement Learning Algorithm for Small Language Models (arXiv:2510.03515)"
 

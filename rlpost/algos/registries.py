@@ -12,11 +12,11 @@ the calling convention:
 * :data:`KL_ESTIMATORS` (``algo.kl.estimator``): ``fn(logprobs, ref_logprobs) -> [B, R]``.
 
 Estimators and losses declare their ``<params>`` once, as a frozen dataclass
-registered with them (:mod:`rlpost.registry`); entries carry tags read by config
+registered with them (:mod:`rlpost.core.registry`); entries carry tags read by config
 validation, e.g. ``needs_critic=True``.
 """
 
-from rlpost.registry import Registry
+from rlpost.core.registry import Registry
 
 CATALOG = "rlpost.algos.catalog"  # imports every file that registers an algorithm component
 ADV_ESTIMATORS = Registry("advantage estimator", "algo.adv_estimator", typed_params=True, catalog=CATALOG)

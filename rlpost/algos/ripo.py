@@ -27,7 +27,7 @@ import torch
 from rlpost.algos.losses import Metrics, PolicyLossInput, _clip_metrics, _ppo_core, _ratio
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 
 def isometric_clip_bounds(old_logprobs: torch.Tensor, delta_low: float, delta_high: float,

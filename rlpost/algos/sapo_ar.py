@@ -34,7 +34,7 @@ import torch
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, outcome_token_rewards
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.algos.turns import turn_spans as row_turn_spans
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 _PAPER = ("SAPO: Single-Rollout Autoregressive Policy Optimization for Agentic RL (arXiv:2608.19842): "
           "shared-backbone values at turn boundaries, SARSA value objective, trajectory-level GAE")

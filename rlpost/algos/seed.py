@@ -35,7 +35,7 @@ import torch
 from rlpost.algos.losses import PolicyLossInput, ppo_clip_loss
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 #: the analyzer's instruction (our wording; the paper first fine-tunes its analyzer on skills an external model wrote)
 ANALYZER_TEMPLATE = (
@@ -82,7 +82,7 @@ def batch_skill_logprobs(batch: Any, questions: Sequence[str], engine: Any, logp
     """SEED's hindsight pass on a rollout batch: the policy writes a skill per response, then scores it in that context.
 
     Args:
-        batch: a :class:`rlpost.batch.RolloutBatch` with ``rewards`` and ``response_texts``.
+        batch: a :class:`rlpost.core.batch.RolloutBatch` with ``rewards`` and ``response_texts``.
         questions: the task text of each row.
         engine: the rollout engine (the weights that sampled the batch: ``pi_old`` as analyzer).
         logprobs: ``batch -> ([B, R], ...)``, the trainer's no-grad pass (the kernel of the old log-probs).

@@ -43,7 +43,7 @@ import torch
 from rlpost.algos.losses import PolicyLossInput, _nonempty_mean, ratio_metrics
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.models.logprobs import backbone_and_head
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 Metrics = Dict[str, torch.Tensor]
 

@@ -40,7 +40,7 @@ import torch
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, discounted_gae, outcome_token_rewards
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.algos.utils import masked_whiten
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 _PAPER = ("Truncated Proximal Policy Optimization (T-PPO, arXiv:2506.15050): Extended GAE bootstraps a "
           "window-truncated response from the critic's value at the cut, V(s_l) = V(s_{l-1})")

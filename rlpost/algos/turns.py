@@ -25,7 +25,7 @@ import torch
 
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.algos.utils import group_all_equal, group_stats
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput
 

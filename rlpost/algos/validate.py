@@ -2,10 +2,10 @@
 
 :func:`validate_algo` checks that the registered parts of ``algo`` exist, that
 their parameters are ones the components declare (their ``params`` dataclass,
-:mod:`rlpost.registry`), and that the combination makes sense (a critic for
+:mod:`rlpost.core.registry`), and that the combination makes sense (a critic for
 critic-based estimators, a group for group baselines, a reward-side KL for
 estimators that read token rewards...). It raises
-:class:`rlpost.errors.ConfigError` with a message naming the key and the fix,
+:class:`rlpost.core.errors.ConfigError` with a message naming the key and the fix,
 before any model is loaded.
 
 Who owns which key:
@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from rlpost.algos.registries import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
-from rlpost.errors import ConfigError
-from rlpost.registry import Choice, param, resolve_params
+from rlpost.core.errors import ConfigError
+from rlpost.core.registry import Choice, param, resolve_params
+from rlpost.models.teacher import teacher_model_config
 
 
 class Proximal(Choice):
@@ -381,3 +382,42 @@ def check_precision_config(cfg: Any) -> None:
         ConfigError: as :func:`validate_correction`.
     """
     validate_correction(cfg.precision.correction, cfg.precision.correction_params)
+
+
+def uses_teacher(algo_cfg: Any) -> bool:
+    """Whether ``algo.loss`` or ``algo.adv_estimator`` is tagged ``needs_teacher``."""
+
+    return bool(POLICY_LOSSES.tag(str(algo_cfg.loss), "needs_teacher", False)
+                or ADV_ESTIMATORS.tag(str(algo_cfg.adv_estimator), "needs_teacher", False))
+
+
+def teacher_top_k(algo_cfg: Any) -> int:
+    """K of the teacher's top-K support the loss needs (0: only the sampled tokens' log-probs).
+
+    A loss tagged ``teacher_topk="<param>"`` declares K as that parameter
+    (``algo.loss_params.<param>``): the loss owns it, the teacher stage reads it.
+    """
+
+    key = POLICY_LOSSES.tag(str(algo_cfg.loss), "teacher_topk", None)
+    return int(loss_kwargs(algo_cfg)[key]) if key else 0
+
+
+def check_teacher_config(cfg: Any) -> None:
+    """``model.teacher`` is set exactly when the algorithm uses a teacher, and names a loadable config.
+
+    Raises:
+        ConfigError: a distillation algorithm without ``model.teacher``; a teacher
+            that no part of ``algo`` reads (a setting that would be ignored); a
+            teacher spec that names nothing.
+    """
+    spec = cfg.model.get("teacher", None)
+    need = uses_teacher(cfg.algo)
+    if need and not spec:
+        raise ConfigError(f"algo={cfg.algo.name} (loss={cfg.algo.loss}, adv_estimator={cfg.algo.adv_estimator}) "
+                          f"distils from a teacher but model.teacher is not set. Fix: model.teacher=<model preset or "
+                          f"HF dir> (e.g. model.teacher=smollm2-135m).")
+    if spec and not need:
+        raise ConfigError(f"model.teacher={spec} is set but algo={cfg.algo.name} uses no teacher, so it would be "
+                          f"ignored. Fix: drop model.teacher or choose a distillation preset (algo=opd).")
+    if spec:
+        teacher_model_config(str(spec))

@@ -24,7 +24,7 @@ import torch
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, _broadcast
 from rlpost.algos.losses import PolicyLossInput, _nonempty_mean, ratio_metrics
 from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 Metrics = Dict[str, torch.Tensor]
 

@@ -28,7 +28,7 @@ import torch
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.algos.utils import group_all_equal, group_ids, group_stats
-from rlpost.registry import param
+from rlpost.core.registry import param
 
 _XRPO_PAPER = "XRPO: Pushing the limits of GRPO with Targeted Exploration and Exploitation (arXiv:2510.06672)"
 

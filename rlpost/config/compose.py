@@ -2,7 +2,7 @@
 
 :func:`compose_config` runs Hydra's composition (defaults lists, overrides,
 structured-schema type checks) and turns every Hydra/OmegaConf error into a
-:class:`rlpost.errors.ConfigError` with one clear sentence that names the key and
+:class:`rlpost.core.errors.ConfigError` with one clear sentence that names the key and
 the valid choices. :func:`validate_config` then checks what the schema cannot:
 registered names and combinations that make sense.
 """
@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlpost.config.schema import GROUP_SCHEMAS, register_schemas
 from rlpost.config.paths import conf_dir, group_choices  # noqa: F401  (re-exported)
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 
 def _schema_keys(path: str) -> List[str]:
@@ -252,7 +252,7 @@ def check_ranges(cfg: DictConfig) -> None:
 #: enums in :mod:`rlpost.config.schema`, so composition already rejected them.
 GROUP_CHECKS = (
     ("model", "rlpost.models.lora:check_model_config"),
-    ("model", "rlpost.models.teacher:check_teacher_config"),  # model.teacher set exactly when the algorithm distils
+    ("model", "rlpost.algos.validate:check_teacher_config"),  # model.teacher set exactly when the algorithm distils
     ("algo", "rlpost.algos.validate:check_algo_config"),
     ("methods", "rlpost.methods.base:check_config"),
     ("precision", "rlpost.algos.validate:check_precision_config"),
@@ -260,9 +260,9 @@ GROUP_CHECKS = (
     ("sampler", "rlpost.samplers:check_config"),
     ("task", "rlpost.tasks:check_config"),
     ("ranges", "rlpost.config.compose:check_ranges"),
-    ("executor", "rlpost.executor:check_partial"),
+    ("executor", "rlpost.run.executor:check_partial"),
     ("launcher", "rlpost.ray_pool:check_launcher"),
-    ("card", "rlpost.recipes:check_card_config"),
+    ("card", "rlpost.experiments.recipes:check_card_config"),
 )
 
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from rlpost.registry import Choice
+from rlpost.core.registry import Choice
 
 
 # ------------------------------------------------------------------ closed choices
@@ -501,7 +501,7 @@ class PrecisionConfig:
 
     Attributes:
         trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16 | auto
-            (resolved at start by :func:`rlpost.autoprecision.resolve_precision`).
+            (resolved at start by :func:`rlpost.core.autoprecision.resolve_precision`).
         rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM) | auto.
         correction: none | tis | mis | cis | ais | seq_is | geo_is (importance correction against
             the rollout log-probs).
@@ -645,7 +645,7 @@ class CheckpointConfig:
     """Checkpointing: every N steps (0 = only at the end), keeping the last ``keep_last``.
 
     ``keep_last: null`` (default): 1 for full fine-tuning on a CPU, else 2
-    (:func:`rlpost.checkpoint.resolve_keep_last` says why).
+    (:func:`rlpost.run.checkpoint.resolve_keep_last` says why).
     """
 
     every: int = 10
@@ -657,8 +657,8 @@ class ExecutorConfig:
     """sync | async; ``max_staleness``: policy versions a rollout may lag the trainer.
 
     Partial rollouts (APRIL, arXiv:2509.18521; CoPRIS cross-stage IS), an opt-in
-    of either executor (:mod:`rlpost.partial`, checked by
-    :func:`rlpost.executor.check_partial`):
+    of either executor (:mod:`rlpost.core.partial`, checked by
+    :func:`rlpost.run.executor.check_partial`):
 
     Attributes:
         partial_rollout: generate in chunks, train on the first complete groups
@@ -736,7 +736,7 @@ class RootConfig:
         name: run name (directory and W&B name).
         device: auto | cpu | cuda.
         card: a recipe's record (paper, paper setting, claim, CPU baseline), set only
-            by ``+recipe=NAME``; read and validated by :mod:`rlpost.recipes`, never by
+            by ``+recipe=NAME``; read and validated by :mod:`rlpost.experiments.recipes`, never by
             training.
     """
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from rlpost.envs.tools import build_tools, call_tool, parse_tool_calls
-from rlpost.registry import Registry
+from rlpost.core.registry import Registry
 
 ENVS = Registry("environment", "sampler.params.env")
 

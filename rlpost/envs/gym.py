@@ -35,7 +35,7 @@ class GymnasiumEnv(Env):
 
     def __init__(self, env_id: str = "FrozenLake-v1", env_kwargs: Optional[Dict[str, Any]] = None,
                  action_help: str = "") -> None:
-        from rlpost.errors import ConfigError
+        from rlpost.core.errors import ConfigError
 
         try:
             import gymnasium

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from rlpost.envs.sandbox import SandboxLimits, run_python
-from rlpost.registry import Registry
+from rlpost.core.registry import Registry
 
 TOOLS = Registry("tool", "sampler.params.tools")
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 from rlpost.eval.stats import bootstrap_ci, summarize_samples
 from rlpost.rollout.base import RolloutEngine, SamplingParams
 

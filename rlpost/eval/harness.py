@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 
 
 def _import_lm_eval() -> Any:

@@ -33,7 +33,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from rlpost.errors import DataError
+from rlpost.core.errors import DataError
 
 #: the required baseline arm
 BASELINE = "selector=uniform"

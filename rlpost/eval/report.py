@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -553,7 +553,7 @@ def log_to_wandb(out_dir: Path, images: Dict[str, Path], report: Dict[str, Any],
     """
     import wandb
 
-    from rlpost.tracking import resolve_wandb_mode
+    from rlpost.core.tracking import resolve_wandb_mode
 
     mode = resolve_wandb_mode(mode)
     run = wandb.init(project=project, entity=entity, name=f"report-{time.strftime('%Y-%m-%d_%H-%M-%S')}",
@@ -670,7 +670,7 @@ def register_cli(app: Any) -> None:
 
           rlpost report outputs/grpo-arithmetic outputs/dr_grpo-arithmetic --out report/
         """
-        from rlpost.errors import RlpostError
+        from rlpost.core.errors import RlpostError
 
         try:
             rep = make_report(runs, out, band=band, wandb=wandb, n_boot=n_boot)

@@ -6,12 +6,12 @@ closed forms with a few hand-written numbers.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Dict, Hashable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
+from rlpost.tasks.base import majority_vote
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,23 +40,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         return 1.0
     # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i)
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
-
-
-def majority_vote(answers: Sequence[Optional[Hashable]]) -> Optional[int]:
-    """Position of a representative of the most frequent non-None answer.
-
-    Ties are broken by the answer that appears first; None answers (nothing
-    extracted) never win. Returns None when every answer is None.
-    """
-    keys = [a for a in answers if a is not None]
-    if not keys:
-        return None
-    counts = Counter(keys)
-    best = max(counts.values())
-    for i, a in enumerate(answers):
-        if a is not None and counts[a] == best:
-            return i
-    return None  # unreachable
 
 
 def maj_at_k(

@@ -16,7 +16,7 @@ import torch
 
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.algos.validate import adv_overrides
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.methods.base import METHODS, Method, Needs, RunServices
 
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from rlpost.registry import Registry
+from rlpost.core.registry import Registry
 
 #: every hook-using method, by name; an entry is a :class:`Method` subclass
 METHODS = Registry("method", "algo", catalog="rlpost.methods.catalog")
@@ -376,7 +376,7 @@ def check_loss_extras(cfg: Any, methods: MethodSet) -> None:
     """
     from rlpost.algos.losses import EXTRA_INPUTS, loss_extras
     from rlpost.algos.registries import POLICY_LOSSES
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     loss = str(cfg.algo.loss)
     provided = set(methods.needs().provides) | {"loss_state"}

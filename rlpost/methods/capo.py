@@ -11,7 +11,7 @@ from typing import Any, Optional
 from rlpost.algos.capo import capo_forward
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.validate import loss_kwargs
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.methods.base import METHODS, ForwardOut, ForwardPass, Method, Needs
 
 

@@ -15,7 +15,7 @@ import torch
 
 from rlpost.algos.predictive_mask import anchor_support
 from rlpost.algos.validate import loss_kwargs
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.methods.base import METHODS, ForwardOut, ForwardPass, Method, Needs, RunServices
 from rlpost.models.teacher import support_logprobs, support_pass
 

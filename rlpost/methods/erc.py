@@ -12,7 +12,7 @@ from typing import Any, Dict
 
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.validate import trainer_loss_params
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.methods.base import METHODS, Method, Needs, RunServices
 
 

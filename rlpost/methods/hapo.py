@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.methods.base import METHODS, Method
 
 #: losses whose paper samples with a per-token temperature, and the sampler that owns it
@@ -26,7 +26,7 @@ def check_sampler(algo_cfg: Any, sampler_name: str) -> None:
     configuration error.
 
     Raises:
-        rlpost.errors.ConfigError: either conflict, naming the fix.
+        rlpost.core.errors.ConfigError: either conflict, naming the fix.
     """
     lp = dict(algo_cfg.loss_params or {})
     if "temperature_tau" in lp:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlpost.algos.sp3o import with_critic_mask
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.methods.base import METHODS, Method
 
 

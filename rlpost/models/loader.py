@@ -21,7 +21,7 @@ from typing import Any, Tuple
 
 import torch
 
-from rlpost.errors import ModelLoadError
+from rlpost.core.errors import ModelLoadError
 
 
 def cache_root(cache_dir: str | None = None) -> Path:

@@ -90,7 +90,7 @@ def _chunk_logprobs(
 
     ``inv_temp`` ``[N]`` (None: temperature 1, no scaling pass). ``top_k`` /
     ``top_p`` truncate the temperature-scaled logits ``[N, V]`` as the sampler
-    did (:func:`rlpost.rollout.sampling.apply_top_k_top_p`; 0 and 1 = off); a
+    did (:func:`rlpost.models.sampling.apply_top_k_top_p`; 0 and 1 = off); a
     target outside the truncated set gets ``TRUNCATED_LOGPROB``. The entropy is
     computed from the same logits; without ``entropy_grad`` it is built under
     ``no_grad``, so it adds no autograd node and no backward work (a metric, or a
@@ -101,7 +101,7 @@ def _chunk_logprobs(
         logits = logits * inv_temp[..., None]
     truncated = bool(top_k) or top_p < 1.0
     if truncated:
-        from rlpost.rollout.sampling import apply_top_k_top_p
+        from rlpost.models.sampling import apply_top_k_top_p
 
         logits = apply_top_k_top_p(logits, top_k, top_p)
     logz = torch.logsumexp(logits, dim=-1)
@@ -329,7 +329,7 @@ def response_logprobs(
         top_k, top_p: the sampler's truncation (0 and 1 = off). The log-probs are
             those of the distribution the rollout engine drew from: the
             temperature-scaled logits truncated by
-            :func:`rlpost.rollout.sampling.apply_top_k_top_p` and renormalised,
+            :func:`rlpost.models.sampling.apply_top_k_top_p` and renormalised,
             so on the sampling weights they equal the engine's rollout
             log-probs. A token outside this model's own truncated set (possible
             once the weights moved) gets ``TRUNCATED_LOGPROB`` (-30 nats) and no
@@ -422,7 +422,7 @@ def prompt_entropy(
         ValueError: an empty prompt.
         TypeError: the model has no separable decoder and LM head.
     """
-    from rlpost.batch import left_pad
+    from rlpost.core.batch import left_pad
 
     if any(len(p) == 0 for p in prompts):
         raise ValueError("prompt_entropy needs non-empty prompts")

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 ADAPTER = "default"  # PEFT's adapter name; rlpost trains one adapter
 ADAPTER_CONFIG = "adapter_config.json"

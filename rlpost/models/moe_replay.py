@@ -500,7 +500,7 @@ def attach_routing(cfg: Any, trainer: Any, engine: Any) -> Any:
             trainer without a policy forward hook (deepspeed), gradient checkpointing
             (its recomputed forward would route on its own), or a model without MoE routers.
     """
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     mode = str(getattr(cfg.model, "routing_replay", "off") or "off")
     if mode not in ROUTING_MODES:

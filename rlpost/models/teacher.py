@@ -24,31 +24,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 
 # ----------------------------------------------------------------- config
-def uses_teacher(algo_cfg: Any) -> bool:
-    """Whether ``algo.loss`` or ``algo.adv_estimator`` is tagged ``needs_teacher``."""
-    from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
-
-    return bool(POLICY_LOSSES.tag(str(algo_cfg.loss), "needs_teacher", False)
-                or ADV_ESTIMATORS.tag(str(algo_cfg.adv_estimator), "needs_teacher", False))
-
-
-def teacher_top_k(algo_cfg: Any) -> int:
-    """K of the teacher's top-K support the loss needs (0: only the sampled tokens' log-probs).
-
-    A loss tagged ``teacher_topk="<param>"`` declares K as that parameter
-    (``algo.loss_params.<param>``): the loss owns it, the teacher stage reads it.
-    """
-    from rlpost.algos.registries import POLICY_LOSSES
-    from rlpost.algos.validate import loss_kwargs
-
-    key = POLICY_LOSSES.tag(str(algo_cfg.loss), "teacher_topk", None)
-    return int(loss_kwargs(algo_cfg)[key]) if key else 0
-
-
 def teacher_model_config(spec: str) -> Any:
     """The model config named by ``model.teacher``: a ``conf/model/NAME.yaml`` preset or a local HF directory.
 
@@ -73,27 +52,6 @@ def teacher_model_config(spec: str) -> Any:
         return OmegaConf.merge(base, {"name": Path(str(spec)).name, "source": "hf", "path": str(spec)})
     raise ConfigError(f"model.teacher={spec!r} is neither a model preset ({', '.join(group_choices('model'))}) nor a "
                       f"local model directory. Fix: model.teacher=<preset name> or model.teacher=/path/to/hf_dir.")
-
-
-def check_teacher_config(cfg: Any) -> None:
-    """``model.teacher`` is set exactly when the algorithm uses a teacher, and names a loadable config.
-
-    Raises:
-        ConfigError: a distillation algorithm without ``model.teacher``; a teacher
-            that no part of ``algo`` reads (a setting that would be ignored); a
-            teacher spec that names nothing.
-    """
-    spec = cfg.model.get("teacher", None)
-    need = uses_teacher(cfg.algo)
-    if need and not spec:
-        raise ConfigError(f"algo={cfg.algo.name} (loss={cfg.algo.loss}, adv_estimator={cfg.algo.adv_estimator}) "
-                          f"distils from a teacher but model.teacher is not set. Fix: model.teacher=<model preset or "
-                          f"HF dir> (e.g. model.teacher=smollm2-135m).")
-    if spec and not need:
-        raise ConfigError(f"model.teacher={spec} is set but algo={cfg.algo.name} uses no teacher, so it would be "
-                          f"ignored. Fix: drop model.teacher or choose a distillation preset (algo=opd).")
-    if spec:
-        teacher_model_config(str(spec))
 
 
 def check_tokenizers(student_tok: Any, teacher_tok: Any, teacher_name: str = "teacher") -> None:
@@ -136,7 +94,7 @@ def _chunk_support(head, h, targets, inv_temp, want_entropy: bool, top_k: int, t
         sup, sup_ids = logits.new_zeros(logits.shape[0], 0), support
     truncated = bool(top_k) or top_p < 1.0
     if truncated:
-        from rlpost.rollout.sampling import apply_top_k_top_p
+        from rlpost.models.sampling import apply_top_k_top_p
 
         logits = apply_top_k_top_p(logits, top_k, top_p)
         logz = torch.logsumexp(logits, dim=-1)
@@ -257,7 +215,7 @@ class Teacher:
         verl code scores teacher and student with the same temperature.)
 
         Args:
-            batch: :class:`rlpost.batch.RolloutBatch`.
+            batch: :class:`rlpost.core.batch.RolloutBatch`.
             trainer: the run's trainer (its micro-batch split and its
                 :meth:`~rlpost.trainer.torch_engine.TorchTrainer.forward_pass`: autocast,
                 device, temperature, log-prob chunk size).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 LAUNCHERS = ("none", "ray")
 PLACEMENTS = ("colocated", "disaggregated")

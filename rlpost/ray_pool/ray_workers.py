@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rlpost.errors import ConfigError, RlpostError
+from rlpost.core.errors import ConfigError, RlpostError
 
 log = logging.getLogger("rlpost")
 
@@ -95,7 +95,7 @@ def arrays_state(arrays: Dict[str, Tuple[str, Any]]) -> Dict[str, torch.Tensor]:
 
 
 def _cpu_seconds() -> float:
-    """User + system CPU seconds of this process (as :func:`rlpost.runner.cpu_seconds`, without importing the runner)."""
+    """User + system CPU seconds of this process (as :func:`rlpost.run.runner.cpu_seconds`, without importing the runner)."""
     import resource
 
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -295,7 +295,7 @@ def route_ray_logging() -> Tuple[List[logging.Handler], bool]:
     """Send Ray's logger (``ray``) through this process's handlers instead of its own stderr handler.
 
     Under the CLI that puts Ray's start-up notices in ``cli.log`` and, below ERROR, off the
-    console (:data:`rlpost.tracking.QUIET_LOGGERS`). Returns what :func:`restore_ray_logging` restores.
+    console (:data:`rlpost.core.tracking.QUIET_LOGGERS`). Returns what :func:`restore_ray_logging` restores.
     """
     lg = logging.getLogger("ray")
     saved = (list(lg.handlers), lg.propagate)

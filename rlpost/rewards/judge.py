@@ -30,8 +30,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from rlpost.errors import ConfigError
-from rlpost.registry import Registry, param
+from rlpost.core.errors import ConfigError
+from rlpost.core.registry import Registry, param
 from rlpost.rewards.models import REWARD_MODELS, ModelReward, ModelScore
 
 DEFAULT_TEMPLATE = (

@@ -8,7 +8,7 @@ A run names model rewards in ``task.reward.models``, one entry per reward::
 ``local_judge``, ``prm``, ``prs``), ``weight`` multiplies its score in the total
 reward, and every other key is a parameter the kind declares once (a frozen
 dataclass with defaults and one doc line per field); a misspelt key is a
-:class:`rlpost.errors.ConfigError` naming the valid ones. The presets in
+:class:`rlpost.core.errors.ConfigError` naming the valid ones. The presets in
 ``conf/reward_model/`` fill these in: ``+reward_model=rm task.reward.models.rm.model_path=DIR``.
 
 Each entry's weighted score is one reward component (``reward_<name>`` per row,
@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from rlpost.errors import ConfigError
-from rlpost.registry import Choice, Registry, param
+from rlpost.core.errors import ConfigError
+from rlpost.core.registry import Choice, Registry, param
 
 #: model-based reward kinds (``task.reward.models.<name>.kind``)
 #: the rule reward's components (rlpost.rewards.scoring), which a model reward's name may not take
@@ -418,7 +418,7 @@ def build_model_rewards(models_cfg: Any, task: Any) -> Dict[str, ModelReward]:
         kind = str(entry.pop("kind"))
         weight = float(entry.pop("weight", 1.0))
         params = REWARD_MODELS.resolve(kind, entry, key=key)  # unknown / mistyped keys raise here
-        from rlpost.registry import plain
+        from rlpost.core.registry import plain
 
         kwargs = {k: plain(getattr(params, k)) for k in params.__dataclass_fields__}
         obj: ModelReward = REWARD_MODELS.get(kind)(**kwargs)

@@ -25,8 +25,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from rlpost.errors import ConfigError
-from rlpost.registry import Choice, Registry, param
+from rlpost.core.errors import ConfigError
+from rlpost.core.registry import Choice, Registry, param
 from rlpost.rewards.models import (
     REWARD_MODELS, ModelReward, ModelScore, check_head, length_batches, load_classifier, render_chat, render_prefix,
     sequence_scores,

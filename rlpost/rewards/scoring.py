@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlpost.rewards.models import REWARD_COMPONENTS  # noqa: F401  (re-exported: the rule components)
+from rlpost.tasks.base import majority_vote
 
 _WORKER_TASK: Any = None
 
@@ -290,10 +291,10 @@ class RewardFunction:
                 e.g. ``algo=dapo``'s share 0.2); applied here, never by the estimator.
 
         Raises:
-            rlpost.errors.ConfigError: both the task and the preset set an
+            rlpost.core.errors.ConfigError: both the task and the preset set an
                 overlong window (the punishment would count twice), or a bad window.
         """
-        from rlpost.errors import ConfigError
+        from rlpost.core.errors import ConfigError
 
         g = lambda k, d: getattr(reward_cfg, k, d) if reward_cfg is not None else d  # noqa: E731
         buf, pen = g("overlong_buffer", 0), g("overlong_penalty", 1.0)
@@ -348,7 +349,7 @@ class RewardFunction:
             m.attach(tokenizer=tokenizer, dtype=dtype, device=device)
 
     def check_estimator(self, adv_estimator: str) -> None:
-        """Raise :class:`rlpost.errors.ConfigError` when a process reward meets an estimator that drops token rewards."""
+        """Raise :class:`rlpost.core.errors.ConfigError` when a process reward meets an estimator that drops token rewards."""
         from rlpost.rewards.models import check_estimator
 
         check_estimator(self.models, adv_estimator)
@@ -482,8 +483,6 @@ class RewardFunction:
         self, responses: Sequence[str], examples: Sequence[Any]
     ) -> Tuple[List[float], List[bool], Dict[str, float], Dict[str, float]]:
         """Scores against per-prompt majority-vote labels (TTRL), plus label-quality metrics."""
-        from rlpost.eval.stats import majority_vote
-
         groups: Dict[Any, List[int]] = {}
         for i, ex in enumerate(examples):
             groups.setdefault((ex.index, ex.question), []).append(i)

@@ -35,8 +35,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from rlpost.errors import ConfigError
-from rlpost.registry import param
+from rlpost.core.errors import ConfigError
+from rlpost.core.registry import param
 from rlpost.rewards.models import REWARD_MODELS, ModelReward, ModelScore
 
 

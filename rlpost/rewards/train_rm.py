@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 from rlpost.rewards.models import render_chat, sequence_scores
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")

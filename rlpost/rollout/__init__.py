@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams  # noqa: F401
 
 ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
@@ -40,7 +40,7 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
 
 def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
     """:func:`build_engine` without the speculative wrapper."""
-    from rlpost.autoprecision import resolve_precision
+    from rlpost.core.autoprecision import resolve_precision
 
     resolve_precision(cfg, device)  # precision=auto (no-op when already concrete)
     rd = cfg.precision.rollout_dtype

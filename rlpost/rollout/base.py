@@ -9,7 +9,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 
-from rlpost.batch import pad_cat
+from rlpost.core.batch import pad_cat
 
 # A logits hook sees the raw next-token logits ``[B, V]`` (float32) of the
 # unfinished step ``t`` and returns a per-sequence temperature ``[B]`` to sample

@@ -17,9 +17,9 @@ from typing import Any, List, Optional
 import torch
 
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations
-from rlpost.batch import left_pad  # noqa: F401  (re-exported)
+from rlpost.core.batch import left_pad  # noqa: F401  (re-exported)
 from rlpost.models.logprobs import eval_mode
-from rlpost.rollout.sampling import apply_top_k_top_p
+from rlpost.models.sampling import apply_top_k_top_p
 
 
 @functools.lru_cache(maxsize=None)

@@ -416,7 +416,7 @@ def load_mtp_head(path: Any, policy: torch.nn.Module) -> Tuple[MTPDraftHead, Dic
         ConfigError: no such file, not a head file, or a head of another width / vocabulary than
             ``policy`` (a head fits one model).
     """
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     key = "rollout.speculative.mtp_head_path"
     fix = f"Fix: point {key} at a head saved for this model, or set it to null to fit one at start"
@@ -545,8 +545,8 @@ def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.
         ConfigError: no head file and no prompts to fit one; a head file that cannot be read or
             does not fit the policy (:func:`load_mtp_head`); responses too short for the depth.
     """
-    from rlpost.errors import ConfigError
-    from rlpost.tracking import log
+    from rlpost.core.errors import ConfigError
+    from rlpost.core.tracking import log
 
     policy = engine.model if policy is None else policy
     own = Path(run_dir) / HEAD_FILE if run_dir is not None else None

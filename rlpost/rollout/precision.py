@@ -42,7 +42,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 Converter = Callable[[torch.nn.Module], torch.nn.Module]
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict
 
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 
 def _quantisers() -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:

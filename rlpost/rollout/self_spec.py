@@ -45,11 +45,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.models.logprobs import eval_mode
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations
 from rlpost.rollout.hf import _get_cache, cache_kw, left_pad, sample_inverse_cdf
-from rlpost.rollout.sampling import apply_top_k_top_p
+from rlpost.models.sampling import apply_top_k_top_p
 
 #: keys of ``rollout.speculative`` and their defaults (one owner: this module)
 SPEC_DEFAULTS: Dict[str, Any] = {

@@ -93,7 +93,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from rlpost.errors import RlpostError
+from rlpost.core.errors import RlpostError
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams
 from rlpost.rollout.hf import left_pad
 

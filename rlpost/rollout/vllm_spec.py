@@ -15,7 +15,7 @@ Methods:
   Rejection Sampling", Li, Jiang, Xu et al., arXiv:2606.12370): MTP drafts verified by
   probabilistic rejection sampling (vLLM's default for temperature > 0), MTP heads trained before
   RL and not updated during it. A model whose config declares no MTP layers is refused
-  (:class:`~rlpost.errors.ConfigError`). The trainer (transformers) does not load MTP weights, so
+  (:class:`~rlpost.core.errors.ConfigError`). The trainer (transformers) does not load MTP weights, so
   the directory rlpost writes for vLLM's start has none; the drafter therefore loads from
   ``rollout.speculative.model`` or, by default, ``model.path`` (the original checkpoint). The
   weight push after each update reaches the target model only: the MTP layers keep their
@@ -44,7 +44,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 #: ``rollout.speculative`` keys for rollout=vllm and their defaults
 VLLM_SPEC_DEFAULTS: Dict[str, Any] = {

@@ -10,6 +10,6 @@ def check_config(cfg) -> None:
     Raises:
         ConfigError: an unknown sampler or parameter.
     """
-    from rlpost.registry import as_dict
+    from rlpost.core.registry import as_dict
 
     SAMPLERS.resolve(cfg.sampler.name, as_dict(cfg.sampler.params), "sampler.params")

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from rlpost.apportion import apportion
-from rlpost.registry import Choice, param
+from rlpost.core.apportion import apportion
+from rlpost.core.registry import Choice, param
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import (
     REWARD_EXTRAS,

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.rollout.base import GenerationResult, concat_generations
 from rlpost.samplers.base import (SAMPLERS, SampleResult, Sampler, generate_groups, pad_id_of, score_rows,
                                   select_rows, step_params)

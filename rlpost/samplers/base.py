@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rlpost.registry import Registry
+from rlpost.core.registry import Registry
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations  # noqa: F401
 
 SAMPLERS = Registry("sampler", "sampler", typed_params=True)
@@ -338,28 +338,10 @@ def build_sampler(cfg: Any, n_samples: int) -> Sampler:
     Raises:
         ConfigError: unknown sampler or parameter.
     """
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     cls = SAMPLERS.get(cfg.name)
     try:
         return cls(n_samples, **dict(cfg.params or {}))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"sampler={cfg.name}: bad sampler.params {dict(cfg.params or {})}: {e}") from None
-
-
-def check_allocation(selector: Any, sampler: Sampler, selector_name: str, sampler_name: str) -> None:
-    """Refuse a selector that allocates rollouts per prompt with a sampler that would ignore it.
-
-    Raises:
-        ConfigError: the selector plays ``Role.ALLOCATE`` (CurES) and the sampler's
-            ``uses_rollout_counts`` is False; the message lists the samplers that honour it.
-    """
-    from rlpost.errors import ConfigError
-    from rlpost.selectors.base import Role
-
-    if selector.plays(Role.ALLOCATE) and not sampler.uses_rollout_counts:
-        ok = [n for n in SAMPLERS.names() if SAMPLERS.get(n).uses_rollout_counts]
-        raise ConfigError(
-            f"selector={selector_name} allocates rollouts per prompt, but sampler={sampler_name} ignores that budget; "
-            f"use sampler={' or sampler='.join(ok)}, or set selector.params.allocate=false"
-        )

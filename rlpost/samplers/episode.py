@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from rlpost.registry import Choice, param
+from rlpost.core.registry import Choice, param
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import SAMPLERS, SampleResult, Sampler, pad_id_of, score_rows, step_params
 from rlpost.tasks.chat import _PLAIN, _PLAIN_RE, _special_strings, encode_framed, encode_plain, template_parts  # noqa: F401

@@ -1,7 +1,7 @@
 """Partial rollouts of multi-turn episodes: unfinished episodes carried across RL steps.
 
 ``executor.partial_rollout=true`` with ``env=...`` (``sampler=episode``). The token-chunk producer
-of :mod:`rlpost.partial` continues plain responses; an episode also has an environment, a turn
+of :mod:`rlpost.core.partial` continues plain responses; an episode also has an environment, a turn
 count and inserted environment text, so this producer carries the episodes themselves
 (:class:`rlpost.samplers.episode._Episode`: token ids, loss mask, per-token rollout log-probs and
 temperatures, turn count, the live environment object, the transcript) and advances them one
@@ -29,12 +29,12 @@ from typing import Any, Dict, List
 
 import torch
 
-from rlpost.partial import PartialStep, StitchedBatch, num_requests, take_from_queue
+from rlpost.core.partial import PartialStep, StitchedBatch, num_requests, take_from_queue
 
 
 @dataclass
 class EpisodePartialStep(PartialStep):
-    """:class:`rlpost.partial.PartialStep` plus what episodes add.
+    """:class:`rlpost.core.partial.PartialStep` plus what episodes add.
 
     Attributes:
         texts: each row's final-turn text (what the verifier scores).
@@ -131,14 +131,14 @@ class EpisodePartialProducer:
                 version: int, weights_step: int) -> EpisodePartialStep:
         """Top up, advance carried and new episodes turn by turn, release ``needed`` complete groups.
 
-        Same contract as :meth:`rlpost.partial.PartialRolloutProducer.produce` (``select``,
+        Same contract as :meth:`rlpost.core.partial.PartialRolloutProducer.produce` (``select``,
         ``encode``, ``version``, ``weights_step``; round ``r > 0`` samples with
         ``params.seed + 7919 * r``), with episodes: every row's ``response_ids`` are its model
         turns and inserted environment text, id for id as sampled and inserted, ``response_mask``
         1 exactly on the model's tokens.
 
         Returns:
-            an :class:`EpisodePartialStep` (its ``batch`` a :class:`rlpost.partial.StitchedBatch`);
+            an :class:`EpisodePartialStep` (its ``batch`` a :class:`rlpost.core.partial.StitchedBatch`);
             metrics as the token producer's (``partial/...``) plus the ``episode/...`` ones of
             the released episodes.
         Raises:

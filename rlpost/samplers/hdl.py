@@ -26,7 +26,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.samplers.base import SAMPLERS, SampleResult, pad_id_of, score_rows, select_rows
 from rlpost.samplers.tree import TreeSampler
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from rlpost.registry import Choice, param
+from rlpost.core.registry import Choice, param
 from rlpost.samplers.base import SAMPLERS, SampleResult, Sampler, generate_groups, merge_results, pad_id_of, step_params
 
 

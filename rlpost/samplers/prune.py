@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.samplers.base import (
     SAMPLERS,
     SampleResult,
@@ -415,7 +415,7 @@ def apply_loss_token_mask(sampler: Any, batch: Any, entropy: torch.Tensor, step:
 
     Args:
         sampler: has ``loss_token_mask`` (:class:`D3SSampler`).
-        batch: a :class:`rlpost.batch.RolloutBatch` with ``extras['advantages']``.
+        batch: a :class:`rlpost.core.batch.RolloutBatch` with ``extras['advantages']``.
         entropy: ``[B, R]`` policy entropy at each response token (nats).
     Returns:
         ``{"sampler/token_keep_ratio", "sampler/tokens_dropped"}`` (empty when the mask is off).

@@ -50,10 +50,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.rollout.base import GenerationResult
 from rlpost.rollout.hf import left_pad, sample_inverse_cdf
-from rlpost.rollout.sampling import apply_top_k_top_p
+from rlpost.models.sampling import apply_top_k_top_p
 from rlpost.samplers.base import SAMPLERS, SampleResult, Sampler, concat_generations, pad_id_of, step_params
 
 
@@ -132,7 +132,7 @@ def response_distributions(
     """``[B, R, V]`` float32 sampling distribution of ``model`` at each response position.
 
     The distribution the rollout engine samples response token ``t`` from
-    (temperature, then top-k / top-p, as :mod:`rlpost.rollout.sampling`), given the
+    (temperature, then top-k / top-p, as :mod:`rlpost.models.sampling`), given the
     prompt and the response tokens before ``t``. ``chunk`` rows per forward pass
     (0: as many as keep the logits under 2^25 floats). Rows are exact where ``response_mask`` is 1 (and at the position right after,
     which is how a continuation after the last token is verified).

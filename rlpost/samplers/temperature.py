@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.samplers.base import SAMPLERS, Sampler, generate_groups, step_params
 
 

@@ -18,7 +18,7 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
-from rlpost.registry import Choice, param
+from rlpost.core.registry import Choice, param
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import (
     SAMPLERS,

@@ -11,8 +11,8 @@ def check_config(cfg) -> None:
     Raises:
         ConfigError: ``selector.prompts_per_step < 1``, an unknown selector or parameter.
     """
-    from rlpost.errors import ConfigError
-    from rlpost.registry import as_dict
+    from rlpost.core.errors import ConfigError
+    from rlpost.core.registry import as_dict
 
     if cfg.selector.prompts_per_step < 1:
         raise ConfigError("Invalid config: selector.prompts_per_step must be >= 1.")

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tup
 
 import numpy as np
 
-from rlpost.registry import Registry
+from rlpost.core.registry import Registry
 
 SELECTORS = Registry("prompt selector", "selector", typed_params=True)
 
@@ -83,7 +83,7 @@ class Role(str, enum.Enum):
     """What a selector does besides choosing prompts (:meth:`Selector.select`, every selector's role).
 
     A selector declares its extra roles in :attr:`Selector.roles`; the rollout
-    driver (:func:`rlpost.samplers.driver.collect_rollouts`) calls a role's
+    driver (:func:`rlpost.run.collect.collect_rollouts`) calls a role's
     methods only when it is declared, and the partial-rollout producer refuses
     selectors with any extra role. Each role has its methods on the base class:
 
@@ -283,8 +283,8 @@ def build_selector(cfg: Any, num_prompts: int, seed: int, n_samples: Optional[in
     Raises:
         ConfigError: unknown selector or unknown parameter.
     """
-    from rlpost.errors import ConfigError
-    from rlpost.registry import defaults_of
+    from rlpost.core.errors import ConfigError
+    from rlpost.core.registry import defaults_of
 
     cls = SELECTORS.get(cfg.name)
     params = dict(cfg.params or {})

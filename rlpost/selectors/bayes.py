@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.selectors.base import SELECTORS, Role, Selector, success_counts
 
 
@@ -324,7 +324,7 @@ class CuresSelector(BetaSelector):
         return self.rng.choice(self.num_prompts, size=k, replace=False, p=self.weights()).tolist()
 
     def rollout_counts(self, prompt_indices: List[int]) -> Optional[List[int]]:  # noqa: D102 - see class
-        from rlpost.apportion import apportion
+        from rlpost.core.apportion import apportion
 
         k = len(prompt_indices)
         m = self.mean[np.asarray(prompt_indices, dtype=np.int64)]

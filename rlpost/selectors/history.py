@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.selectors.base import SELECTORS, Role, Selector, UniformSelector, append_history, is_zero_variance, success_rate
 
 
@@ -225,7 +225,7 @@ class HiveSelector(Selector):
     (random tie-breaks) form the candidate pool.
 
     Stage 2 (online verification): when a ``prompt_entropy(indices) -> list``
-    function is attached (the runner attaches :meth:`rlpost.runner.Run.prompt_entropy`:
+    function is attached (the runner attaches :meth:`rlpost.run.runner.Run.prompt_entropy`:
     the current policy's mean next-token entropy over the prompt tokens, one
     no-grad prefill), the pool's entropies ``e_i`` are computed and a candidate
     with ``|e_i - e_i^old| > entropy_threshold * max(|e_i^old|, 1e-6)``, where

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.selectors.base import SELECTORS, Role, Selector, UniformSelector, append_history, is_zero_variance, success_rate
 
 
@@ -96,7 +96,7 @@ class DomainMixtureSelector(Selector):
         Raises:
             ConfigError: ``targets`` names a domain the examples do not have.
         """
-        from rlpost.errors import ConfigError
+        from rlpost.core.errors import ConfigError
 
         ex = resources.get("examples")
         if ex is not None and len(ex) == self.num_prompts and not self.fixed_domains:
@@ -107,7 +107,7 @@ class DomainMixtureSelector(Selector):
 
     def quotas(self) -> Dict[str, int]:
         """Prompts per domain for the next step."""
-        from rlpost.apportion import apportion
+        from rlpost.core.apportion import apportion
 
         names = [d for d in sorted(self.by_domain) if self.targets.get(d, 0) > 0]
         w = [self.targets[d] / max(self.eff[d], self.floor) for d in names]
@@ -310,7 +310,7 @@ def make_hint_fn(examples: Sequence[Any], tokenizer: Any, solution: Optional[Cal
 
     The prefix is cut at a character boundary (``round(len * fraction)``
     characters; an empty hint for 0). SEELE (arXiv:2509.06923) scores the model's
-    continuation together with the hint, so :func:`rlpost.samplers.driver.collect_rollouts`
+    continuation together with the hint, so :func:`rlpost.run.collect.collect_rollouts`
     prepends :attr:`Hint.text` to each completion before scoring.
     """
     from rlpost.tasks.base import stored_solution

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.selectors.base import SELECTORS, Role, UniformSelector, success_rate
 
 

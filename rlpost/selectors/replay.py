@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from rlpost.registry import param
+from rlpost.core.registry import param
 from rlpost.selectors.base import SELECTORS, Role, UniformSelector, is_zero_variance
 
 

@@ -10,7 +10,7 @@ def check_config(cfg) -> None:
     Raises:
         ConfigError: an unknown ``task.kind`` or ``task.answer_format``.
     """
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
     from rlpost.tasks.answer_tags import EXTRACTORS
 
     TASKS.entry(cfg.task.kind)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from collections import Counter
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 
 import torch
 
-from rlpost.registry import Registry
+from rlpost.core.registry import Registry
 
 TASKS = Registry("task kind", "task.kind")
 
@@ -167,3 +168,20 @@ def task_prompts(task: Any, tokenizer: Any, seed: int, examples: Any = None) -> 
         return [list(task.render_prompt(ex[int(i)], tokenizer)) for i in idx]
 
     return fn
+
+
+def majority_vote(answers: Sequence[Optional[Hashable]]) -> Optional[int]:
+    """Position of a representative of the most frequent non-None answer.
+
+    Ties are broken by the answer that appears first; None answers (nothing
+    extracted) never win. Returns None when every answer is None.
+    """
+    keys = [a for a in answers if a is not None]
+    if not keys:
+        return None
+    counts = Counter(keys)
+    best = max(counts.values())
+    for i, a in enumerate(answers):
+        if a is not None and counts[a] == best:
+            return i
+    return None  # unreachable

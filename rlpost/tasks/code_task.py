@@ -23,7 +23,7 @@ import re
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 from rlpost.tasks.base import TASKS, Example, Task
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from rlpost.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError
 from rlpost.tasks.answer_tags import EXTRACTORS, extract_answer, extract_auto, extract_boxed, parse_gsm8k_gold
 from rlpost.tasks.base import TASKS, Example, Task
 from rlpost.tasks.verifiers import VERIFIERS, verify

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, List, Optional
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.tasks.base import TASKS, Example, Task
 
 _ACTION = re.compile(r"<action>\s*(-?\d+)\s*</action>")

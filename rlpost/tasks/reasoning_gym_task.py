@@ -11,7 +11,7 @@ import ast
 import functools
 from typing import Any, List, Optional, Tuple
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 from rlpost.tasks.answer_tags import extract_answer
 from rlpost.tasks.base import TASKS, Example, Task
 

@@ -16,8 +16,8 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional
 
-from rlpost.errors import ConfigError
-from rlpost.registry import Registry
+from rlpost.core.errors import ConfigError
+from rlpost.core.registry import Registry
 
 VERIFIERS = Registry("verifier", "task.reward.verifier")
 

@@ -38,8 +38,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from rlpost.batch import RolloutBatch
-from rlpost.errors import ConfigError, RlpostError
+from rlpost.core.batch import RolloutBatch
+from rlpost.core.errors import ConfigError, RlpostError
 from rlpost.trainer.torch_engine import TorchTrainer, _MetricAcc
 
 

@@ -4,7 +4,7 @@ AdamW with warm-up and a schedule, gradient clipping, micro-batches with exact
 gradient accumulation, log-probs computed only at response positions in
 checkpointed chunks, optional reference model (KL) and critic (values), and
 bf16 autocast. A non-finite loss or gradient skips the optimizer step; more than
-``max_bad_steps`` in a row raise :class:`rlpost.errors.TrainingDiverged`.
+``max_bad_steps`` in a row raise :class:`rlpost.core.errors.TrainingDiverged`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.regularizers import kl_penalty, value_loss
 from rlpost.algos.utils import masked_mean
 from rlpost.algos.validate import loss_kwargs
-from rlpost.batch import RolloutBatch
-from rlpost.errors import ConfigError, TrainingDiverged
+from rlpost.core.batch import RolloutBatch
+from rlpost.core.errors import ConfigError, TrainingDiverged
 from rlpost.methods.base import ForwardPass, MethodSet
 from rlpost.models.critic import ValueModel
 from rlpost.models.logprobs import eval_mode, response_logprobs

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Any, List
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 
 def needs_launch(cfg: Any) -> bool:

@@ -9,7 +9,7 @@ and HAPO's entropy statistics, the update generator, the partial-rollout
 buffer). A checkpoint is written to ``step_N.tmp`` and renamed into place, so a
 crash mid-write never leaves a partial checkpoint.
 
-The runner lists its stateful components once (:meth:`rlpost.runner.Run.stateful`);
+The runner lists its stateful components once (:meth:`rlpost.run.runner.Run.stateful`);
 :func:`save_checkpoint` and :func:`load_checkpoint` both walk that map, so a new
 stateful component is one line there. A component is anything with
 ``state_dict()`` / ``load_state_dict(sd)``; ``None`` entries (a component this
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from rlpost.errors import RlpostError
+from rlpost.core.errors import RlpostError
 from rlpost.models.loader import resolve_model_dir, save_hf  # noqa: F401  (save_hf: re-exported)
 
 DONE_MARKER = "DONE"
@@ -129,7 +129,7 @@ def resolve_keep_last(cfg: Any, device: Any) -> int:
     """
     from omegaconf import open_dict
 
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     k = cfg.checkpoint.get("keep_last")
     if k is None:

@@ -53,7 +53,7 @@ def job_summary(job_dir: Path) -> Dict[str, Any]:
     ``final`` holds the last logged value of each :data:`FINAL_KEYS` metric;
     ``eval`` the held-out accuracy of ``eval.json`` with its 95% bootstrap CI.
     """
-    from rlpost.checkpoint import DONE_MARKER, FAILED_MARKER
+    from rlpost.run.checkpoint import DONE_MARKER, FAILED_MARKER
 
     row: Dict[str, Any] = {"job": job_dir.name, "overrides": _overrides(job_dir)}
     if (job_dir / DONE_MARKER).is_file():

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 
 class Choice(str, Enum):

@@ -54,7 +54,7 @@ class RolloutBatch:
         prompt_index: ``[B]`` long, the dataset index of the prompt.
         policy_version: ``[B]`` long, the trainer version that produced each sample
             (0 = initial weights); staleness = current version - this. For
-            partial rollouts (:mod:`rlpost.partial`) the version of the row's
+            partial rollouts (:mod:`rlpost.core.partial`) the version of the row's
             oldest token; ``extras['token_version']`` ``[B, R]`` then holds each
             token's version (-1 on padding) and ``rollout_logprobs`` each token's
             log-prob under that version (CoPRIS cross-stage behaviour log-probs).

@@ -17,7 +17,7 @@ turns' tokens (the prompt and the environment's tokens carry none, as in RL).
 
 Usage (writes a Hugging Face model directory, then RL starts from it)::
 
-    python -m rlpost.warmstart --out DIR -- +recipe=agent_multiply_grpo      # 10 steps x 4, lr 2e-4
+    python -m rlpost.experiments.warmstart --out DIR -- +recipe=agent_multiply_grpo      # 10 steps x 4, lr 2e-4
     rlpost train +recipe=agent_multiply_grpo model.source=hf model.path=DIR
 """
 
@@ -31,7 +31,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 
 @dataclass
@@ -171,14 +171,14 @@ def warm_start(model: Any, demos: Sequence[Demonstration], pad_id: int, steps: i
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m rlpost.warmstart --out DIR [--steps N --batch-size B --lr LR --examples K] -- OVERRIDES``.
+    """``python -m rlpost.experiments.warmstart --out DIR [--steps N --batch-size B --lr LR --examples K] -- OVERRIDES``.
 
     Builds the run's task, model and environment from the Hydra ``OVERRIDES`` (the same as
     ``rlpost train``'s, e.g. ``+recipe=agent_multiply_grpo``), trains on calculator
     demonstrations of the first ``K`` training examples, and saves the model and tokenizer to
     ``DIR`` (load with ``model.source=hf model.path=DIR``).
     """
-    ap = argparse.ArgumentParser(prog="python -m rlpost.warmstart", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m rlpost.experiments.warmstart", description=main.__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -188,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     a = ap.parse_args(argv)
     from pathlib import Path
 
-    from rlpost.checkpoint import save_hf
+    from rlpost.run.checkpoint import save_hf
     from rlpost.config.compose import compose_config
     from rlpost.envs import make_env
     from rlpost.models.loader import load_policy
@@ -219,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 if __name__ == "__main__":
     import sys
 
-    from rlpost.errors import DataError
+    from rlpost.core.errors import DataError
 
     try:
         main()

@@ -39,9 +39,9 @@ from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.regularizers import kl_penalty
 from rlpost.algos.validate import adv_overrides
-from rlpost.batch import RolloutBatch
+from rlpost.core.batch import RolloutBatch
 from rlpost.methods.base import MethodSet, RunServices
-from rlpost.checkpoint import DONE_MARKER, FAILED_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
+from rlpost.run.checkpoint import DONE_MARKER, FAILED_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
 from rlpost.rollout.base import SamplingParams
 
 
@@ -144,7 +144,7 @@ def teacher_stage(cfg: DictConfig) -> "Stage":
     spec = cfg.model.get("teacher", None)
     if not spec:
         return Stage("teacher_logprobs", "teacher log-probs (no model.teacher)", False)
-    from rlpost.models.teacher import teacher_top_k
+    from rlpost.algos.validate import teacher_top_k
 
     k = teacher_top_k(cfg.algo)
     return Stage("teacher_logprobs", f"frozen teacher model.teacher={spec}: log-probs of the sampled tokens"
@@ -257,7 +257,7 @@ class Run:
         from rlpost.rewards import RewardFunction
         from rlpost.rollout import build_engine
         from rlpost.samplers import build_sampler
-        from rlpost.samplers.base import check_allocation
+        from rlpost.run.collect import check_allocation
         from rlpost.selectors import build_selector
         from rlpost.tasks import build_task
 
@@ -265,10 +265,10 @@ class Run:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.device = pick_device(cfg.device)
-        from rlpost.autoprecision import resolve_precision
+        from rlpost.core.autoprecision import resolve_precision
 
         resolve_precision(cfg, self.device)  # precision=auto -> concrete dtypes, printed once
-        from rlpost.checkpoint import resolve_keep_last
+        from rlpost.run.checkpoint import resolve_keep_last
 
         resolve_keep_last(cfg, self.device)  # checkpoint.keep_last=null -> 1 on CPU with full fine-tuning, else 2
         seed_everything(cfg.seed)
@@ -291,7 +291,7 @@ class Run:
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
                                                     preset_shaping=cfg.algo.adv_params)
         self.reward_fn.check_estimator(cfg.algo.adv_estimator)  # a PRM's token rewards need an estimator that reads them
-        from rlpost.memory import preflight
+        from rlpost.run.memory import preflight
 
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
@@ -336,11 +336,11 @@ class Run:
         self.executed: Dict[int, List[str]] = {}  # step -> names of the stages that ran for it, in order
 
     def _build_partial(self):
-        """The partial-rollout producer (:mod:`rlpost.partial`) when ``executor.partial_rollout=true``, else None."""
+        """The partial-rollout producer (:mod:`rlpost.core.partial`) when ``executor.partial_rollout=true``, else None."""
         ex = self.cfg.executor
         if not bool(ex.get("partial_rollout", False)):
             return None
-        from rlpost.partial import PartialRolloutProducer
+        from rlpost.core.partial import PartialRolloutProducer
         from rlpost.samplers.base import SamplerContext, pad_id_of
 
         if self.cfg.sampler.name == "episode":  # whole episodes (ids, masks, turn count, environment) carried over
@@ -367,7 +367,7 @@ class Run:
                 adaptive-temperature sampler.
         """
         from rlpost.distributed import world_size
-        from rlpost.errors import ConfigError
+        from rlpost.core.errors import ConfigError
 
         want = self.cfg.trainer.get("shard_rollouts", None)
         if world_size() == 1 or want is False:
@@ -415,12 +415,12 @@ class Run:
     def stateful(self) -> Dict[str, Any]:
         """Every component with cross-step state, by checkpoint key (None: not built by this config).
 
-        :func:`rlpost.checkpoint.save_checkpoint` and
-        :func:`rlpost.checkpoint.load_checkpoint` walk this map; a new stateful
+        :func:`rlpost.run.checkpoint.save_checkpoint` and
+        :func:`rlpost.run.checkpoint.load_checkpoint` walk this map; a new stateful
         component is one line here. The policy weights and the global RNG
         states are saved beside it.
         """
-        from rlpost.checkpoint import GeneratorState
+        from rlpost.run.checkpoint import GeneratorState
 
         return {
             "trainer": self.trainer,  # optimizer, scheduler, critic, reference (trainer.pt)
@@ -433,14 +433,14 @@ class Run:
 
     def restore(self, ckpt: Path) -> None:
         """Load a checkpoint written by :meth:`checkpoint` and continue after its step."""
-        from rlpost.checkpoint import load_checkpoint
+        from rlpost.run.checkpoint import load_checkpoint
 
         self.step = load_checkpoint(ckpt, self.trainer.policy, self.stateful())
         self.engine.sync_weights(self.trainer.policy)
 
     def checkpoint(self) -> Optional[Path]:
         """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks)."""
-        from rlpost.checkpoint import collect_states
+        from rlpost.run.checkpoint import collect_states
 
         states = collect_states(self.stateful())  # collective for trainer=deepspeed: every rank calls it
         if not is_main_process():
@@ -475,7 +475,7 @@ class Run:
         Raises:
             ConfigError: async with staleness and an engine without a torch model (vLLM).
         """
-        from rlpost.errors import ConfigError
+        from rlpost.core.errors import ConfigError
         from rlpost.models.logprobs import prompt_entropy
 
         ex = self.cfg.executor
@@ -512,7 +512,7 @@ class Run:
 
         Every producer (the sampler driver, the partial-rollout producer; the
         async executor calls this method from its thread) returns the same
-        scored :class:`rlpost.samplers.driver.StepRollouts`, scored by one
+        scored :class:`rlpost.run.collect.StepRollouts`, scored by one
         :class:`rlpost.rewards.StepScorer`; the selector learns from exactly the
         rewards the batch trains on.
 
@@ -522,7 +522,7 @@ class Run:
             weights_step: RL steps completed by those weights (staleness unit).
         """
         from rlpost.rewards import StepScorer
-        from rlpost.samplers.driver import collect_rollouts
+        from rlpost.run.collect import collect_rollouts
         from rlpost.selectors.mixture import make_hint_fn
 
         t_step, cpu0 = time.perf_counter(), cpu_seconds()
@@ -550,10 +550,10 @@ class Run:
                          scorer.seconds, weights_step, cpu_seconds() - cpu0)
 
     def _partial_rollouts(self, step: int, version: int, weights_step: int, score: Any) -> Any:
-        """The step's rollouts through the partial-rollout producer (:mod:`rlpost.partial`).
+        """The step's rollouts through the partial-rollout producer (:mod:`rlpost.core.partial`).
 
-        Returns the same :class:`rlpost.samplers.driver.StepRollouts` as
-        :func:`rlpost.samplers.driver.collect_rollouts` (rows grouped by prompt,
+        Returns the same :class:`rlpost.run.collect.StepRollouts` as
+        :func:`rlpost.run.collect.collect_rollouts` (rows grouped by prompt,
         compact group ids, every row scored once by ``score`` with its generated
         token count, the same ``rollout/...`` metrics) plus ``partial/...``
         metrics and, in ``result.extras``, the per-token ``token_version`` /
@@ -563,7 +563,7 @@ class Run:
         """
         from rlpost.rollout.base import GenerationResult
         from rlpost.samplers.base import SampleResult, SamplerContext, score_rows
-        from rlpost.samplers.driver import StepRollouts, rollout_metrics, row_oldest
+        from rlpost.run.collect import StepRollouts, rollout_metrics, row_oldest
 
         skipped = [0]
 
@@ -668,7 +668,7 @@ class Run:
 
     def _teacher_logprobs(self, ctx: "LearnContext") -> None:
         """``extras['teacher_logprobs']`` ``[B, R]`` (+ top-K ids / log-probs ``[B, R, K]``) from the frozen teacher."""
-        from rlpost.models.teacher import teacher_top_k
+        from rlpost.algos.validate import teacher_top_k
 
         k = teacher_top_k(self.cfg.algo)
         out = self.teacher.score(ctx.batch, self.trainer, top_k=k)
@@ -825,7 +825,7 @@ def bind_stages(graph: List[Stage], phase: str, fns: Dict[str, Callable[..., Any
 def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     """Train per ``cfg`` in ``run_dir``; returns the last step's metrics.
 
-    Resumes from ``cfg.resume`` (see :func:`rlpost.checkpoint.find_resume_checkpoint`)
+    Resumes from ``cfg.resume`` (see :func:`rlpost.run.checkpoint.find_resume_checkpoint`)
     and says from which step, or that it starts fresh; when that checkpoint
     belongs to another run directory, the run continues there. Each step runs
     the producer stages (:meth:`Run.collect`, via the executor), the learn
@@ -833,19 +833,19 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     (evaluate, log, checkpoint). Writes ``config.yaml``, ``metrics.jsonl``,
     checkpoints, ``eval_start.json`` (``eval.at_start``), ``eval.json``,
     ``final/`` (the trained policy in Hugging Face format; LoRA: merged, the adapter
-    in ``final/adapter/``, :func:`rlpost.checkpoint.export_final`) and ``DONE``, and
-    logs a closing summary (:func:`rlpost.tracking.format_summary`) to the
+    in ``final/adapter/``, :func:`rlpost.run.checkpoint.export_final`) and ``DONE``, and
+    logs a closing summary (:func:`rlpost.core.tracking.format_summary`) to the
     ``rlpost`` logger (console and ``cli.log`` under the CLI).
 
     Raises:
         Interrupted: after SIGINT/SIGTERM: the step in progress was finished and
             checkpointed; the message names the checkpoint and what it holds.
     """
-    from rlpost.errors import Interrupted
-    from rlpost.executor import build_executor
-    from rlpost.interrupts import StopRequest
-    from rlpost.resume import continue_command
-    from rlpost.tracking import RunLogger, eval_line, format_summary, log
+    from rlpost.core.errors import Interrupted
+    from rlpost.run.executor import build_executor
+    from rlpost.run.interrupts import StopRequest
+    from rlpost.run.resume import continue_command
+    from rlpost.core.tracking import RunLogger, eval_line, format_summary, log
 
     t_wall = time.time()
     main = is_main_process()  # under trainer.num_procs > 1 only rank 0 logs, evaluates and writes files
@@ -861,7 +861,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             run.restore(ckpt)
         start_step = run.step
         if main:
-            from rlpost.checkpoint import disk_line, estimate_disk
+            from rlpost.run.checkpoint import disk_line, estimate_disk
 
             keep = int(cfg.checkpoint.keep_last)
             log.info(disk_line(run_dir, estimate_disk(run.trainer, keep, run.tokenizer), keep))
@@ -920,7 +920,7 @@ def _resume_point(cfg: DictConfig, run_dir: Path, main: bool) -> tuple:
 
     A checkpoint of another run directory moves the run there.
     """
-    from rlpost.tracking import log
+    from rlpost.core.tracking import log
 
     ckpt = find_resume_checkpoint(cfg.resume, run_dir)
     if ckpt is not None:
@@ -950,9 +950,9 @@ def _bind_finish(run: "Run", cfg: DictConfig, executor: Any, logger: Any, saved:
     """The finish stages of the run graph bound to their callables; each decides whether a step is one of its own.
 
     ``saved`` (``{"step", "path"}``) records the newest checkpoint; ``stop`` is the run's
-    :class:`rlpost.interrupts.StopRequest` (an interrupt forces a checkpoint).
+    :class:`rlpost.run.interrupts.StopRequest` (an interrupt forces a checkpoint).
     """
-    from rlpost.tracking import eval_line, step_line
+    from rlpost.core.tracking import eval_line, step_line
 
     step_log = logging.getLogger("rlpost.step")  # one line per step, to cli.log only
 
@@ -1012,7 +1012,7 @@ class _progress:
     eval accuracy.
 
     The seconds per step are the step's own ``time/step_s``, formatted by
-    :func:`rlpost.tracking.step_seconds` as ``cli.log``'s step lines print them; tqdm's own rate
+    :func:`rlpost.core.tracking.step_seconds` as ``cli.log``'s step lines print them; tqdm's own rate
     (elapsed time over bar updates, evaluations and checkpoint writes included) is not shown.
     """
 
@@ -1026,7 +1026,7 @@ class _progress:
 
     def update(self, m: Dict[str, Any]) -> None:
         """Advance one step and show ``m``'s figures."""
-        from rlpost.tracking import step_seconds
+        from rlpost.core.tracking import step_seconds
 
         post = [f"reward={m.get('reward/mean', 0):.3f}", f"tok/s={m.get('throughput/rollout_tokens_per_s', 0):.0f}"]
         if step_seconds(m) is not None:
@@ -1047,7 +1047,7 @@ def _check_episode_rewards(cfg: Any) -> None:
         ConfigError: an estimator not tagged ``uses_token_rewards`` (the rewards would be dropped).
     """
     from rlpost.algos.registries import ADV_ESTIMATORS
-    from rlpost.errors import ConfigError
+    from rlpost.core.errors import ConfigError
 
     p = cfg.sampler.params or {}
     if str(p.get("env_reward_at", "episode")) == "turn" and float(p.get("env_reward_weight", 0.0) or 0.0):

@@ -12,7 +12,7 @@ has them, activations of one micro-batch, and the rollout engine (vLLM's
 ``gpu_memory_utilization`` share, or the hf engine's rollout copy and KV cache).
 
 :func:`check` compares the estimate against the device and, when it cannot fit,
-raises :class:`rlpost.errors.ConfigError` naming the largest items and the
+raises :class:`rlpost.core.errors.ConfigError` naming the largest items and the
 cheapest single change that makes it fit (re-estimated, not guessed).
 ``docs/SCALING.md`` gives the numbers for Qwen3-8B and Qwen2.5-7B.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 GiB = 1024 ** 3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp8_sim": 2, "fp4_sim": 2}
@@ -167,7 +167,7 @@ class Budget:
 
 def _gpu_dtype(prec: Any, key: str) -> str:
     """``precision.<key>`` as a GPU run resolves it: ``auto`` is bf16 there (every GPU this budget
-    is for supports it; :func:`rlpost.autoprecision.resolve_precision` makes that choice at start)."""
+    is for supports it; :func:`rlpost.core.autoprecision.resolve_precision` makes that choice at start)."""
     v = str(_get(prec, key, "fp32") or "fp32")
     return "bf16" if v == "auto" else v
 

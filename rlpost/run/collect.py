@@ -7,7 +7,7 @@ generated row exactly once through the step's one scorer (unless the sampler
 already did, for its own rounds), and computes the rollout accounting metrics
 (rollouts spent, prompts skipped, zero-variance share, effective batch size).
 The result, :class:`StepRollouts`, is the one scored object every producer
-(this driver, :meth:`rlpost.runner.Run._partial_rollouts`, the async
+(this driver, :meth:`rlpost.run.runner.Run._partial_rollouts`, the async
 executor's producer thread) hands to the learner.
 """
 
@@ -18,8 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import RolloutEngine, SamplingParams
 from rlpost.samplers.base import (
+    SAMPLERS,
     SampleResult, SamplerContext, Sampler, merge_results, pad_id_of, score_rows, select_rows, step_params,
 )
 from rlpost.selectors.base import Role
@@ -86,7 +88,7 @@ class StepRollouts:
         return self
 
     def to_batch(self, answers: List[Any], version: int, weights_step: int) -> Any:
-        """The learner's :class:`rlpost.batch.RolloutBatch` of these rollouts.
+        """The learner's :class:`rlpost.core.batch.RolloutBatch` of these rollouts.
 
         Args:
             answers: gold answer of each row (``[B]``, row order).
@@ -96,7 +98,7 @@ class StepRollouts:
             weights_step: RL steps completed by those weights (``extras['policy_step']``
                 unless the producer set it per row).
         """
-        from rlpost.batch import RolloutBatch
+        from rlpost.core.batch import RolloutBatch
 
         res, gen = self.result, self.result.generation
         gi = res.group_index
@@ -370,3 +372,18 @@ def rollout_metrics(out: StepRollouts, spent: int, rounds: int, skipped: int) ->
         m["rollout/effective_batch"] = float(eff)
         m["rollout/batch_zero_var_frac"] = float(zero / max(1, n))
     return m
+
+
+def check_allocation(selector: Any, sampler: Sampler, selector_name: str, sampler_name: str) -> None:
+    """Refuse a selector that allocates rollouts per prompt with a sampler that would ignore it.
+
+    Raises:
+        ConfigError: the selector plays ``Role.ALLOCATE`` (CurES) and the sampler's
+            ``uses_rollout_counts`` is False; the message lists the samplers that honour it.
+    """
+    if selector.plays(Role.ALLOCATE) and not sampler.uses_rollout_counts:
+        ok = [n for n in SAMPLERS.names() if SAMPLERS.get(n).uses_rollout_counts]
+        raise ConfigError(
+            f"selector={selector_name} allocates rollouts per prompt, but sampler={sampler_name} ignores that budget; "
+            f"use sampler={' or sampler='.join(ok)}, or set selector.params.allocate=false"
+        )

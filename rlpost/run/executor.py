@@ -1,8 +1,8 @@
 """Executors: who produces each step's rollouts and when (``executor=sync`` | ``executor=async``).
 
 The run graph splits into a **producer** half (select -> rollout -> reward,
-:meth:`rlpost.runner.Run.collect`) and a **learner** half (log-probs ->
-advantages -> update, :meth:`rlpost.runner.Run.learn`).
+:meth:`rlpost.run.runner.Run.collect`) and a **learner** half (log-probs ->
+advantages -> update, :meth:`rlpost.run.runner.Run.learn`).
 
 * :class:`SyncExecutor` runs them one after the other: the rollouts of step
   ``s`` come from the weights after step ``s - 1``.
@@ -31,7 +31,7 @@ waiting for rollouts).
 
 **Partial rollouts** (``executor.partial_rollout=true``; APRIL arXiv:2509.18521,
 CoPRIS arXiv:2511.05589) work with both executors: the producer half runs
-:class:`rlpost.partial.PartialRolloutProducer` (see :func:`check_partial`), and a
+:class:`rlpost.core.partial.PartialRolloutProducer` (see :func:`check_partial`), and a
 response may then hold tokens of several policy versions
 (``extras['token_version']`` / ``extras['token_policy_step']``, ``[B, R]``). A
 row's ``policy_version`` / ``policy_step`` is that of its oldest token, so with
@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any, Dict, Optional
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 EXECUTORS = ("sync", "async")
 PARTIAL_SAMPLERS = ("group", "single")
@@ -81,8 +81,8 @@ def check_partial(cfg: Any) -> None:
     """Validate the partial-rollout knobs (APRIL arXiv:2509.18521; CoPRIS arXiv:2511.05589).
 
     With ``executor.partial_rollout=true`` the producer half of every step
-    (:meth:`rlpost.runner.Run.collect`, under ``executor=sync`` or
-    ``executor=async``) goes through :class:`rlpost.partial.PartialRolloutProducer`
+    (:meth:`rlpost.run.runner.Run.collect`, under ``executor=sync`` or
+    ``executor=async``) goes through :class:`rlpost.core.partial.PartialRolloutProducer`
     instead of the sampler: prompts come straight from ``selector.select`` and
     every prompt gets one whole group of plain rollouts. Samplers with their own
     generation logic and selectors that act between generation and training
@@ -182,7 +182,7 @@ class AsyncExecutor(SyncExecutor):
     """Background-thread producer with a staleness bound.
 
     Args:
-        run: the :class:`rlpost.runner.Run` (its engine must hold a private copy
+        run: the :class:`rlpost.run.runner.Run` (its engine must hold a private copy
             of the weights; :func:`rlpost.rollout.build_engine` does so for
             ``executor=async``).
         max_staleness: the largest allowed ``learner step - 1 - weights step``.

@@ -33,7 +33,7 @@ setting are those of the method recipe it names. Variants are GPU deployments
 (``dapo_qwen2.5_32b``: ``recipe_of: dapo``) and the CPU agent recipes
 (``agent_multiply_sao``: ``recipe_of: sao``).
 
-A misspelt or missing card field is a :class:`~rlpost.errors.ConfigError`
+A misspelt or missing card field is a :class:`~rlpost.core.errors.ConfigError`
 naming the valid fields (:func:`parse_card`), raised when the recipe is composed
 (:func:`rlpost.config.compose.validate_config`) and by ``rlpost recipes``.
 
@@ -61,7 +61,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 NOT_STATED = "not stated"  #: the paper (or its code) was read and gives no value
 NOT_CHECKED = "not checked"  #: nobody has read the source for this value yet
@@ -642,7 +642,7 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
               keep_weights: bool = False, log: Any = print, metric: str = "correct") -> Dict[str, Any]:
     """Train recipe ``name``'s CPU variant and its baseline on ``seeds`` matched seeds and judge the claim.
 
-    Each arm runs through :func:`rlpost.runner.train` with seed ``first_seed + i``
+    Each arm runs through :func:`rlpost.run.runner.train` with seed ``first_seed + i``
     (the same seed gives both arms the same data order and the same held-out
     problems). Finished runs (``DONE``) under ``out`` are reused, so an
     interrupted reproduction continues. Trained weights are deleted afterwards
@@ -654,9 +654,9 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
         ConfigError: unknown recipe, no card, a variant recipe (``recipe_of``: reproduce
             its method recipe), or an unknown ``metric``.
     """
-    from rlpost.checkpoint import DONE_MARKER
+    from rlpost.run.checkpoint import DONE_MARKER
     from rlpost.config.compose import compose_config, validate_config
-    from rlpost.runner import train
+    from rlpost.run.runner import train
 
     rec = load_recipe(name)
     if rec.card is None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from rlpost.errors import ConfigError
+from rlpost.core.errors import ConfigError
 
 #: keys whose values may differ between a run and its resume (they say how to resume, not what runs)
 IGNORED_KEYS = ("resume",)
@@ -134,7 +134,7 @@ def plan_resume(overrides: List[str]) -> ResumePlan:
     """
     from omegaconf import OmegaConf
 
-    from rlpost.checkpoint import find_resume_checkpoint
+    from rlpost.run.checkpoint import find_resume_checkpoint
 
     resume = [o.split("=", 1)[1] for o in overrides if _key(o) == "resume"]
     if not resume or resume[-1] in ("", "none", "null"):

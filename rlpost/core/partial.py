@@ -28,7 +28,7 @@ returned. A group-free setup is the special case ``group size 1``.
 
 **Driving it.** :class:`PartialRolloutProducer` is what the runner calls each
 step when ``executor.partial_rollout=true`` (with ``executor=sync`` or
-``executor=async``; see :meth:`rlpost.runner.Run.collect`): it tops the buffer up
+``executor=async``; see :meth:`rlpost.run.runner.Run.collect`): it tops the buffer up
 to ``ceil(over_provision * needed)`` groups in flight with prompts from the
 selector, runs rounds under the engine's current weights until ``needed`` groups
 are complete (at least one round), pops exactly ``needed`` whole groups (oldest
