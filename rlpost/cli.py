@@ -244,7 +244,7 @@ def train(
     def task(cfg: Any) -> None:
         from omegaconf import OmegaConf
 
-        from rlpost.config.compose import window_rollout_overrides
+        from rlpost.algos.validate import window_rollout_overrides
         from rlpost.run.runner import train as run_train
         from rlpost.core.tracking import log
 

@@ -46,6 +46,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlpost.core.apportion import apportion
+from rlpost.rewards.scoring import Rewards
+from rlpost.rollout.base import concat_generations
 
 
 def world_size() -> int:
@@ -179,7 +181,6 @@ class ShardedEngine:
 
     def generate(self, prompts: List[List[int]], params: Any) -> Any:
         """Generate ``prompts`` (one response each) with this rank's share; returns the whole call's result."""
-        from rlpost.rollout.base import concat_generations
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
@@ -218,7 +219,6 @@ class ShardedScorer:
 
     def __call__(self, prompt_indices: Sequence[int], texts: Sequence[str], lengths: torch.Tensor) -> Any:
         """Score this rank's share and return every rank's :class:`rlpost.rewards.Rewards`, concatenated."""
-        from rlpost.rewards.scoring import Rewards
 
         lengths = torch.as_tensor(lengths)
         a, b = local_run_rows([int(i) for i in prompt_indices], rank(), world_size())

@@ -279,7 +279,8 @@ def test_sampler_params_and_allocation_are_checked_at_config_time():
     from types import SimpleNamespace
 
     from rlpost.core.errors import ConfigError
-    from rlpost.samplers.base import build_sampler, check_allocation
+    from rlpost.run.collect import check_allocation
+    from rlpost.samplers.base import build_sampler
     from rlpost.selectors import SELECTORS
 
     with pytest.raises(ConfigError, match="takes no parameters"):

@@ -40,9 +40,17 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from rlpost.algos.offpolicy import group_normalized_weights, min_variance_baseline, sequence_log_weights
 from rlpost.algos.registries import ADV_ESTIMATORS
+from rlpost.algos.utils import (
+    group_all_equal,
+    group_ids,
+    group_median,
+    group_stats,
+    masked_mean,
+    masked_whiten,
+)
 from rlpost.core.registry import Choice, param
-from rlpost.algos.utils import group_all_equal, group_ids, group_median, group_stats, masked_mean, masked_whiten
 
 
 @dataclass
@@ -247,7 +255,6 @@ def min_variance_group_baseline(
     Raises:
         ValueError: ``inp.old_logprobs`` or ``inp.rollout_logprobs`` is None.
     """
-    from rlpost.algos.offpolicy import group_normalized_weights, min_variance_baseline, sequence_log_weights
 
     if inp.old_logprobs is None or inp.rollout_logprobs is None:
         raise ValueError("baseline='min_variance' needs old_logprobs and rollout_logprobs (the sequence "

@@ -67,7 +67,9 @@ import torch
 from rlpost.algos.losses import Metrics, PolicyLossInput, _clip_metrics, _ppo_core, _ratio
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
+from rlpost.core.errors import ConfigError
 from rlpost.core.registry import param
+from rlpost.models.logprobs import _chunk_logprobs, packed_response_states
 
 _CAPO_PAPER = ("Stabilizing Policy Gradients for Sample-Efficient Reinforcement Learning in LLM Reasoning "
                "(CAPO, arXiv:2510.00819; code https://github.com/luckeciano/stable-pg-llm)")
@@ -275,9 +277,6 @@ def capo_forward(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool,
         ConfigError: a multi-process engine (the shadow state is per process).
     """
     from torch.utils.checkpoint import checkpoint
-
-    from rlpost.core.errors import ConfigError
-    from rlpost.models.logprobs import _chunk_logprobs, packed_response_states
 
     if fwd.multi_process:
         raise ConfigError("algo.loss=capo keeps its shadow Adam state in one process. Fix: trainer.engine=torch.")

@@ -36,8 +36,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from rlpost.algos.hapo import adaptive_clip_range, entropy_hhat, redistribute_advantage
 from rlpost.algos.registries import POLICY_LOSSES
-from rlpost.algos.utils import masked_mean, masked_quantile
+from rlpost.algos.utils import group_ids, masked_mean, masked_quantile
 from rlpost.core.registry import Choice, param
 
 Metrics = Dict[str, torch.Tensor]
@@ -781,7 +782,6 @@ def hapo_loss(
     Raises:
         ValueError: ``inp.entropy`` is None (HAPO needs the token entropies).
     """
-    from rlpost.algos.hapo import adaptive_clip_range, entropy_hhat, redistribute_advantage
 
     if inp.entropy is None:
         raise ValueError("hapo loss needs per-token entropy (PolicyLossInput.entropy)")
@@ -1295,7 +1295,6 @@ def tpo_loss(inp: PolicyLossInput, *, eta: float) -> Tuple[torch.Tensor, Metrics
         raise ValueError("tpo needs PolicyLossInput.group_index (the group of each row); the trainer passes it")
     full, rows = batch_view(inp)
     gi = full.group_index if full.group_index is not None else inp.group_index
-    from rlpost.algos.utils import group_ids
 
     inv, G = group_ids(gi.to(full.response_mask.device))
     fm = full.response_mask.double()

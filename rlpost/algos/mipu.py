@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 
 from rlpost.core.errors import ConfigError
+from rlpost.models.logprobs import eval_mode, response_logprobs
 
 #: keys of ``algo.update_gate`` and their defaults (one owner: this module)
 GATE_DEFAULTS: Dict[str, Any] = {"name": "mipu", "min_gain": 0.0, "max_kl": None}
@@ -125,7 +126,6 @@ def check_update_gate(cfg: Any) -> Optional[Dict[str, Any]]:
 
 def inference_logprobs(engine: Any, batch: Any, temperature: float = 1.0) -> torch.Tensor:
     """``[B, R]`` log-probs of ``batch``'s response tokens under the hf engine's inference copy (no gradient)."""
-    from rlpost.models.logprobs import eval_mode, response_logprobs
 
     model = engine.model
     dev = next(model.parameters()).device

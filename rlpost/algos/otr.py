@@ -33,6 +33,7 @@ import torch
 
 from rlpost.algos.losses import POLICY_LOSSES, PolicyLossInput, _clip_metrics, _ratio, masked_mean
 from rlpost.core.registry import param
+from rlpost.models.logprobs import packed_response_states
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,6 @@ def otr_forward(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool,
         ``support_logprobs`` ``[b, R, K]`` (``log pi_theta`` of the candidates, with grad) and
         ``support_rewards`` ``[b, R, K]``; zeros on padding.
     """
-    from rlpost.models.logprobs import packed_response_states
 
     dev = fwd.device
     attn = mb.extras.get("response_attn", (mb.response_mask > 0).long())

@@ -49,6 +49,7 @@ import torch
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput, _broadcast
 from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.core.registry import param
+from rlpost.models.logprobs import backbone_and_head, build_inputs, eval_mode
 
 _PAPER = ("Your Language Model is Its Own Critic: Reinforcement Learning with Value Estimation from Actor's "
           "Internal States (POISE, arXiv:2605.07579); authors' code https://github.com/holi-lab/POISE")
@@ -132,7 +133,6 @@ def hidden_features(policy: torch.nn.Module, batch: Any, layer_frac: float, pool
     Raises:
         ValueError: ``layer_frac`` outside [0, 1] or ``pool_tokens < 1``.
     """
-    from rlpost.models.logprobs import backbone_and_head, build_inputs, eval_mode
 
     if not 0.0 <= layer_frac <= 1.0 or pool_tokens < 1:
         raise ValueError(f"poise: layer_frac must be in [0, 1] and pool_tokens >= 1, got {layer_frac}, {pool_tokens}")

@@ -36,6 +36,7 @@ from rlpost.algos.losses import PolicyLossInput, ppo_clip_loss
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.utils import masked_mean
 from rlpost.core.registry import param
+from rlpost.rollout.hf import left_pad
 
 #: the analyzer's instruction (our wording; the paper first fine-tunes its analyzer on skills an external model wrote)
 ANALYZER_TEMPLATE = (
@@ -96,7 +97,6 @@ def batch_skill_logprobs(batch: Any, questions: Sequence[str], engine: Any, logp
         ``(l_skill [B, R], skills)``: log-probs of the batch's response tokens with the
         skill in context (0 on padding), and the skill texts.
     """
-    from rlpost.rollout.hf import left_pad
 
     rows = []
     for b in range(len(batch)):

@@ -27,8 +27,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from omegaconf import OmegaConf
+
+from rlpost.algos.advantages import BASELINES
+from rlpost.algos.corrections import CORRECTIONS
 from rlpost.algos.registries import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 from rlpost.core.errors import ConfigError
 from rlpost.core.registry import Choice, param, resolve_params
@@ -310,7 +314,6 @@ def _check_baseline(adv: str, baseline: Any) -> None:
     """
     if baseline is None:
         return
-    from rlpost.algos.advantages import BASELINES
 
     if not _takes_baseline(adv):
         users = ", ".join(e.name for e in ADV_ESTIMATORS if _takes_baseline(e.name))
@@ -360,7 +363,6 @@ def validate_correction(name: Optional[str], params: Optional[Mapping[str, Any]]
     Raises:
         ConfigError: unknown correction, or a parameter it does not accept.
     """
-    from rlpost.algos.corrections import CORRECTIONS
 
     CORRECTIONS.resolve(name or "none", dict(params or {}), "precision.correction_params")
 
@@ -421,3 +423,24 @@ def check_teacher_config(cfg: Any) -> None:
                           f"ignored. Fix: drop model.teacher or choose a distillation preset (algo=opd).")
     if spec:
         teacher_model_config(str(spec))
+
+
+#: what an estimator tagged ``needs_window_rollouts`` (T-PPO's ``egae``) composes with
+WINDOW_ROLLOUTS = ("executor.partial_rollout=true", "executor.partial_train_unfinished=true")
+
+
+def window_rollout_overrides(cfg: Any, overrides: List[str]) -> List[str]:
+    """The :data:`WINDOW_ROLLOUTS` overrides ``cfg`` still needs (a composition rule of
+    :data:`rlpost.config.compose.COMPOSE_RULES`).
+
+    An estimator tagged ``needs_window_rollouts`` (T-PPO's ``egae``, arXiv:2506.15050) composes
+    with window-cut rollouts (the window is ``executor.partial_chunk_tokens``); a key the user named
+    in ``overrides`` is kept as given (``executor.partial_train_unfinished=false`` runs EGAE on whole
+    responses, i.e. GAE). Empty for every other estimator.
+    """
+    name = str(cfg.algo.adv_estimator)
+    if name not in ADV_ESTIMATORS or not ADV_ESTIMATORS.tag(name, "needs_window_rollouts", False):
+        return []
+    named = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    return [o for o in WINDOW_ROLLOUTS
+            if o.split("=", 1)[0] not in named and not bool(OmegaConf.select(cfg, o.split("=", 1)[0]))]

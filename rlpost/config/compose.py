@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 import re
-from pathlib import Path
 from typing import Any, List
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rlpost.config.schema import GROUP_SCHEMAS, register_schemas
 from rlpost.config.paths import conf_dir, group_choices  # noqa: F401  (re-exported)
@@ -148,54 +146,31 @@ def compose_config(overrides: List[str], return_hydra_config: bool = False) -> D
         raise
     except Exception as e:  # Hydra raises several unrelated exception types
         raise friendly_error(e) from None
-    cfg = _with_preset_sampler(cfg, list(overrides), return_hydra_config)
-    return _with_window_rollouts(cfg, list(overrides), return_hydra_config)
-
-
-#: what an estimator tagged ``needs_window_rollouts`` (T-PPO's ``egae``) composes with
-WINDOW_ROLLOUTS = ("executor.partial_rollout=true", "executor.partial_train_unfinished=true")
-
-
-def window_rollout_overrides(cfg: DictConfig, overrides: List[str]) -> List[str]:
-    """The :data:`WINDOW_ROLLOUTS` overrides ``cfg`` still needs (T-PPO's ``egae``, arXiv:2506.15050).
-
-    An estimator tagged ``needs_window_rollouts`` composes with window-cut rollouts
-    (the window is ``executor.partial_chunk_tokens``); a key the user named in
-    ``overrides`` is kept as given (``executor.partial_train_unfinished=false`` runs
-    EGAE on whole responses, i.e. GAE). Empty for every other estimator.
-    """
-    from rlpost.algos.registries import ADV_ESTIMATORS
-
-    name = str(cfg.algo.adv_estimator)
-    if name not in ADV_ESTIMATORS or not ADV_ESTIMATORS.tag(name, "needs_window_rollouts", False):
-        return []
-    named = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-    return [o for o in WINDOW_ROLLOUTS
-            if o.split("=", 1)[0] not in named and not bool(OmegaConf.select(cfg, o.split("=", 1)[0]))]
-
-
-def _with_window_rollouts(cfg: DictConfig, overrides: List[str], return_hydra_config: bool) -> DictConfig:
-    """Recompose with :func:`window_rollout_overrides` when there are any (``rlpost train`` applies them in
-    :func:`rlpost.cli.train`, whose config Hydra composes itself)."""
-    extra = window_rollout_overrides(cfg, overrides)
+    extra = rule_overrides(cfg, list(overrides))
     return compose_config([*overrides, *extra], return_hydra_config) if extra else cfg
 
 
-def _with_preset_sampler(cfg: DictConfig, overrides: List[str], return_hydra_config: bool) -> DictConfig:
-    """An algorithm that samples with a per-token temperature gets the sampler that owns it.
+#: Composition rules, each its owner's ``module:function(cfg, overrides) -> [override, ...]``: the
+#: overrides of a sibling config group that a chosen component needs (Hydra cannot set another
+#: group from an ``algo`` preset). Imported by name when composing, like :data:`GROUP_CHECKS`:
+#: config sits below every owner. An override the user named is never replaced.
+COMPOSE_RULES = (
+    "rlpost.methods.hapo:sampler_overrides",  # a per-token temperature loss gets the sampler that owns it
+    "rlpost.algos.validate:window_rollout_overrides",  # an estimator on window-cut rollouts (T-PPO's EGAE)
+)
 
-    ``algo=hapo`` alone composes with ``sampler=adaptive_temperature``
-    (:data:`rlpost.methods.hapo.TEMPERATURE_SAMPLERS`; Hydra cannot override a
-    sibling group from an ``algo`` preset). A sampler the user names is kept;
-    a conflicting one is refused by :func:`rlpost.methods.hapo.check_sampler`.
+
+def rule_overrides(cfg: DictConfig, overrides: List[str]) -> List[str]:
+    """The overrides every :data:`COMPOSE_RULES` entry adds to ``cfg`` composed from ``overrides``.
+
+    ``rlpost train`` applies them to the config Hydra composed itself (:func:`rlpost.cli.train`);
+    :func:`compose_config` recomposes with them.
     """
-    from rlpost.methods.hapo import TEMPERATURE_SAMPLERS
-
-    want = TEMPERATURE_SAMPLERS.get(str(cfg.algo.loss))
-    named = any(o.lstrip("+~").split("=", 1)[0] == "sampler" for o in overrides)
-    if want is None or named or cfg.sampler.name == want:
-        return cfg
-    return compose_config([*overrides, f"sampler={want}"], return_hydra_config)
+    extra: List[str] = []
+    for target in COMPOSE_RULES:
+        module, fn = target.split(":")
+        extra += getattr(importlib.import_module(module), fn)(cfg, overrides)
+    return extra
 
 
 def expand_sweep(overrides: List[str]) -> List[List[str]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Optional
 
+from rlpost.core.errors import ConfigError
 from rlpost.envs.base import ENVS, Env, EnvStep
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -35,7 +36,6 @@ class GymnasiumEnv(Env):
 
     def __init__(self, env_id: str = "FrozenLake-v1", env_kwargs: Optional[Dict[str, Any]] = None,
                  action_help: str = "") -> None:
-        from rlpost.core.errors import ConfigError
 
         try:
             import gymnasium

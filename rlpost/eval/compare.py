@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rlpost.core.errors import DataError
+from rlpost.core.errors import DataError, RlpostError
 from rlpost.eval.stats import paired_bootstrap
 
 EVAL_FILE = "eval.json"
@@ -334,7 +334,6 @@ def register_cli(app: Any) -> None:
 
           rlpost compare 'outputs/uniform-*' 'outputs/vade-*' --metric pass@4
         """
-        from rlpost.core.errors import RlpostError
 
         try:
             text, results = compare(runs, metric=metric, n_boot=n_boot, seed=seed)

@@ -8,7 +8,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from rlpost.eval.evaluate import _ci_fields, progress_bar
 from rlpost.rollout.base import SamplingParams
+from rlpost.samplers.base import SamplerContext
 
 
 def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, reward_fn: Any, eval_cfg: Any,
@@ -27,9 +29,6 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
         ``time_s``. ``progress`` and ``leave``: the console bar, as :func:`rlpost.eval.evaluate.evaluate`'s.
     """
     import time
-
-    from rlpost.eval.evaluate import progress_bar
-    from rlpost.samplers.base import SamplerContext
 
     t0 = time.monotonic()
 
@@ -68,7 +67,6 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
     finally:
         bar.close()
         sampler.examples, sampler.transcripts = saved
-    from rlpost.eval.evaluate import _ci_fields
 
     n = len(records)
     t, c = torch.cat(turns), torch.cat(calls)

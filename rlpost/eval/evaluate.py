@@ -18,9 +18,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from rlpost.config.compose import compose_config
 from rlpost.core.errors import ConfigError, DataError
 from rlpost.eval.stats import bootstrap_ci, summarize_samples
+from rlpost.rewards import RewardFunction
 from rlpost.rollout.base import RolloutEngine, SamplingParams
+from rlpost.tasks import build_task
 
 #: Scalar keys of an evaluation result that are logged (plus the pass@k family).
 SCALAR_KEYS = (
@@ -154,7 +157,6 @@ def evaluate(
         DataError: the task has no evaluation examples.
         ConfigError: a ``k`` in ``eval.ks`` exceeds ``eval.n_samples`` > 1.
     """
-    from rlpost.rewards import RewardFunction
 
     t0 = time.monotonic()
     max_new, n_samples, temperature, ks, batch_size, stop, top_k, top_p = _settings(eval_cfg, rollout_cfg)
@@ -373,8 +375,6 @@ def build_eval_tasks(specs: Sequence[str], extra_overrides: Sequence[str] = ()) 
         ConfigError: unknown preset (lists the choices) or invalid override.
         DataError: unreadable file / unreachable hub.
     """
-    from rlpost.config.compose import compose_config
-    from rlpost.tasks import build_task
 
     tasks: Dict[str, Any] = {}
     for spec in specs:

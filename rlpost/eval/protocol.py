@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlpost.core.errors import DataError
+from rlpost.eval.compare import compare_methods, load_run
 
 #: the required baseline arm
 BASELINE = "selector=uniform"
@@ -92,7 +93,6 @@ def protocol_report(arms: Dict[str, List[Path]], baseline: str = BASELINE, overs
     Raises:
         DataError: no baseline arm, an arm without runs, or runs that cannot be paired.
     """
-    from rlpost.eval.compare import compare_methods, load_run
 
     if baseline not in arms:
         raise DataError(f"the protocol compares every arm with {baseline!r}; add it to the methods")

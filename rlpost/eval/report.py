@@ -40,7 +40,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rlpost.core.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError, RlpostError
+from rlpost.core.tracking import resolve_wandb_mode
+from rlpost.eval.compare import EVAL_FILE, compare_methods, load_run, verdict
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -427,7 +429,6 @@ def comparisons(groups: List[Tuple[str, List[RunCurves]]], n_boot: int = 2000) -
     """Every method against the first with :func:`rlpost.eval.compare.compare_methods` (paired bootstrap
     over matched seeds and problems of the final ``eval.json``). A pair that cannot be compared
     (no eval.json, no shared seed) gets ``{"a", "b", "error"}`` instead of the figures."""
-    from rlpost.eval.compare import EVAL_FILE, compare_methods, load_run, verdict
 
     out = []
     if len(groups) < 2:
@@ -553,8 +554,6 @@ def log_to_wandb(out_dir: Path, images: Dict[str, Path], report: Dict[str, Any],
     """
     import wandb
 
-    from rlpost.core.tracking import resolve_wandb_mode
-
     mode = resolve_wandb_mode(mode)
     run = wandb.init(project=project, entity=entity, name=f"report-{time.strftime('%Y-%m-%d_%H-%M-%S')}",
                      job_type="report", dir=str(out_dir), mode=mode, config={"band": report["band"],
@@ -670,7 +669,6 @@ def register_cli(app: Any) -> None:
 
           rlpost report outputs/grpo-arithmetic outputs/dr_grpo-arithmetic --out report/
         """
-        from rlpost.core.errors import RlpostError
 
         try:
             rep = make_report(runs, out, band=band, wandb=wandb, n_boot=n_boot)

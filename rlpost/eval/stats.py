@@ -11,7 +11,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Union
 import numpy as np
 
 from rlpost.core.errors import ConfigError
-from rlpost.tasks.base import majority_vote
+from rlpost.core.voting import majority_vote
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

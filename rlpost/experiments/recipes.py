@@ -61,7 +61,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from rlpost.config.compose import compose_config, conf_dir, group_choices, validate_config
 from rlpost.core.errors import ConfigError
+from rlpost.eval.compare import compare_methods, load_run
+from rlpost.run.checkpoint import DONE_MARKER
+from rlpost.run.runner import train
 
 NOT_STATED = "not stated"  #: the paper (or its code) was read and gives no value
 NOT_CHECKED = "not checked"  #: nobody has read the source for this value yet
@@ -307,7 +311,6 @@ def incomplete_fields(card: Card) -> List[str]:
 
 def recipes_dir() -> Path:
     """``recipes/`` beside the config tree (``conf/recipe`` links to it)."""
-    from rlpost.config.compose import conf_dir
 
     return (conf_dir() / "recipe").resolve()
 
@@ -329,7 +332,6 @@ class Recipe:
 
 def recipe_names() -> List[str]:
     """Every recipe, sorted."""
-    from rlpost.config.compose import group_choices
 
     return group_choices("recipe")
 
@@ -570,7 +572,6 @@ def summarize(name: str, card: Card, method_runs: List[Path], base_evals: List[P
         The record written to ``recipes/results/NAME.json``: per-seed accuracies,
         ``diff``, ``ci_low``, ``ci_high``, ``p_value``, ``verdict``, ``power``.
     """
-    from rlpost.eval.compare import compare_methods, load_run
 
     a = [load_run(p, metric) for p in base_evals]
     b = [load_run(p, metric) for p in method_runs]
@@ -654,9 +655,6 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
         ConfigError: unknown recipe, no card, a variant recipe (``recipe_of``: reproduce
             its method recipe), or an unknown ``metric``.
     """
-    from rlpost.run.checkpoint import DONE_MARKER
-    from rlpost.config.compose import compose_config, validate_config
-    from rlpost.run.runner import train
 
     rec = load_recipe(name)
     if rec.card is None:

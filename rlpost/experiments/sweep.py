@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.experimental.callback import Callback
+from rlpost.run.checkpoint import DONE_MARKER, FAILED_MARKER
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
@@ -53,7 +54,6 @@ def job_summary(job_dir: Path) -> Dict[str, Any]:
     ``final`` holds the last logged value of each :data:`FINAL_KEYS` metric;
     ``eval`` the held-out accuracy of ``eval.json`` with its 95% bootstrap CI.
     """
-    from rlpost.run.checkpoint import DONE_MARKER, FAILED_MARKER
 
     row: Dict[str, Any] = {"job": job_dir.name, "overrides": _overrides(job_dir)}
     if (job_dir / DONE_MARKER).is_file():

@@ -31,7 +31,13 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from rlpost.config.compose import compose_config
 from rlpost.core.errors import ConfigError
+from rlpost.envs import make_env
+from rlpost.models.loader import load_policy
+from rlpost.run.checkpoint import save_hf
+from rlpost.samplers.episode import render_insert
+from rlpost.tasks import build_task
 
 
 @dataclass
@@ -79,7 +85,6 @@ def build_demonstration(task: Any, example: Any, tokenizer: Any, env: Any, eos_i
     Raises:
         ConfigError: :func:`calculator_turns`; ValueError: the environment did not answer the call.
     """
-    from rlpost.samplers.episode import render_insert
 
     first, final = calculator_turns(example)
     step = env.step(first)
@@ -187,12 +192,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     from pathlib import Path
-
-    from rlpost.run.checkpoint import save_hf
-    from rlpost.config.compose import compose_config
-    from rlpost.envs import make_env
-    from rlpost.models.loader import load_policy
-    from rlpost.tasks import build_task
 
     cfg = compose_config(list(a.overrides))
     if cfg.sampler.name != "episode":

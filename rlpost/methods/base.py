@@ -39,6 +39,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from rlpost.algos.losses import EXTRA_INPUTS, loss_extras
+from rlpost.algos.registries import POLICY_LOSSES
+from rlpost.core.errors import ConfigError
 from rlpost.core.registry import Registry
 
 #: every hook-using method, by name; an entry is a :class:`Method` subclass
@@ -374,9 +377,6 @@ def check_loss_extras(cfg: Any, methods: MethodSet) -> None:
     Raises:
         ConfigError: a declared key nobody provides, naming the key and the loss.
     """
-    from rlpost.algos.losses import EXTRA_INPUTS, loss_extras
-    from rlpost.algos.registries import POLICY_LOSSES
-    from rlpost.core.errors import ConfigError
 
     loss = str(cfg.algo.loss)
     provided = set(methods.needs().provides) | {"loss_state"}

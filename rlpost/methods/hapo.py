@@ -9,13 +9,24 @@ it (:data:`TEMPERATURE_SAMPLERS`, read by :func:`rlpost.config.compose.compose_c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, List
 
 from rlpost.core.errors import ConfigError
 from rlpost.methods.base import METHODS, Method
 
 #: losses whose paper samples with a per-token temperature, and the sampler that owns it
 TEMPERATURE_SAMPLERS = {"hapo": "adaptive_temperature"}
+
+
+def sampler_overrides(cfg: Any, overrides: List[str]) -> List[str]:
+    """``["sampler=<its sampler>"]`` for a loss in :data:`TEMPERATURE_SAMPLERS` composed with another
+    sampler the user did not name (a rule of :data:`rlpost.config.compose.COMPOSE_RULES`): ``algo=hapo``
+    alone samples with ``sampler=adaptive_temperature``. A sampler the user names is kept; a
+    conflicting one is refused by :func:`check_sampler`.
+    """
+    want = TEMPERATURE_SAMPLERS.get(str(cfg.algo.loss))
+    named = any(o.lstrip("+~").split("=", 1)[0] == "sampler" for o in overrides)
+    return [] if want is None or named or cfg.sampler.name == want else [f"sampler={want}"]
 
 
 def check_sampler(algo_cfg: Any, sampler_name: str) -> None:

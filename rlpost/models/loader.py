@@ -22,6 +22,7 @@ from typing import Any, Tuple
 import torch
 
 from rlpost.core.errors import ModelLoadError
+from rlpost.models.lora import apply_lora, lora_rank
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -192,7 +193,6 @@ def load_model(model_cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0
     model.config.use_cache = True
     if getattr(model_cfg, "gradient_checkpointing", False):  # transformers >= 5 renamed it (the old name warns)
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    from rlpost.models.lora import apply_lora, lora_rank
 
     if lora_rank(model_cfg) > 0:
         with torch.random.fork_rng():  # adapter A matrices are random: seeded, so every rank/run draws the same

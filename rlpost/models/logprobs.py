@@ -20,6 +20,7 @@ from typing import Callable, ContextManager, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from rlpost.core.batch import left_pad
 
 
 @contextmanager
@@ -422,7 +423,6 @@ def prompt_entropy(
         ValueError: an empty prompt.
         TypeError: the model has no separable decoder and LM head.
     """
-    from rlpost.core.batch import left_pad
 
     if any(len(p) == 0 for p in prompts):
         raise ValueError("prompt_entropy needs non-empty prompts")

@@ -47,6 +47,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from rlpost.core.errors import ConfigError
 
 
 class RouterEvolutionPredictor:
@@ -500,7 +501,6 @@ def attach_routing(cfg: Any, trainer: Any, engine: Any) -> Any:
             trainer without a policy forward hook (deepspeed), gradient checkpointing
             (its recomputed forward would route on its own), or a model without MoE routers.
     """
-    from rlpost.core.errors import ConfigError
 
     mode = str(getattr(cfg.model, "routing_replay", "off") or "off")
     if mode not in ROUTING_MODES:

@@ -24,7 +24,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlpost.config.paths import conf_dir, group_choices
+from rlpost.config.schema import ModelConfig
 from rlpost.core.errors import ConfigError
+from rlpost.models.loader import load_model, load_tokenizer
+from rlpost.models.logprobs import TRUNCATED_LOGPROB, packed_response_states
 
 
 # ----------------------------------------------------------------- config
@@ -38,9 +42,6 @@ def teacher_model_config(spec: str) -> Any:
         ConfigError: ``spec`` is neither a preset name nor an existing directory.
     """
     from omegaconf import OmegaConf
-
-    from rlpost.config.paths import conf_dir, group_choices
-    from rlpost.config.schema import ModelConfig
 
     base = OmegaConf.structured(ModelConfig)
     preset = conf_dir() / "model" / f"{spec}.yaml"
@@ -78,7 +79,6 @@ def _chunk_support(head, h, targets, inv_temp, want_entropy: bool, top_k: int, t
     (the sampler's top-k/top-p truncation); the support log-probs are those of the
     untruncated temperature-scaled distribution, normalised over the whole vocabulary.
     """
-    from rlpost.models.logprobs import TRUNCATED_LOGPROB
 
     logits = head(h).float()
     if inv_temp is not None:
@@ -151,7 +151,6 @@ def support_logprobs(
         whole vocabulary; 0 (ids 0) on padding positions. ``K`` is 0 when neither
         ``support_ids`` nor ``k_top`` is given.
     """
-    from rlpost.models.logprobs import packed_response_states
 
     head, flat_idx, hs, tgt, inv_temp = packed_response_states(
         model, prompt_ids, prompt_mask, response_ids, response_attn, temperature)
@@ -262,8 +261,6 @@ def load_teacher(spec: str, student_tokenizer: Any, dtype: torch.dtype, device: 
         ModelLoadError: the teacher cannot be loaded.
     """
     from omegaconf import OmegaConf
-
-    from rlpost.models.loader import load_model, load_tokenizer
 
     mcfg = teacher_model_config(spec)
     OmegaConf.update(mcfg, "lora.rank", 0)

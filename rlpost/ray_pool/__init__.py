@@ -13,6 +13,7 @@ import importlib.util
 from typing import Any
 
 from rlpost.core.errors import ConfigError
+from rlpost.ray_pool.ray_workers import RayRolloutPool
 
 LAUNCHERS = ("none", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
@@ -80,6 +81,5 @@ def build_rollout_backend(cfg: Any, local_engine: Any, policy: Any, tokenizer: A
     lc = cfg.get("launcher")
     if lc is None or lc.name == "none":
         return local_engine
-    from rlpost.ray_pool.ray_workers import RayRolloutPool
 
     return RayRolloutPool(cfg, local_engine, policy)

@@ -50,6 +50,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlpost.core.errors import ConfigError, RlpostError
+from rlpost.distributed import local_run_rows
+from rlpost.models.loader import load_policy
+from rlpost.models.lora import is_lora, merged_state_dict
+from rlpost.rollout import build_engine
+from rlpost.rollout.base import concat_generations
 
 log = logging.getLogger("rlpost")
 
@@ -59,7 +64,6 @@ _PKG_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding th
 # ------------------------------------------------------------------ weights as object-store arrays
 def _policy_state(policy: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """What rollout workers load: the plain model's state_dict (a LoRA policy merged, W + (alpha/r) B A)."""
-    from rlpost.models.lora import is_lora, merged_state_dict
 
     return merged_state_dict(policy) if is_lora(policy) else policy.state_dict()
 
@@ -160,9 +164,6 @@ class RolloutWorker:
 
     def __init__(self, cfg: Dict[str, Any], index: int) -> None:
         from omegaconf import OmegaConf
-
-        from rlpost.models.loader import load_policy
-        from rlpost.rollout import build_engine
 
         c = OmegaConf.create(cfg)
         gpu = float(c.launcher.gpus_per_worker) > 0
@@ -531,9 +532,6 @@ class RayRolloutPool:
         """
         import ray
         from ray.exceptions import RayActorError
-
-        from rlpost.distributed import local_run_rows
-        from rlpost.rollout.base import concat_generations
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")

@@ -32,7 +32,8 @@ import torch
 
 from rlpost.core.errors import ConfigError
 from rlpost.core.registry import Registry, param
-from rlpost.rewards.models import REWARD_MODELS, ModelReward, ModelScore
+from rlpost.rewards.models import ModelReward, ModelScore, REWARD_MODELS
+from rlpost.tasks.base import Example
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question.\n"
@@ -371,7 +372,6 @@ def judge_scores(judge: _JudgeBase, items: Sequence[Tuple[str, Any, str]]) -> Tu
     Returns:
         ``(scores, failures)``.
     """
-    from rlpost.tasks.base import Example
 
     exs = [Example(i, q, a) for i, (q, a, _) in enumerate(items)]
     out = judge.score([r for _, _, r in items], exs, {})

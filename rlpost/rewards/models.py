@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from rlpost.algos.registries import ADV_ESTIMATORS
 from rlpost.core.errors import ConfigError
 from rlpost.core.registry import Choice, Registry, param
 
@@ -436,7 +437,6 @@ def check_estimator(models: Mapping[str, ModelReward], adv_estimator: str) -> No
         ConfigError: a token-level entry (a PRM) with an estimator not tagged
             ``uses_token_rewards`` (its step rewards would be dropped silently).
     """
-    from rlpost.algos.registries import ADV_ESTIMATORS
 
     tl = [n for n, m in models.items() if m.token_level]
     if tl and not ADV_ESTIMATORS.entry(adv_estimator).tags.get("uses_token_rewards"):

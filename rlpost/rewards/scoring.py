@@ -16,7 +16,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlpost.rewards.models import REWARD_COMPONENTS  # noqa: F401  (re-exported: the rule components)
-from rlpost.tasks.base import majority_vote
+from rlpost.core.voting import majority_vote
+from rlpost.core.errors import ConfigError
+from rlpost.rewards.models import build_model_rewards, check_estimator
 
 _WORKER_TASK: Any = None
 
@@ -294,7 +296,6 @@ class RewardFunction:
             rlpost.core.errors.ConfigError: both the task and the preset set an
                 overlong window (the punishment would count twice), or a bad window.
         """
-        from rlpost.core.errors import ConfigError
 
         g = lambda k, d: getattr(reward_cfg, k, d) if reward_cfg is not None else d  # noqa: E731
         buf, pen = g("overlong_buffer", 0), g("overlong_penalty", 1.0)
@@ -305,7 +306,6 @@ class RewardFunction:
                     f"task.reward.overlong_buffer={buf} and algo.adv_params.overlong_buffer={ps['overlong_buffer']} "
                     f"both ask for DAPO's overlong punishment, which would then count twice. Fix: set one of them to 0.")
             buf, pen = ps["overlong_buffer"], ps.get("overlong_penalty", 1.0)
-        from rlpost.rewards.models import build_model_rewards
 
         models = build_model_rewards(g("models", None), task)  # start-time checks: score head, endpoint
         try:
@@ -350,7 +350,6 @@ class RewardFunction:
 
     def check_estimator(self, adv_estimator: str) -> None:
         """Raise :class:`rlpost.core.errors.ConfigError` when a process reward meets an estimator that drops token rewards."""
-        from rlpost.rewards.models import check_estimator
 
         check_estimator(self.models, adv_estimator)
 

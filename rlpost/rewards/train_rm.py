@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlpost.core.errors import ConfigError, DataError
-from rlpost.rewards.models import render_chat, sequence_scores
+from rlpost.models.loader import load_model, load_tokenizer
+from rlpost.rewards.models import render_chat, score_head, sequence_scores
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 
@@ -149,8 +150,6 @@ def init_reward_model(model_cfg: Any, seed: int = 0) -> Tuple[Any, Any]:
     """
     from transformers import AutoModelForSequenceClassification
 
-    from rlpost.models.loader import load_model, load_tokenizer
-
     tok = load_tokenizer(model_cfg)
     tok.padding_side = "right"
     with torch.random.fork_rng():
@@ -266,7 +265,6 @@ def _train_head_only(model: Any, tokenizer: Any, rendered: Sequence[Tuple[str, s
                      heldout: Sequence[Tuple[str, str]], acc0: float, out_dir: Optional[str], steps: int, lr: float,
                      max_length: int) -> Dict[str, Any]:
     """Bradley-Terry on cached features: only the score head learns (full-batch AdamW, ``steps`` steps)."""
-    from rlpost.rewards.models import score_head
 
     t0 = time.perf_counter()
     tr = [rendered[i] for i in train_idx]

@@ -9,6 +9,11 @@ import torch
 
 from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams  # noqa: F401
+from rlpost.core.autoprecision import resolve_precision
+from rlpost.rollout.hf import HFRolloutEngine
+from rlpost.rollout.mtp_draft import mtp_engine
+from rlpost.rollout.precision import rollout_converter
+from rlpost.rollout.self_spec import MTP_DRAFTER, SelfSpeculativeEngine, check_speculative
 
 ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -31,7 +36,6 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
         ConfigError: unknown engine or rollout dtype, or bad speculative settings
             (:func:`wrap_speculative`).
     """
-    from rlpost.rollout.self_spec import check_speculative
 
     spec = check_speculative(cfg)  # before building: a bad setting stops the run before any weights move
     return wrap_speculative(cfg, _plain_engine(cfg, policy, tokenizer, device), spec, policy=policy,
@@ -40,7 +44,6 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
 
 def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
     """:func:`build_engine` without the speculative wrapper."""
-    from rlpost.core.autoprecision import resolve_precision
 
     resolve_precision(cfg, device)  # precision=auto (no-op when already concrete)
     rd = cfg.precision.rollout_dtype
@@ -51,7 +54,6 @@ def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: tor
         return VLLMRolloutEngine(cfg, policy, tokenizer, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.rollout.engine != "hf":
         raise ConfigError(f"Unknown rollout engine rollout.engine={cfg.rollout.engine!r}. Valid choices: hf, vllm.")
-    from rlpost.rollout.hf import HFRolloutEngine
 
     if rd == "fp32":
         # The asynchronous executor generates while the trainer updates: it needs a private copy
@@ -96,9 +98,6 @@ def wrap_speculative(cfg: Any, engine: Any, c: Optional[Dict[str, Any]] = None, 
     Raises:
         ConfigError: see :func:`rlpost.rollout.self_spec.check_speculative` and :func:`rlpost.rollout.mtp_draft.mtp_engine`.
     """
-    from rlpost.rollout.mtp_draft import mtp_engine
-    from rlpost.rollout.precision import rollout_converter
-    from rlpost.rollout.self_spec import MTP_DRAFTER, SelfSpeculativeEngine, check_speculative
 
     c = check_speculative(cfg) if c is None else c
     if c is None:

@@ -20,6 +20,7 @@ from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams,
 from rlpost.core.batch import left_pad  # noqa: F401  (re-exported)
 from rlpost.models.logprobs import eval_mode
 from rlpost.models.sampling import apply_top_k_top_p
+from rlpost.models.lora import is_lora, merged_model, merged_state_dict
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,7 +272,6 @@ class HFRolloutEngine(RolloutEngine):
             self.model = self._make_copy(model)
 
     def _make_copy(self, model: torch.nn.Module) -> torch.nn.Module:
-        from rlpost.models.lora import is_lora, merged_model
 
         # LoRA: a plain model holding the merged weights W + (alpha/r) B A (no adapter matmuls per token)
         m = merged_model(model) if is_lora(model) else copy.deepcopy(model)
@@ -290,7 +290,6 @@ class HFRolloutEngine(RolloutEngine):
         A LoRA policy is merged on the push (:func:`rlpost.models.lora.merged_state_dict`):
         the copy is a plain model with ``W + (alpha/r) B A`` in each adapted layer.
         """
-        from rlpost.models.lora import is_lora, merged_state_dict
 
         if self.share_weights:
             return

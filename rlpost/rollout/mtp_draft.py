@@ -55,7 +55,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from rlpost.core.errors import ConfigError
+from rlpost.core.tracking import log
+from rlpost.models.logprobs import eval_mode
 from rlpost.rollout.base import SamplingParams
+from rlpost.rollout.hf import _get_cache, cache_kw
 from rlpost.rollout.self_spec import SelfSpeculativeEngine, _crop_to, next_draft_len, speculative_accept
 
 
@@ -304,7 +308,6 @@ class MTPSpeculativeEngine(SelfSpeculativeEngine):
         return out
 
     def _fwd_h(self, toks: List[int], cache: Any) -> Tuple[torch.Tensor, torch.Tensor, Any]:
-        from rlpost.rollout.hf import _get_cache, cache_kw
 
         x = torch.tensor([toks], dtype=torch.long, device=self.device)
         o = self.model(input_ids=x, use_cache=True, output_hidden_states=True, **{cache_kw(): cache})
@@ -416,7 +419,6 @@ def load_mtp_head(path: Any, policy: torch.nn.Module) -> Tuple[MTPDraftHead, Dic
         ConfigError: no such file, not a head file, or a head of another width / vocabulary than
             ``policy`` (a head fits one model).
     """
-    from rlpost.core.errors import ConfigError
 
     key = "rollout.speculative.mtp_head_path"
     fix = f"Fix: point {key} at a head saved for this model, or set it to null to fit one at start"
@@ -474,7 +476,6 @@ def fit_mtp_head(policy: torch.nn.Module, engine: Any, prompts: List[List[int]],
         ValueError: no response long enough for ``depth`` (raise the prompt count or the
             response length, or lower the depth).
     """
-    from rlpost.models.logprobs import eval_mode
 
     t0 = time.perf_counter()
     gen = engine.generate(prompts, params)
@@ -545,8 +546,6 @@ def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.
         ConfigError: no head file and no prompts to fit one; a head file that cannot be read or
             does not fit the policy (:func:`load_mtp_head`); responses too short for the depth.
     """
-    from rlpost.core.errors import ConfigError
-    from rlpost.core.tracking import log
 
     policy = engine.model if policy is None else policy
     own = Path(run_dir) / HEAD_FILE if run_dir is not None else None

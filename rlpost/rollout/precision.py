@@ -43,6 +43,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from rlpost.core.errors import ConfigError
+from rlpost.rollout.hif4 import fake_quant_hif4
 
 Converter = Callable[[torch.nn.Module], torch.nn.Module]
 
@@ -205,7 +206,6 @@ def _w4a4_converter(compensation: str, fmt: str = "fp4") -> Converter:
 
 
 def _hif4_weights(model: torch.nn.Module) -> torch.nn.Module:
-    from rlpost.rollout.hif4 import fake_quant_hif4
 
     return _fake_quant_converter(fake_quant_hif4)(model)
 

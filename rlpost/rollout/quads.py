@@ -27,11 +27,11 @@ from typing import Any, Callable, Dict
 import torch
 
 from rlpost.core.errors import ConfigError
+from rlpost.rollout.hif4 import fake_quant_hif4
+from rlpost.rollout.precision import _decoder_linears, fake_quant_fp4_e2m1
 
 
 def _quantisers() -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    from rlpost.rollout.hif4 import fake_quant_hif4
-    from rlpost.rollout.precision import fake_quant_fp4_e2m1
 
     return {"fp4": fake_quant_fp4_e2m1, "hif4": fake_quant_hif4}
 
@@ -59,7 +59,6 @@ def attach_weight_fake_quant(model: torch.nn.Module, fmt: str) -> int:
     qs = _quantisers()
     if fmt not in qs:
         raise ConfigError(f"precision.trainer_weight_quant={fmt!r}; valid: none, {', '.join(qs)}")
-    from rlpost.rollout.precision import _decoder_linears
 
     n = 0
     for _, lin in list(_decoder_linears(model)):

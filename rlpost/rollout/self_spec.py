@@ -47,9 +47,11 @@ import torch
 
 from rlpost.core.errors import ConfigError
 from rlpost.models.logprobs import eval_mode
+from rlpost.models.lora import is_lora, merged_model
+from rlpost.models.sampling import apply_top_k_top_p
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations
 from rlpost.rollout.hf import _get_cache, cache_kw, left_pad, sample_inverse_cdf
-from rlpost.models.sampling import apply_top_k_top_p
+from rlpost.rollout.precision import ROLLOUT_CONVERTERS
 
 #: keys of ``rollout.speculative`` and their defaults (one owner: this module)
 SPEC_DEFAULTS: Dict[str, Any] = {
@@ -113,7 +115,6 @@ def spec_config(params: Any) -> Dict[str, Any]:
             drafter, an ``mtp_head_*`` key with another drafter, or a bad ``mtp_head_*`` value
             (loss not tv|ce, depth/prompts < 1, steps < 0, lr <= 0).
     """
-    from rlpost.rollout.precision import ROLLOUT_CONVERTERS
 
     given = dict(params or {})
     bad = sorted(set(given) - set(SPEC_DEFAULTS))
@@ -214,8 +215,6 @@ class SelfSpeculativeEngine(RolloutEngine):
 
     def _make_drafter(self, model: torch.nn.Module) -> torch.nn.Module:
         import copy
-
-        from rlpost.models.lora import is_lora, merged_model
 
         m = merged_model(model) if is_lora(model) else copy.deepcopy(model)
         m = self.drafter_convert(m.float())

@@ -94,8 +94,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from rlpost.core.errors import RlpostError
+from rlpost.models.lora import is_lora, lora_rank, save_adapter
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams
 from rlpost.rollout.hf import left_pad
+from rlpost.rollout.vllm_spec import read_hf_config, vllm_spec_settings, vllm_speculative_config
 
 _SKIP = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
 _PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -517,7 +519,6 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
         kw["kv_cache_memory_bytes"] = int(gib * 2**30)
     else:
         kw["gpu_memory_utilization"] = float(r.gpu_memory_utilization)
-    from rlpost.rollout.vllm_spec import read_hf_config, vllm_spec_settings, vllm_speculative_config
 
     hf = read_hf_config(str(model_dir))
     mml = _get(r, "max_model_len")
@@ -528,7 +529,6 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
         kw["max_model_len"] = min(int(mml), int(ctx)) if ctx else int(mml)
     if rd == "fp8":
         kw["quantization"] = "fp8"
-    from rlpost.models.lora import lora_rank
 
     r_lora = lora_rank(cfg.model)
     if r_lora > 0:
@@ -659,7 +659,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.tie = bool(getattr(policy.config, "tie_word_embeddings", False))
-        from rlpost.models.lora import is_lora
 
         self.lora = is_lora(policy)
         path, fresh = self._init_dir(cfg, policy, tokenizer)
@@ -822,8 +821,6 @@ class VLLMRolloutEngine(RolloutEngine):
         import tempfile
 
         from vllm.lora.request import LoRARequest
-
-        from rlpost.models.lora import save_adapter
 
         if self._lora_root is None:
             self._lora_root = Path(tempfile.mkdtemp(prefix="rlpost_lora_"))

@@ -29,6 +29,15 @@ import torch
 
 from rlpost.core.errors import RlpostError
 from rlpost.models.loader import resolve_model_dir, save_hf  # noqa: F401  (save_hf: re-exported)
+from rlpost.core.errors import ConfigError
+from rlpost.models.lora import (
+    ADAPTER_WEIGHTS,
+    is_adapter_dir,
+    is_lora,
+    load_adapter_state_dict,
+    merged_model,
+    save_adapter,
+)
 
 DONE_MARKER = "DONE"
 FAILED_MARKER = "FAILED"
@@ -70,7 +79,6 @@ def save_policy(policy, tokenizer, path: Path, base_model: Optional[str] = None)
     tokenizer): the frozen base weights are the model config's, so a checkpoint
     holds only what training changed. Anything else: :func:`save_hf`.
     """
-    from rlpost.models.lora import is_lora, save_adapter
 
     if is_lora(policy):
         save_adapter(policy, path, base_model)
@@ -88,7 +96,6 @@ def export_final(policy, tokenizer, path: Path, model_cfg: Any = None) -> None:
     ``transformers.AutoModelForCausalLM.from_pretrained`` and ``rlpost eval``;
     without it ``final/`` holds the adapter (and the tokenizer) only.
     """
-    from rlpost.models.lora import is_lora, merged_model, save_adapter
 
     path = Path(path)
     if not is_lora(policy):
@@ -128,8 +135,6 @@ def resolve_keep_last(cfg: Any, device: Any) -> int:
         ConfigError: ``keep_last`` < 1.
     """
     from omegaconf import open_dict
-
-    from rlpost.core.errors import ConfigError
 
     k = cfg.checkpoint.get("keep_last")
     if k is None:
@@ -171,7 +176,6 @@ def estimate_disk(trainer: Any, keep_last: int, tokenizer: Any = None) -> Dict[s
     and 0.54 GB for ``final/``, as measured (README). Returns ``{"checkpoint", "final",
     "total"}`` with ``total = keep_last * checkpoint + final``.
     """
-    from rlpost.models.lora import is_lora
 
     policy = trainer.policy
     trainable = _tensor_bytes(p for p in policy.parameters() if p.requires_grad)
@@ -241,8 +245,6 @@ def load_checkpoint(ckpt: Path, policy, components: Dict[str, Any]) -> int:
     state), then the global RNG states.
     """
     from safetensors.torch import load_file
-
-    from rlpost.models.lora import ADAPTER_WEIGHTS, is_adapter_dir, is_lora, load_adapter_state_dict
 
     ckpt = Path(ckpt)
     if is_lora(policy) != is_adapter_dir(ckpt / "policy"):

@@ -18,11 +18,20 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from rlpost.core.batch import RolloutBatch
 from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import RolloutEngine, SamplingParams
 from rlpost.samplers.base import (
     SAMPLERS,
-    SampleResult, SamplerContext, Sampler, merge_results, pad_id_of, score_rows, select_rows, step_params,
+    SampleResult,
+    Sampler,
+    SamplerContext,
+    group_reward_stats,
+    merge_results,
+    pad_id_of,
+    score_rows,
+    select_rows,
+    step_params,
 )
 from rlpost.selectors.base import Role
 
@@ -68,7 +77,6 @@ class StepRollouts:
 
     def group_stats(self) -> Dict[str, torch.Tensor]:
         """Per batch group: ``count``, ``mean``, ``std`` (population) float64 ``[G]`` of :attr:`rewards`."""
-        from rlpost.samplers.base import group_reward_stats
 
         gi = self.result.group_index
         n = int(gi.max()) + 1 if len(gi) else 0
@@ -98,7 +106,6 @@ class StepRollouts:
             weights_step: RL steps completed by those weights (``extras['policy_step']``
                 unless the producer set it per row).
         """
-        from rlpost.core.batch import RolloutBatch
 
         res, gen = self.result, self.result.generation
         gi = res.group_index

@@ -47,6 +47,7 @@ import time
 from typing import Any, Dict, Optional
 
 from rlpost.core.errors import ConfigError
+from rlpost.selectors.base import SELECTORS
 
 EXECUTORS = ("sync", "async")
 PARTIAL_SAMPLERS = ("group", "single")
@@ -126,7 +127,6 @@ def check_partial(cfg: Any) -> None:
                           f"so sampler={sampler} would be ignored. Fix: sampler=group (or single), or "
                           f"executor.partial_rollout=false.")
     import rlpost.selectors  # noqa: F401  (registers)
-    from rlpost.selectors.base import SELECTORS
 
     roles = sorted(r.value for r in SELECTORS.get(cfg.selector.name).roles)  # declared roles beyond prompt choice
     if roles:

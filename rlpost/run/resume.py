@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from rlpost.config.compose import compose_config
 from rlpost.core.errors import ConfigError
+from rlpost.run.checkpoint import find_resume_checkpoint
 
 #: keys whose values may differ between a run and its resume (they say how to resume, not what runs)
 IGNORED_KEYS = ("resume",)
@@ -101,8 +103,6 @@ def config_differences(saved: Dict[str, Any], requested: Dict[str, Any], changea
 def _requested(overrides: List[str]) -> Dict[str, Any]:
     from omegaconf import OmegaConf
 
-    from rlpost.config.compose import compose_config
-
     cfg = compose_config([o for o in overrides if not o.startswith("hydra.")])
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
@@ -113,8 +113,6 @@ def _run_dir_of(overrides: List[str]) -> Path:
     if given:
         return Path(given[-1].strip("'\""))
     from omegaconf import OmegaConf
-
-    from rlpost.config.compose import compose_config
 
     cfg = compose_config([o for o in overrides if not o.startswith("hydra.")], return_hydra_config=True)
     return Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
@@ -133,8 +131,6 @@ def plan_resume(overrides: List[str]) -> ResumePlan:
             and it has no ``.hydra/overrides.yaml`` to take the right one from.
     """
     from omegaconf import OmegaConf
-
-    from rlpost.run.checkpoint import find_resume_checkpoint
 
     resume = [o.split("=", 1)[1] for o in overrides if _key(o) == "resume"]
     if not resume or resume[-1] in ("", "none", "null"):

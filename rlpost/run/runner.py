@@ -36,13 +36,50 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
-from rlpost.algos.registries import POLICY_LOSSES
+from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
 from rlpost.algos.regularizers import kl_penalty
-from rlpost.algos.validate import adv_overrides
+from rlpost.algos.validate import adv_overrides, teacher_top_k
+from rlpost.config.compose import validate_config
+from rlpost.core.autoprecision import resolve_precision
 from rlpost.core.batch import RolloutBatch
+from rlpost.core.errors import ConfigError, Interrupted
+from rlpost.core.partial import PartialRolloutProducer
+from rlpost.core.tracking import RunLogger, eval_line, format_summary, log, step_line, step_seconds
+from rlpost.distributed import gather_rows, sharded_rows, world_size
+from rlpost.eval.evaluate import build_eval_tasks, evaluate, evaluate_tasks, scalar_metrics
 from rlpost.methods.base import MethodSet, RunServices
-from rlpost.run.checkpoint import DONE_MARKER, FAILED_MARKER, describe_checkpoint, export_final, find_resume_checkpoint, save_checkpoint
-from rlpost.rollout.base import SamplingParams
+from rlpost.models.loader import load_policy
+from rlpost.models.logprobs import prompt_entropy
+from rlpost.models.moe_replay import attach_routing
+from rlpost.ray_pool import build_rollout_backend
+from rlpost.rewards import RewardFunction, StepScorer
+from rlpost.rollout import build_engine
+from rlpost.rollout.base import GenerationResult, SamplingParams
+from rlpost.run.checkpoint import (
+    DONE_MARKER,
+    FAILED_MARKER,
+    GeneratorState,
+    collect_states,
+    describe_checkpoint,
+    export_final,
+    find_resume_checkpoint,
+    load_checkpoint,
+    resolve_keep_last,
+    save_checkpoint,
+)
+from rlpost.run.collect import StepRollouts, check_allocation, collect_rollouts, rollout_metrics, row_oldest
+from rlpost.run.executor import build_executor
+from rlpost.run.interrupts import StopRequest
+from rlpost.run.memory import preflight
+from rlpost.run.resume import continue_command
+from rlpost.samplers import build_sampler
+from rlpost.samplers.base import SampleResult, SamplerContext, pad_id_of, score_rows
+from rlpost.selectors import build_selector
+from rlpost.selectors.mixture import make_hint_fn
+from rlpost.tasks import build_task
+from rlpost.tasks.base import task_prompts
+from rlpost.trainer.torch_engine import TorchTrainer
+from rlpost.trainer.torchrun import local_device
 
 
 PRODUCE, LEARN, FINISH = "produce", "learn", "finish"
@@ -144,7 +181,6 @@ def teacher_stage(cfg: DictConfig) -> "Stage":
     spec = cfg.model.get("teacher", None)
     if not spec:
         return Stage("teacher_logprobs", "teacher log-probs (no model.teacher)", False)
-    from rlpost.algos.validate import teacher_top_k
 
     k = teacher_top_k(cfg.algo)
     return Stage("teacher_logprobs", f"frozen teacher model.teacher={spec}: log-probs of the sampled tokens"
@@ -222,7 +258,6 @@ def step_seed(seed: int, step: int, salt: str = "rollout") -> int:
 def pick_device(name: str) -> torch.device:
     """``auto`` -> cuda when available, else cpu; on CUDA the local rank's GPU, made current
     (:func:`rlpost.trainer.torchrun.local_device`)."""
-    from rlpost.trainer.torchrun import local_device
 
     return local_device(name)
 
@@ -252,23 +287,13 @@ class Run:
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
-        from rlpost.config.compose import validate_config
-        from rlpost.models.loader import load_policy
-        from rlpost.rewards import RewardFunction
-        from rlpost.rollout import build_engine
-        from rlpost.samplers import build_sampler
-        from rlpost.run.collect import check_allocation
-        from rlpost.selectors import build_selector
-        from rlpost.tasks import build_task
 
         validate_config(cfg)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.device = pick_device(cfg.device)
-        from rlpost.core.autoprecision import resolve_precision
 
         resolve_precision(cfg, self.device)  # precision=auto -> concrete dtypes, printed once
-        from rlpost.run.checkpoint import resolve_keep_last
 
         resolve_keep_last(cfg, self.device)  # checkpoint.keep_last=null -> 1 on CPU with full fine-tuning, else 2
         seed_everything(cfg.seed)
@@ -291,7 +316,6 @@ class Run:
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
                                                     preset_shaping=cfg.algo.adv_params)
         self.reward_fn.check_estimator(cfg.algo.adv_estimator)  # a PRM's token rewards need an estimator that reads them
-        from rlpost.run.memory import preflight
 
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
@@ -305,12 +329,10 @@ class Run:
 
             self.teacher = load_teacher(str(cfg.model.teacher), self.tokenizer, self.trainer.dtype,
                                         self.trainer.device, seed=cfg.seed)
-        from rlpost.tasks.base import task_prompts
 
         # run_dir and prompts: rollout.speculative.drafter=mtp_head fits its head on training prompts, keeps it there
         self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device, run_dir=self.run_dir,
                                          prompts=task_prompts(self.task, self.tokenizer, cfg.seed, self.train_examples))
-        from rlpost.models.moe_replay import attach_routing
 
         self.local_engine = attach_routing(cfg, self.trainer, self.local_engine)  # model.routing_replay
         self.shard = self._rollout_sharding()
@@ -320,7 +342,6 @@ class Run:
             self.engine = ShardedEngine(self.local_engine)
         else:
             self.engine = self.local_engine
-        from rlpost.ray_pool import build_rollout_backend
 
         # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.ray_pool)
         self.engine = build_rollout_backend(cfg, self.engine, self.trainer.policy, self.tokenizer)
@@ -340,8 +361,6 @@ class Run:
         ex = self.cfg.executor
         if not bool(ex.get("partial_rollout", False)):
             return None
-        from rlpost.core.partial import PartialRolloutProducer
-        from rlpost.samplers.base import SamplerContext, pad_id_of
 
         if self.cfg.sampler.name == "episode":  # whole episodes (ids, masks, turn count, environment) carried over
             from rlpost.samplers.episode_partial import EpisodePartialProducer
@@ -366,8 +385,6 @@ class Run:
                 executor, partial rollouts, multi-turn episodes or the
                 adaptive-temperature sampler.
         """
-        from rlpost.distributed import world_size
-        from rlpost.core.errors import ConfigError
 
         want = self.cfg.trainer.get("shard_rollouts", None)
         if world_size() == 1 or want is False:
@@ -392,13 +409,11 @@ class Run:
 
             return DeepSpeedTrainer.from_config(self.policy, self.cfg, self.device, self.methods, run_dir=self.run_dir,
                                                 keep_last=self.cfg.checkpoint.keep_last)
-        from rlpost.trainer.torch_engine import TorchTrainer
 
         return TorchTrainer.from_config(self.policy, self.cfg, self.device, self.methods)
 
     def _services(self) -> RunServices:
         """What the run lends its methods' hooks (:class:`rlpost.methods.base.RunServices`)."""
-        from rlpost.rollout import build_engine
 
         t = self.trainer
         return RunServices(
@@ -420,7 +435,6 @@ class Run:
         component is one line here. The policy weights and the global RNG
         states are saved beside it.
         """
-        from rlpost.run.checkpoint import GeneratorState
 
         return {
             "trainer": self.trainer,  # optimizer, scheduler, critic, reference (trainer.pt)
@@ -433,14 +447,12 @@ class Run:
 
     def restore(self, ckpt: Path) -> None:
         """Load a checkpoint written by :meth:`checkpoint` and continue after its step."""
-        from rlpost.run.checkpoint import load_checkpoint
 
         self.step = load_checkpoint(ckpt, self.trainer.policy, self.stateful())
         self.engine.sync_weights(self.trainer.policy)
 
     def checkpoint(self) -> Optional[Path]:
         """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks)."""
-        from rlpost.run.checkpoint import collect_states
 
         states = collect_states(self.stateful())  # collective for trainer=deepspeed: every rank calls it
         if not is_main_process():
@@ -475,8 +487,6 @@ class Run:
         Raises:
             ConfigError: async with staleness and an engine without a torch model (vLLM).
         """
-        from rlpost.core.errors import ConfigError
-        from rlpost.models.logprobs import prompt_entropy
 
         ex = self.cfg.executor
         autocast = None
@@ -521,9 +531,6 @@ class Run:
             version: trainer version (optimizer steps) of the engine's weights.
             weights_step: RL steps completed by those weights (staleness unit).
         """
-        from rlpost.rewards import StepScorer
-        from rlpost.run.collect import collect_rollouts
-        from rlpost.selectors.mixture import make_hint_fn
 
         t_step, cpu0 = time.perf_counter(), cpu_seconds()
         scorer: Any = StepScorer(self.reward_fn, self.train_examples)
@@ -561,9 +568,6 @@ class Run:
         ``policy_step`` of the oldest token ``[B]``. The stitched per-token
         behaviour log-probs become ``rollout_logprobs``.
         """
-        from rlpost.rollout.base import GenerationResult
-        from rlpost.samplers.base import SampleResult, SamplerContext, score_rows
-        from rlpost.run.collect import StepRollouts, rollout_metrics, row_oldest
 
         skipped = [0]
 
@@ -651,7 +655,6 @@ class Run:
         """
         if not self.shard or collective_model:
             return fn(batch)
-        from rlpost.distributed import gather_rows, sharded_rows
 
         rows = sharded_rows(batch.group_index)
         local = fn(batch.select(rows)) if rows else None
@@ -668,7 +671,6 @@ class Run:
 
     def _teacher_logprobs(self, ctx: "LearnContext") -> None:
         """``extras['teacher_logprobs']`` ``[B, R]`` (+ top-K ids / log-probs ``[B, R, K]``) from the frozen teacher."""
-        from rlpost.algos.validate import teacher_top_k
 
         k = teacher_top_k(self.cfg.algo)
         out = self.teacher.score(ctx.batch, self.trainer, top_k=k)
@@ -782,7 +784,6 @@ class Run:
             ``(metrics, result)``: flat ``eval/...`` scalars (``eval/accuracy`` is the
             training task's) and the training task's full result dict.
         """
-        from rlpost.eval.evaluate import build_eval_tasks, evaluate, evaluate_tasks, scalar_metrics
 
         name = self.cfg.task.name
         if self.cfg.sampler.name == "episode":  # multi-turn: evaluate episodes with the training environment
@@ -841,11 +842,6 @@ def train(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         Interrupted: after SIGINT/SIGTERM: the step in progress was finished and
             checkpointed; the message names the checkpoint and what it holds.
     """
-    from rlpost.core.errors import Interrupted
-    from rlpost.run.executor import build_executor
-    from rlpost.run.interrupts import StopRequest
-    from rlpost.run.resume import continue_command
-    from rlpost.core.tracking import RunLogger, eval_line, format_summary, log
 
     t_wall = time.time()
     main = is_main_process()  # under trainer.num_procs > 1 only rank 0 logs, evaluates and writes files
@@ -920,7 +916,6 @@ def _resume_point(cfg: DictConfig, run_dir: Path, main: bool) -> tuple:
 
     A checkpoint of another run directory moves the run there.
     """
-    from rlpost.core.tracking import log
 
     ckpt = find_resume_checkpoint(cfg.resume, run_dir)
     if ckpt is not None:
@@ -952,7 +947,6 @@ def _bind_finish(run: "Run", cfg: DictConfig, executor: Any, logger: Any, saved:
     ``saved`` (``{"step", "path"}``) records the newest checkpoint; ``stop`` is the run's
     :class:`rlpost.run.interrupts.StopRequest` (an interrupt forces a checkpoint).
     """
-    from rlpost.core.tracking import eval_line, step_line
 
     step_log = logging.getLogger("rlpost.step")  # one line per step, to cli.log only
 
@@ -1026,7 +1020,6 @@ class _progress:
 
     def update(self, m: Dict[str, Any]) -> None:
         """Advance one step and show ``m``'s figures."""
-        from rlpost.core.tracking import step_seconds
 
         post = [f"reward={m.get('reward/mean', 0):.3f}", f"tok/s={m.get('throughput/rollout_tokens_per_s', 0):.0f}"]
         if step_seconds(m) is not None:
@@ -1046,8 +1039,6 @@ def _check_episode_rewards(cfg: Any) -> None:
     Raises:
         ConfigError: an estimator not tagged ``uses_token_rewards`` (the rewards would be dropped).
     """
-    from rlpost.algos.registries import ADV_ESTIMATORS
-    from rlpost.core.errors import ConfigError
 
     p = cfg.sampler.params or {}
     if str(p.get("env_reward_at", "episode")) == "turn" and float(p.get("env_reward_weight", 0.0) or 0.0):

@@ -2,6 +2,7 @@
 
 from rlpost.samplers.base import SAMPLERS, Sampler, SamplerContext, SampleResult, build_sampler  # noqa: F401
 from rlpost.samplers import adaptive, bandit, episode, hdl, perturb, prune, speculative, temperature, tree  # noqa: F401,E402
+from rlpost.core.registry import as_dict
 
 
 def check_config(cfg) -> None:
@@ -10,6 +11,5 @@ def check_config(cfg) -> None:
     Raises:
         ConfigError: an unknown sampler or parameter.
     """
-    from rlpost.core.registry import as_dict
 
     SAMPLERS.resolve(cfg.sampler.name, as_dict(cfg.sampler.params), "sampler.params")

@@ -16,6 +16,7 @@ import torch
 
 from rlpost.core.registry import Registry
 from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams, concat_generations  # noqa: F401
+from rlpost.core.errors import ConfigError
 
 SAMPLERS = Registry("sampler", "sampler", typed_params=True)
 
@@ -338,7 +339,6 @@ def build_sampler(cfg: Any, n_samples: int) -> Sampler:
     Raises:
         ConfigError: unknown sampler or parameter.
     """
-    from rlpost.core.errors import ConfigError
 
     cls = SAMPLERS.get(cfg.name)
     try:

@@ -32,6 +32,10 @@ from rlpost.core.registry import Choice, param
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import SAMPLERS, SampleResult, Sampler, pad_id_of, score_rows, step_params
 from rlpost.tasks.chat import _PLAIN, _PLAIN_RE, _special_strings, encode_framed, encode_plain, template_parts  # noqa: F401
+from rlpost.envs import make_env
+from rlpost.envs.base import timed_step
+from rlpost.rollout.hf import left_pad
+from rlpost.tasks.base import Example
 
 #: stop string that ends a model turn at a tool call (the engine keeps it in the response)
 TOOL_CALL_STOP = "</tool_call>"
@@ -229,7 +233,6 @@ class EpisodeSampler(Sampler):
                  branch_probability: float, entropy_weight: float, entropy_window: int, aepo_sensitivity: float,
                  aepo_penalty: float) -> None:
         super().__init__(n_samples)
-        from rlpost.envs import make_env
 
         if int(max_turns) < 1:
             raise ValueError("max_turns must be >= 1")
@@ -268,7 +271,6 @@ class EpisodeSampler(Sampler):
         self.run_dir = Path(run_dir) if run_dir is not None else None
 
     def _example(self, ctx: Any, pos: int) -> Any:
-        from rlpost.tasks.base import Example
 
         if self.examples is not None and ctx.prompt_indices is not None:
             return self.examples[int(ctx.prompt_indices[pos])]
@@ -287,8 +289,6 @@ class EpisodeSampler(Sampler):
         return max(1, min(group, int(n)))
 
     def _new_episode(self, ctx: Any, pos: int, prompt: List[int], tok: Any) -> _Episode:
-        from rlpost.envs import make_env
-        from rlpost.tasks.base import Example
 
         env = make_env(self.env_name, self.env_params)
         example = self._example(ctx, pos)
@@ -306,7 +306,6 @@ class EpisodeSampler(Sampler):
 
     def sample(self, engine, prompts, params, ctx):
         """Run every episode of the step to its end; see the class docstring."""
-        from rlpost.rollout.hf import left_pad
 
         tok = getattr(engine, "tokenizer", None)
         if tok is None:
@@ -554,6 +553,5 @@ class EpisodeSampler(Sampler):
 
 
 def _timed_step(env: Any, text: str, last: bool = False):
-    from rlpost.envs.base import timed_step
 
     return timed_step(env, text, last=last)

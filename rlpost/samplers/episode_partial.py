@@ -30,6 +30,8 @@ from typing import Any, Dict, List
 import torch
 
 from rlpost.core.partial import PartialStep, StitchedBatch, num_requests, take_from_queue
+from rlpost.rollout.hf import left_pad
+from rlpost.samplers.base import SamplerContext
 
 
 @dataclass
@@ -86,7 +88,6 @@ class EpisodePartialProducer:
 
     def _open_groups(self, take: List[int], encode: Any, tok: Any) -> None:
         """A new group of ``group_size`` fresh episodes for each prompt index in ``take``."""
-        from rlpost.samplers.base import SamplerContext
 
         s = self.sampler
         for idx in take:
@@ -144,7 +145,6 @@ class EpisodePartialProducer:
         Raises:
             ValueError: ``needed < 1``; RuntimeError: ``select()`` returned nothing.
         """
-        from rlpost.rollout.hf import left_pad
 
         if needed < 1:
             raise ValueError(f"needed={needed} must be >= 1")

@@ -27,6 +27,8 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from rlpost.core.registry import param
+from rlpost.models.logprobs import build_inputs, eval_mode
+from rlpost.rollout.hf import left_pad
 from rlpost.samplers.base import SAMPLERS, SampleResult, pad_id_of, score_rows, select_rows
 from rlpost.samplers.tree import TreeSampler
 
@@ -62,8 +64,6 @@ def context_logprobs(model: torch.nn.Module, prompts: Sequence[List[int]], respo
     Raises:
         ValueError: ``prompts`` and ``responses`` differ in length, or a prompt is empty.
     """
-    from rlpost.models.logprobs import build_inputs, eval_mode
-    from rlpost.rollout.hf import left_pad
 
     if len(prompts) != len(responses):
         raise ValueError(f"context_logprobs: {len(prompts)} prompts but {len(responses)} responses")

@@ -29,6 +29,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from rlpost.core.registry import param
+from rlpost.models.logprobs import eval_mode
+from rlpost.rollout.hf import left_pad
 from rlpost.samplers.base import (
     SAMPLERS,
     SampleResult,
@@ -40,6 +42,7 @@ from rlpost.samplers.base import (
     select_rows,
     step_params,
 )
+from rlpost.samplers.speculative import _row
 
 
 # ---------------------------------------------------------------- D3S
@@ -240,8 +243,6 @@ def prefix_features(model: torch.nn.Module, prompts: List[List[int]], prefixes: 
     hidden states of the partial rollout). Rows with an empty prefix use the last
     prompt position.
     """
-    from rlpost.models.logprobs import eval_mode
-    from rlpost.rollout.hf import left_pad
 
     dev = next(model.parameters()).device
     feats = []
@@ -338,7 +339,6 @@ class ArrolSampler(Sampler):
         self.labelled += int(y.numel())
 
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
-        from rlpost.samplers.speculative import _row
 
         model, tok = getattr(engine, "model", None), getattr(engine, "tokenizer", None)
         if model is None or tok is None:

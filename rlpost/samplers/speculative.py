@@ -51,9 +51,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rlpost.core.registry import param
+from rlpost.models.logprobs import build_inputs, eval_mode
+from rlpost.models.sampling import apply_top_k_top_p
 from rlpost.rollout.base import GenerationResult
 from rlpost.rollout.hf import left_pad, sample_inverse_cdf
-from rlpost.models.sampling import apply_top_k_top_p
 from rlpost.samplers.base import SAMPLERS, SampleResult, Sampler, concat_generations, pad_id_of, step_params
 
 
@@ -137,7 +138,6 @@ def response_distributions(
     (0: as many as keep the logits under 2^25 floats). Rows are exact where ``response_mask`` is 1 (and at the position right after,
     which is how a continuation after the last token is verified).
     """
-    from rlpost.models.logprobs import build_inputs, eval_mode
 
     dev = next(model.parameters()).device
     P, R = prompt_ids.shape[1], response_ids.shape[1]

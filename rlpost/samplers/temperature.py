@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from rlpost.algos.hapo import EntropyStats, entropy_hhat, make_temperature_hook
 from rlpost.core.registry import param
 from rlpost.samplers.base import SAMPLERS, Sampler, generate_groups, step_params
 
@@ -61,7 +62,6 @@ class AdaptiveTemperatureSampler(Sampler):
         self.stats = stats
 
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
-        from rlpost.algos.hapo import entropy_hhat, make_temperature_hook
 
         inner = make_temperature_hook(float(params.temperature), self.stats, self.tau)
         chunks: List[List[torch.Tensor]] = []
@@ -94,7 +94,6 @@ class AdaptiveTemperatureSampler(Sampler):
         return {"stats": dataclasses.asdict(self.stats) if self.stats is not None else None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
-        from rlpost.algos.hapo import EntropyStats
 
         s = state.get("stats")
         self.stats = EntropyStats(**s) if s else None

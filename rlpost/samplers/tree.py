@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from rlpost.core.registry import Choice, param
+from rlpost.models.logprobs import build_inputs, eval_mode
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import (
     SAMPLERS,
@@ -41,7 +42,6 @@ def token_entropy(model: torch.nn.Module, gen: GenerationResult, chunk: int = 4)
     Runs ``model`` (a causal LM) over prompt + response, ``chunk`` rows at a time.
     0 outside ``gen.response_mask``.
     """
-    from rlpost.models.logprobs import build_inputs, eval_mode
 
     P = gen.prompt_ids.shape[1]
     R = gen.response_ids.shape[1]

@@ -13,7 +13,8 @@ from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tup
 
 import numpy as np
 
-from rlpost.core.registry import Registry
+from rlpost.core.errors import ConfigError
+from rlpost.core.registry import Registry, defaults_of
 
 SELECTORS = Registry("prompt selector", "selector", typed_params=True)
 
@@ -283,8 +284,6 @@ def build_selector(cfg: Any, num_prompts: int, seed: int, n_samples: Optional[in
     Raises:
         ConfigError: unknown selector or unknown parameter.
     """
-    from rlpost.core.errors import ConfigError
-    from rlpost.core.registry import defaults_of
 
     cls = SELECTORS.get(cfg.name)
     params = dict(cfg.params or {})

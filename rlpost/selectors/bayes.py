@@ -13,8 +13,9 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from rlpost.core.apportion import apportion
 from rlpost.core.registry import param
-from rlpost.selectors.base import SELECTORS, Role, Selector, success_counts
+from rlpost.selectors.base import Role, SELECTORS, Selector, success_counts
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
@@ -324,7 +325,6 @@ class CuresSelector(BetaSelector):
         return self.rng.choice(self.num_prompts, size=k, replace=False, p=self.weights()).tolist()
 
     def rollout_counts(self, prompt_indices: List[int]) -> Optional[List[int]]:  # noqa: D102 - see class
-        from rlpost.core.apportion import apportion
 
         k = len(prompt_indices)
         m = self.mean[np.asarray(prompt_indices, dtype=np.int64)]

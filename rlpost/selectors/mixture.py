@@ -7,8 +7,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from rlpost.core.apportion import apportion
+from rlpost.core.errors import ConfigError
 from rlpost.core.registry import param
-from rlpost.selectors.base import SELECTORS, Role, Selector, UniformSelector, append_history, is_zero_variance, success_rate
+from rlpost.selectors.base import (
+    Role,
+    SELECTORS,
+    Selector,
+    UniformSelector,
+    append_history,
+    is_zero_variance,
+    success_rate,
+)
+from rlpost.tasks.base import stored_solution
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,6 @@ class DomainMixtureSelector(Selector):
         Raises:
             ConfigError: ``targets`` names a domain the examples do not have.
         """
-        from rlpost.core.errors import ConfigError
 
         ex = resources.get("examples")
         if ex is not None and len(ex) == self.num_prompts and not self.fixed_domains:
@@ -107,7 +117,6 @@ class DomainMixtureSelector(Selector):
 
     def quotas(self) -> Dict[str, int]:
         """Prompts per domain for the next step."""
-        from rlpost.core.apportion import apportion
 
         names = [d for d in sorted(self.by_domain) if self.targets.get(d, 0) > 0]
         w = [self.targets[d] / max(self.eff[d], self.floor) for d in names]
@@ -313,7 +322,6 @@ def make_hint_fn(examples: Sequence[Any], tokenizer: Any, solution: Optional[Cal
     continuation together with the hint, so :func:`rlpost.run.collect.collect_rollouts`
     prepends :attr:`Hint.text` to each completion before scoring.
     """
-    from rlpost.tasks.base import stored_solution
 
     sol_of = solution or stored_solution
 

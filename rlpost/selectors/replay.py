@@ -9,7 +9,8 @@ from typing import Any, Dict, List
 import torch
 
 from rlpost.core.registry import param
-from rlpost.selectors.base import SELECTORS, Role, UniformSelector, is_zero_variance
+from rlpost.samplers.base import SampleResult, concat_generations, select_rows
+from rlpost.selectors.base import Role, SELECTORS, UniformSelector, is_zero_variance
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,6 @@ class PopoSelector(UniformSelector):
         return entry["quality"] * math.exp(-(step - entry["step"]) / self.recency_tau)
 
     def postprocess(self, out: Any, step: int) -> Any:  # noqa: D102 - see class
-        from rlpost.samplers.base import SampleResult, concat_generations, select_rows
 
         res, rw = out.result, out.rewards
         self.replayed = 0

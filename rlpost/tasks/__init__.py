@@ -2,6 +2,8 @@
 
 from rlpost.tasks import code_task, file_task, game_task, reasoning_gym_task  # noqa: F401
 from rlpost.tasks.base import TASKS, Example, Task, build_task  # noqa: F401
+from rlpost.core.errors import ConfigError
+from rlpost.tasks.answer_tags import EXTRACTORS
 
 
 def check_config(cfg) -> None:
@@ -10,8 +12,6 @@ def check_config(cfg) -> None:
     Raises:
         ConfigError: an unknown ``task.kind`` or ``task.answer_format``.
     """
-    from rlpost.core.errors import ConfigError
-    from rlpost.tasks.answer_tags import EXTRACTORS
 
     TASKS.entry(cfg.task.kind)
     if cfg.task.answer_format not in EXTRACTORS:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from collections import Counter
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from rlpost.core.registry import Registry
+from rlpost.tasks.answer_tags import INSTRUCTIONS
+from rlpost.tasks.chat import encode_framed, template_parts
 
 TASKS = Registry("task kind", "task.kind")
 
@@ -111,7 +112,6 @@ class Task(ABC):
         ``tags``, ``last_number``, ``hashes`` that expand to a ready sentence
         (:data:`rlpost.tasks.answer_tags.INSTRUCTIONS`).
         """
-        from rlpost.tasks.answer_tags import INSTRUCTIONS
 
         instr = self.cfg.instruction
         instr = INSTRUCTIONS.get(instr, instr) if instr else instr
@@ -125,7 +125,6 @@ class Task(ABC):
         so a question or observation holding ``<|im_start|>`` cannot forge a turn. Equal to
         ``apply_chat_template(tokenize=True)`` whenever no content holds a special token's text.
         """
-        from rlpost.tasks.chat import encode_framed, template_parts
 
         msgs = []
         if self.cfg.system_prompt:
@@ -168,20 +167,3 @@ def task_prompts(task: Any, tokenizer: Any, seed: int, examples: Any = None) -> 
         return [list(task.render_prompt(ex[int(i)], tokenizer)) for i in idx]
 
     return fn
-
-
-def majority_vote(answers: Sequence[Optional[Hashable]]) -> Optional[int]:
-    """Position of a representative of the most frequent non-None answer.
-
-    Ties are broken by the answer that appears first; None answers (nothing
-    extracted) never win. Returns None when every answer is None.
-    """
-    keys = [a for a in answers if a is not None]
-    if not keys:
-        return None
-    counts = Counter(keys)
-    best = max(counts.values())
-    for i, a in enumerate(answers):
-        if a is not None and counts[a] == best:
-            return i
-    return None  # unreachable

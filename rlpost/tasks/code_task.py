@@ -24,7 +24,8 @@ from dataclasses import fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from rlpost.core.errors import ConfigError, DataError
-from rlpost.tasks.base import TASKS, Example, Task
+from rlpost.envs.sandbox import SandboxLimits, run_python
+from rlpost.tasks.base import Example, TASKS, Task
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
 _REQUIRED = ("task_id", "prompt", "entry_point", "test")
@@ -102,7 +103,6 @@ class HumanEvalTask(Task):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
-        from rlpost.envs.sandbox import SandboxLimits
 
         params = _plain(cfg.params or {})
         unknown = set(params) - {"sandbox"}
@@ -180,8 +180,6 @@ class HumanEvalTask(Task):
             still find the marker; the sandbox does not hide it.
         """
         import secrets
-
-        from rlpost.envs.sandbox import run_python
 
         marker = f"RLPOST_TESTS_PASSED_{secrets.token_hex(8)}"
         r = run_python(self.program(code, example, marker), self.limits)
