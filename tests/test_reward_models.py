@@ -141,6 +141,44 @@ def test_rm_run_logs_its_component_and_reward_time(compose, tmp_path):
     assert all(0 < r["time/reward_s"] < r["time/step_s"] for r in steps)
 
 
+def test_running_normaliser_state_survives_a_checkpoint(compose, tmp_path):
+    """``normalize=running``: the statistics go into the checkpoint (``Run.stateful()["reward"]``), and a
+    scorer restored from them normalises the next batch exactly as the one that kept running."""
+    import glob
+
+    from rlpost.run.runner import train
+    from rlpost.tasks import Example
+
+    rm = _tiny_classifier(tmp_path)
+    spec = {"rm": {"kind": "rm", "model_path": rm, "normalize": "running"}}
+    a, b = _reward_fn(spec), _reward_fn(spec)
+    for fn in (a, b):
+        fn.isolate = False
+        fn.attach(None, torch.float32, "cpu")
+    exs = [Example(i, f"What is {i} + 1?", str(i + 1)) for i in range(4)]
+    lens = torch.tensor([1, 3, 2, 1])
+    a.score(["1", "2 + 1 = 3", "x", "5"], exs, lens)
+    a.score(["9", "7", "3 + 1 = 4", "y"], exs, lens)
+    st = a.state_dict()
+    assert st["rm"]["norm"]["n"] == 8
+    b.load_state_dict(st)
+    nxt = ["2", "4", "z", "6 = 6"]
+    assert torch.equal(a.score(nxt, exs, lens).components["rm"], b.score(nxt, exs, lens).components["rm"])
+    fresh = _reward_fn(spec)
+    fresh.isolate = False
+    fresh.attach(None, torch.float32, "cpu")
+    assert not torch.equal(fresh.score(nxt, exs, lens).components["rm"], a.score(nxt, exs, lens).components["rm"])
+
+    cfg = compose(tiny_overrides("steps=2", "checkpoint.every=1", "+reward_model=rm",
+                                 f"task.reward.models.rm.model_path={rm}", "task.reward.models.rm.normalize=running"))
+    train(cfg, tmp_path / "run")
+    states = sorted(glob.glob(str(tmp_path / "run" / "**" / "state.pt"), recursive=True))
+    assert states, "the run wrote no checkpoint"
+    saved = torch.load(states[-1], weights_only=False)["reward"]["rm"]["norm"]
+    rows = int(cfg.selector.prompts_per_step) * int(cfg.algo.n_samples_per_prompt)
+    assert saved["n"] == 2 * rows  # both steps' rows: the last checkpoint holds the statistics of every step
+
+
 # ------------------------------------------------------------------ train-rm
 def test_read_pairs_errors_name_the_line(tmp_path):
     from rlpost.rewards.train_rm import read_pairs

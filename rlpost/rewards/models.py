@@ -105,6 +105,16 @@ class ModelReward:
     def close(self) -> None:
         """Release servers, threads and weights."""
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Cross-step state saved with checkpoints (running score statistics); the default has none."""
+        norm = getattr(self, "norm", None)
+        return {"norm": norm.state_dict()} if norm is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if "norm" in state and getattr(self, "norm", None) is not None:
+            self.norm.load_state_dict(state["norm"])
+
 
 # ------------------------------------------------------------------ normalisation
 class Normalize(Choice):
@@ -155,6 +165,10 @@ class ScoreNormalizer:
     def state_dict(self) -> Dict[str, float]:
         """Running statistics (for checkpoints)."""
         return {"n": self.n, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        """Continue from :meth:`state_dict`'s statistics (a resumed run normalises as the killed one would have)."""
+        self.n, self.mean, self.m2 = int(state["n"]), float(state["mean"]), float(state["m2"])
 
 
 # ------------------------------------------------------------------ rendering

@@ -348,6 +348,16 @@ class RewardFunction:
         for m in self.models.values():
             m.attach(tokenizer=tokenizer, dtype=dtype, device=device)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """``{entry name: state}`` of the model rewards with cross-step state (a running normaliser's statistics)."""
+        return {name: st for name, m in self.models.items() if (st := m.state_dict())}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; an entry this config no longer has is ignored."""
+        for name, st in state.items():
+            if name in self.models:
+                self.models[name].load_state_dict(st)
+
     def check_estimator(self, adv_estimator: str) -> None:
         """Raise :class:`rlpost.core.errors.ConfigError` when a process reward meets an estimator that drops token rewards."""
 
