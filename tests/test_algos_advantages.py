@@ -24,6 +24,8 @@ def inp(rewards, lengths, groups, R=None, **kw):
     kw.setdefault("rollout_logprobs", torch.zeros(len(lengths), R))
     kw.setdefault("reference_rewards", torch.zeros(len(lengths), 8))  # a_star: 8 reference samples, reward 0
     kw.setdefault("privileged_shifts", torch.zeros(len(lengths), R, 2))  # cscr: no sensitivity (GRPO's credit)
+    kw.setdefault("extras", {"vps_progress": torch.zeros(len(lengths), R),  # grpo_vps: probes with no progress
+                             "vps_segment": torch.zeros(len(lengths), R, dtype=torch.long)})
     return AdvantageInput(
         rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
         group_index=torch.tensor(groups), **kw,

@@ -79,6 +79,9 @@ def test_vps_advantage_by_hand():
                           group_index=torch.zeros(2, dtype=torch.long),
                           extras={"vps_progress": torch.full((2, 3), 0.2), "vps_segment": seg})
     assert torch.allclose(compute_advantages("grpo_vps", flat).advantages, g, atol=1e-6)  # equal progress: GRPO
+    same = AdvantageInput(rewards=torch.tensor([1.0, 1.0]), response_mask=torch.ones(2, 3),
+                          group_index=torch.zeros(2, dtype=torch.long), extras=inp.extras)
+    assert torch.equal(compute_advantages("grpo_vps", same).advantages, torch.zeros(2, 3))  # zero variance: 0
     half = compute_advantages("grpo_vps", inp, progress_weight=0.5).advantages
     assert torch.allclose(half - g, 0.5 * (A - g), atol=1e-5)  # the refinement is linear in the weight
 

@@ -239,8 +239,10 @@ def vps_advantage(inp: AdvantageInput, *, segment: str, answer_prefix: str, prog
                   eps: float) -> AdvantageOutput:
     """``A_it = A_i + progress_weight * z(d_ik(t))``: GRPO's z-scored outcome advantage plus the step's progress.
 
-    ``A_i = (r_i - mean_g) / (std_g + eps)`` (0 for a zero-variance group), on
-    every response token; ``z(d)`` from :func:`normalized_progress` of
+    ``A_i = (r_i - mean_g) / (std_g + eps)`` on every response token; a
+    zero-variance group gets exactly 0 everywhere, progress included (the
+    repository's group-baseline invariant: there is no outcome feedback to
+    refine; our reading); ``z(d)`` from :func:`normalized_progress` of
     ``inp.extras['vps_progress']`` / ``['vps_segment']`` ``[B, R]`` (the
     method's probes, :func:`answer_progress`), 0 on tokens outside every step.
     ``progress_weight = 0`` is GRPO. ``segment`` and ``answer_prefix`` are read
@@ -259,7 +261,8 @@ def vps_advantage(inp: AdvantageInput, *, segment: str, answer_prefix: str, prog
                          "answer probes, run for estimators tagged needs_answer_probes)")
     r = inp.rewards.double()
     mean, std, _ = group_stats(r, inp.group_index)
-    A = torch.where(group_all_equal(r, inp.group_index), torch.zeros_like(r), (r - mean) / (std + eps))
+    flat = group_all_equal(r, inp.group_index)
+    A = torch.where(flat, torch.zeros_like(r), (r - mean) / (std + eps))
     z = normalized_progress(prog, seg, inp.group_index, eps) if progress_weight else torch.zeros(prog.shape, dtype=torch.float64)
-    m = inp.response_mask.double()
+    m = inp.response_mask.double() * (~flat).double()[:, None]
     return AdvantageOutput(advantages=((A[:, None] + progress_weight * z) * m).float())
