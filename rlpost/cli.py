@@ -411,7 +411,7 @@ REGISTRY_GROUPS = {
     "task_kind": ("rlpost.tasks.base", "TASKS"),
     "verifier": ("rlpost.tasks.verifiers", "VERIFIERS"),
     "reward_model_kind": ("rlpost.rewards.kinds", "REWARD_MODELS"),  # task.reward.models.<name>.kind
-    "step_segment": ("rlpost.rewards.process", "SEGMENTERS"),  # a PRM's segment= rule
+    "step_segment": ("rlpost.tasks.steps", "SEGMENTERS"),  # a PRM's segment= rule
 }
 
 

@@ -24,6 +24,10 @@ def inp(rewards, lengths, groups, R=None, **kw):
     kw.setdefault("rollout_logprobs", torch.zeros(len(lengths), R))
     kw.setdefault("reference_rewards", torch.zeros(len(lengths), 8))  # a_star: 8 reference samples, reward 0
     kw.setdefault("privileged_shifts", torch.zeros(len(lengths), R, 2))  # cscr: no sensitivity (GRPO's credit)
+    kw.setdefault("extras", {"vps_progress": torch.zeros(len(lengths), R),  # grpo_vps: probes with no progress
+                             "vps_segment": torch.zeros(len(lengths), R, dtype=torch.long),
+                             "oprl_step_rewards": torch.zeros(len(lengths), R),  # oprl: no step reward
+                             "oprl_segment": torch.zeros(len(lengths), R, dtype=torch.long)})
     return AdvantageInput(
         rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
         group_index=torch.tensor(groups), **kw,
@@ -325,6 +329,7 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "a_star": "baseline V* from the reference policy's samples, not the group",
     "sapo_ar": "turn-level critic baseline (one rollout per prompt: no group), normalised over the batch's turns",
     "egae": "critic baseline (T-PPO's Extended GAE; gae on whole responses)",
+    "oprl": "a zero-variance group keeps its implicit-PRM step advantages (dense credit where the outcome gives none)",
 }
 
 LENGTHS8 = [15, 24, 6, 32, 2, 6, 7, 13]

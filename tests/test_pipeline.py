@@ -47,6 +47,11 @@ def _samplers():
 @pytest.mark.parametrize("sampler", _samplers())
 def test_each_rollout_is_scored_exactly_once_for_every_sampler(compose, tmp_path, sampler):
     extra = [f"sampler={sampler}"]
+    if sampler == "scope":  # SCOPE needs a PRM: a random tiny one (repairs are scored too, once each)
+        from test_reward_models import _tiny_classifier
+
+        extra += [f"sampler.params.prm_model_path={_tiny_classifier(tmp_path, token=True)}",
+                  "sampler.params.segment=sentence"]
     m, calls, c, _ = _one_step(compose, tmp_path, *extra)
     # tree's pruned branches and arrol's rows cut at prune_at are never scored
     generated = int(m["rollout/spent"]) - int(m.get("sampler/branches_pruned", 0)) - int(m.get("sampler/pruned_unscored", 0))

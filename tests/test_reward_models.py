@@ -381,7 +381,7 @@ def test_local_judge_generates_batched_and_counts_what_does_not_parse(tmp_path):
 
 # ------------------------------------------------------------------ process rewards
 def test_segmentation_rules_hand_spans():
-    from rlpost.rewards.process import segment_steps
+    from rlpost.tasks.steps import segment_steps
 
     t = "First line.\n\n  second: 3.5 apples! ok\n"
     assert [t[a:b] for a, b in segment_steps(t, "newline")] == ["First line.", "second: 3.5 apples! ok"]

@@ -2,6 +2,7 @@
 
 from rlpost.samplers.base import SAMPLERS, Sampler, SamplerContext, SampleResult, build_sampler  # noqa: F401
 from rlpost.samplers import adaptive, bandit, episode, hdl, perturb, prune, speculative, temperature, tree  # noqa: F401,E402
+from rlpost.samplers import scope  # noqa: F401,E402  (SCOPE: PRM-located repair of failed rollouts)
 from rlpost.core.registry import as_dict
 
 
