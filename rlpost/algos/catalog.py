@@ -14,3 +14,4 @@ from rlpost.algos import otr  # noqa: F401  (one-token rollouts: SFT as a token-
 from rlpost.algos import capo  # noqa: F401  (CAPO's curvature-aware token mask)
 from rlpost.algos import poise, tppo  # noqa: F401  (POISE's hidden-state probe baseline; T-PPO's EGAE)
 from rlpost.algos import adora  # noqa: F401  (ADORA's per-group advantage weights)
+from rlpost.algos import apriel  # noqa: F401  (Apriel-Reasoner's difficulty-aware length penalty)
