@@ -2,6 +2,7 @@
 
 from rlpost.samplers.base import SAMPLERS, Sampler, SamplerContext, SampleResult, build_sampler  # noqa: F401
 from rlpost.samplers import adaptive, bandit, episode, hdl, perturb, prune, speculative, temperature, tree  # noqa: F401,E402
+from rlpost.samplers import shuffle_r1  # noqa: F401,E402  (Shuffle-R1: PTS + ABS)
 
 
 def check_config(cfg) -> None:
