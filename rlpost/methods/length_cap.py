@@ -1,7 +1,8 @@
 """Which rows reached the generation limit: ``batch.extras['length_capped']`` ``[B]`` bool.
 
-For estimators tagged ``needs_length_cap`` (``apriel``, Apriel-Reasoner's
-difficulty-aware length penalty, arXiv:2604.02007: a rollout that hit the
+For estimators tagged ``needs_length_cap`` (``apriel``, the difficulty-aware
+length penalty of "Apriel-Reasoner: RL Post-Training for General-Purpose and
+Efficient Reasoning", arXiv:2604.02007: a rollout that hit the
 token budget keeps DAPO's full overlong penalty whatever its group's solve rate).
 A row is capped when its length reaches ``rollout.max_new_tokens``; multi-turn
 episodes compare their longest model turn (``extras['overlong_lengths']``, the
