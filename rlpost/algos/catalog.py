@@ -14,3 +14,6 @@ from rlpost.algos import otr  # noqa: F401  (one-token rollouts: SFT as a token-
 from rlpost.algos import capo  # noqa: F401  (CAPO's curvature-aware token mask)
 from rlpost.algos import poise, tppo  # noqa: F401  (POISE's hidden-state probe baseline; T-PPO's EGAE)
 from rlpost.algos import oprl, vps  # noqa: F401  (OPRL: implicit-PRM step advantages; GRPO-VPS: answer-probability progress)
+from rlpost.algos import adora  # noqa: F401  (ADORA's per-group advantage weights)
+from rlpost.algos import apriel  # noqa: F401  (Apriel-Reasoner's difficulty-aware length penalty)
+from rlpost.algos import shuffle_r1  # noqa: F401  (Shuffle-R1's pairing, batch shuffle and full-group advantage)
