@@ -124,6 +124,29 @@ def _validate(overrides: List[str], multirun: bool) -> None:
         validate_config(cfg)
 
 
+def _with_rule_overrides(overrides: List[str], multirun: bool) -> List[str]:
+    """``overrides`` plus what the composition rules add (:data:`rlpost.config.compose.COMPOSE_RULES`).
+
+    Hydra composes the run's config itself, so a rule's overrides (``algo=hapo``'s sampler, an
+    estimator's window-cut rollouts) must be on its command line. A sweep whose jobs would need
+    different ones is refused (name them per job instead).
+
+    Raises:
+        ConfigError: the jobs of a sweep need different rule overrides.
+    """
+    from rlpost.config.compose import expand_sweep, with_rule_overrides
+
+    combos = expand_sweep(overrides) if multirun else [overrides]
+    extra = set()
+    for c in combos:
+        plain = [o for o in c if not o.startswith("hydra.")]
+        extra.add(tuple(with_rule_overrides(plain)[len(plain):]))
+    if len(extra) > 1:
+        raise ConfigError(f"the jobs of this sweep need different settings ({' | '.join(' '.join(e) or '(none)' for e in sorted(extra))}) "
+                          f"that their algorithms compose with. Fix: sweep them separately, or name those settings.")
+    return [*overrides, *next(iter(extra))]
+
+
 def _launch(fn: Callable[[Any], Any], overrides: List[str], multirun: bool) -> None:
     """Run ``fn(cfg)`` under Hydra's own main (run dirs, sweeps, launchers)."""
     import hydra
@@ -226,6 +249,7 @@ def train(
     note = None
     try:
         _validate(overrides, multirun)
+        overrides = _with_rule_overrides(overrides, multirun)
         if not multirun:  # resume=...: the run's own overrides, checked before Hydra writes anything
             from rlpost.run.resume import plan_resume
 
@@ -242,17 +266,11 @@ def train(
         _fail(e)
 
     def task(cfg: Any) -> None:
-        from omegaconf import OmegaConf
-
-        from rlpost.algos.validate import window_rollout_overrides
         from rlpost.run.runner import train as run_train
         from rlpost.core.tracking import log
 
         for line in (note or "").splitlines():
             log.info(line)
-        for o in window_rollout_overrides(cfg, overrides):  # algo=t_ppo: window-cut rollouts (as compose_config)
-            key, val = o.split("=", 1)
-            OmegaConf.update(cfg, key, val == "true", force_add=False)
         run_train(cfg, _run_dir())  # logs the closing summary (console and cli.log)
 
     _launch(_guard(task), overrides, multirun)

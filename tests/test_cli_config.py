@@ -178,3 +178,18 @@ def test_trivial_commands_do_not_import_the_heavy_libraries(args, heavy_allowed)
     p = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, env=env, timeout=300)
     loaded = [line for line in p.stdout.splitlines() if line.startswith("LOADED")][-1]
     assert loaded.split()[1:] == heavy_allowed.split(), (args, loaded, p.stderr[-2000:])
+
+
+def test_train_puts_the_composition_rules_on_hydras_command_line():
+    """``rlpost train algo=hapo`` composes in Hydra's own main: the rule's ``sampler=`` must be on its
+    command line (it was not, and the run stopped at its own sampler check); a sweep whose jobs
+    need different rule overrides is refused."""
+    from rlpost.cli import _with_rule_overrides
+    from rlpost.core.errors import ConfigError
+
+    assert _with_rule_overrides(["algo=hapo", "model=tiny"], False) == ["algo=hapo", "model=tiny", "sampler=adaptive_temperature"]
+    assert _with_rule_overrides(["algo=hapo", "sampler=adaptive_temperature"], False)[-1] == "sampler=adaptive_temperature"
+    assert _with_rule_overrides(["algo=grpo"], False) == ["algo=grpo"]
+    assert _with_rule_overrides(["algo=grpo,dr_grpo"], True) == ["algo=grpo,dr_grpo"]
+    with pytest.raises(ConfigError, match="sweep them separately"):
+        _with_rule_overrides(["algo=hapo,grpo"], True)

@@ -128,11 +128,30 @@ def normalize_overrides(overrides: List[str], quote_paths: bool = True) -> List[
 
 
 def compose_config(overrides: List[str], return_hydra_config: bool = False) -> DictConfig:
-    """Compose ``conf/config.yaml`` with Hydra ``overrides`` (no sweeps).
+    """Compose ``conf/config.yaml`` with Hydra ``overrides`` (no sweeps), plus what the
+    composition rules add (:func:`with_rule_overrides`).
 
     Raises:
         ConfigError: unknown group choice, unknown key, wrong type, bad syntax.
     """
+    cfg = _compose(overrides, return_hydra_config)
+    extra = rule_overrides(cfg, list(overrides))
+    return compose_config([*overrides, *extra], return_hydra_config) if extra else cfg
+
+
+def with_rule_overrides(overrides: List[str]) -> List[str]:
+    """``overrides`` followed by every override the :data:`COMPOSE_RULES` add: the command line that
+    composes, in Hydra's own main (``rlpost train``), the config :func:`compose_config` returns."""
+    out = list(overrides)
+    while True:
+        extra = rule_overrides(_compose(out, False), out)
+        if not extra:
+            return out
+        out += extra
+
+
+def _compose(overrides: List[str], return_hydra_config: bool) -> DictConfig:
+    """Hydra's composition of ``overrides`` alone (no composition rules), its errors made friendly."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -141,13 +160,11 @@ def compose_config(overrides: List[str], return_hydra_config: bool = False) -> D
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = compose("config", overrides=normalize_overrides(list(overrides)), return_hydra_config=return_hydra_config)
+            return compose("config", overrides=normalize_overrides(list(overrides)), return_hydra_config=return_hydra_config)
     except ConfigError:
         raise
     except Exception as e:  # Hydra raises several unrelated exception types
         raise friendly_error(e) from None
-    extra = rule_overrides(cfg, list(overrides))
-    return compose_config([*overrides, *extra], return_hydra_config) if extra else cfg
 
 
 #: Composition rules, each its owner's ``module:function(cfg, overrides) -> [override, ...]``: the
