@@ -14,3 +14,4 @@ from rlpost.algos import otr  # noqa: F401  (one-token rollouts: SFT as a token-
 from rlpost.algos import capo  # noqa: F401  (CAPO's curvature-aware token mask)
 from rlpost.algos import poise, tppo  # noqa: F401  (POISE's hidden-state probe baseline; T-PPO's EGAE)
 from rlpost.algos import hgpo  # noqa: F401  (HGPO: nested history groups of turns)
+from rlpost.algos import rtmc  # noqa: F401  (RTMC: Monte Carlo Q over the rollout tree)
