@@ -24,6 +24,7 @@ def inp(rewards, lengths, groups, R=None, **kw):
     kw.setdefault("rollout_logprobs", torch.zeros(len(lengths), R))
     kw.setdefault("reference_rewards", torch.zeros(len(lengths), 8))  # a_star: 8 reference samples, reward 0
     kw.setdefault("privileged_shifts", torch.zeros(len(lengths), R, 2))  # cscr: no sensitivity (GRPO's credit)
+    kw.setdefault("response_ids", torch.zeros(len(lengths), R, dtype=torch.long))  # hgpo/rtmc/g2po match turns by ids
     return AdvantageInput(
         rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
         group_index=torch.tensor(groups), **kw,
