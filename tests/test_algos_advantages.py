@@ -28,6 +28,7 @@ def inp(rewards, lengths, groups, R=None, **kw):
                              "vps_segment": torch.zeros(len(lengths), R, dtype=torch.long),
                              "oprl_step_rewards": torch.zeros(len(lengths), R),  # oprl: no step reward
                              "oprl_segment": torch.zeros(len(lengths), R, dtype=torch.long)})
+    kw.setdefault("response_ids", torch.zeros(len(lengths), R, dtype=torch.long))  # hgpo/rtmc/g2po match turns by ids
     return AdvantageInput(
         rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=mask,
         group_index=torch.tensor(groups), **kw,

@@ -18,6 +18,14 @@ def uses_teacher_preset(name: str) -> bool:
     return uses_teacher(compose_config([f"algo={name}"]).algo)
 
 
+def episode_overrides(name: str) -> list:
+    """Presets whose estimator matches turns across episodes (tag ``needs_episodes``) run on ``env=calculator``."""
+    from rlpost.algos.registries import ADV_ESTIMATORS
+
+    adv = str(compose_config([f"algo={name}"]).algo.adv_estimator)
+    return ["env=calculator"] if ADV_ESTIMATORS.tag(adv, "needs_episodes", False) else []
+
+
 def test_every_preset_names_its_paper_and_only_registered_parts():
     import rlpost.algos  # noqa: F401
     from rlpost.algos.registries import ADV_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
@@ -38,7 +46,7 @@ def test_preset_two_steps_on_tiny(name, tmp_path):
     cfg = compose_config([
         f"algo={name}", "model=tiny", "steps=2", "logger=jsonl", "rollout.max_new_tokens=6",
         "selector.prompts_per_step=1", "eval.at_end=false", "checkpoint.every=0", "trainer.lr=1e-4",
-    ] + (["model.teacher=tiny"] if uses_teacher_preset(name) else []))
+    ] + (["model.teacher=tiny"] if uses_teacher_preset(name) else []) + episode_overrides(name))
     train(cfg, tmp_path)
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if l.strip()]
     rows = [r for r in rows if "reward/mean" in r]

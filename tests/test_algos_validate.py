@@ -138,7 +138,8 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
                        values=torch.rand(B, R) if needs_critic else None, entropy=torch.rand(B, R),
                        baseline_rewards=torch.full((B,), 0.5), answer_ids=torch.arange(B) % 2,
                        teacher_logprobs=-torch.rand(B, R), rollout_logprobs=-torch.rand(B, R),
-                       reference_rewards=torch.rand(B, 8), privileged_shifts=torch.randn(B, R, 2)),
+                       reference_rewards=torch.rand(B, 8), privileged_shifts=torch.randn(B, R, 2),
+                       response_ids=torch.zeros(B, R, dtype=torch.long)),
         **dict(cfg.adv_params),
     )
     lm = mask if out.loss_mask is None else out.loss_mask

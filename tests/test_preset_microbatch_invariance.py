@@ -34,7 +34,13 @@ def _update(compose, preset: str, mb: int, off_policy: bool):
     from rlpost.models.loader import load_policy
     from rlpost.trainer.torch_engine import TorchTrainer
 
-    cfg = compose(tiny_overrides(f"algo={preset}", "precision=fp32", f"trainer.micro_batch_size={mb}"))
+    from rlpost.algos.registries import ADV_ESTIMATORS
+
+    extra = []
+    adv = str(compose(tiny_overrides(f"algo={preset}")).algo.adv_estimator)
+    if ADV_ESTIMATORS.tag(adv, "needs_episodes", False):  # refused on single-turn rows (rlpost/methods/episode_match.py)
+        extra.append("env=calculator")
+    cfg = compose(tiny_overrides(f"algo={preset}", "precision=fp32", f"trainer.micro_batch_size={mb}", *extra))
     if "m" not in _MODEL:
         _MODEL["m"] = load_policy(ModelConfig(source="tiny"), seed=3)[0]
     t = TorchTrainer.from_config(copy.deepcopy(_MODEL["m"]), cfg, "cpu")

@@ -94,6 +94,9 @@ class AdvantageInput:
         probe_values: ``[B]`` each row's reward prediction by POISE's online probe
             from that row's own hidden-state features, NaN while the probe is not
             fitted yet, or None; ``poise`` forms the cross-rollout baseline from it.
+        response_ids: ``[B, R]`` long, the response token ids (model and, in multi-turn
+            episodes, inserted environment tokens), or None; estimators that match turns
+            by what the environment returned (``hgpo``, ``rtmc``, ``g2po``) read it.
         extras: the step's other named inputs (``batch.extras``), for estimators that read one
             a method provides (``inp.extras[key]``).
     """
@@ -114,6 +117,7 @@ class AdvantageInput:
     truncated: Optional[torch.Tensor] = None
     window_mask: Optional[torch.Tensor] = None
     probe_values: Optional[torch.Tensor] = None
+    response_ids: Optional[torch.Tensor] = None
     extras: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     #: the ``batch.extras`` key of a field whose key differs from its name
@@ -127,9 +131,10 @@ class AdvantageInput:
         there in its ``prepare`` hook and the estimator reads ``inp.extras[key]``)."""
         opt = {f.name: batch.extras.get(cls.EXTRAS_KEYS.get(f.name, f.name)) for f in dataclasses.fields(cls)
                if f.name not in ("rewards", "response_mask", "group_index", "token_rewards", "rollout_logprobs",
-                                 "extras")}
+                                 "response_ids", "extras")}
         return cls(rewards=batch.rewards, response_mask=batch.response_mask, group_index=batch.group_index,
-                   token_rewards=token_rewards, rollout_logprobs=batch.rollout_logprobs, extras=dict(batch.extras), **opt)
+                   token_rewards=token_rewards, rollout_logprobs=batch.rollout_logprobs,
+                   response_ids=batch.response_ids, extras=dict(batch.extras), **opt)
 
 
 class Baseline(Choice):

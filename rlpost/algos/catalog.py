@@ -17,3 +17,6 @@ from rlpost.algos import oprl, vps  # noqa: F401  (OPRL: implicit-PRM step advan
 from rlpost.algos import adora  # noqa: F401  (ADORA's per-group advantage weights)
 from rlpost.algos import apriel  # noqa: F401  (Apriel-Reasoner's difficulty-aware length penalty)
 from rlpost.algos import shuffle_r1  # noqa: F401  (Shuffle-R1's pairing, batch shuffle and full-group advantage)
+from rlpost.algos import hgpo  # noqa: F401  (HGPO: nested history groups of turns)
+from rlpost.algos import rtmc  # noqa: F401  (RTMC: Monte Carlo Q over the rollout tree)
+from rlpost.algos import g2po  # noqa: F401  (G2PO: TD errors on the group's observation graph)
