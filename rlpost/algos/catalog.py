@@ -13,3 +13,4 @@ from rlpost.algos import sapo_ar, tbrm  # noqa: F401  (single-rollout turn-level
 from rlpost.algos import otr  # noqa: F401  (one-token rollouts: SFT as a token-level policy gradient)
 from rlpost.algos import capo  # noqa: F401  (CAPO's curvature-aware token mask)
 from rlpost.algos import poise, tppo  # noqa: F401  (POISE's hidden-state probe baseline; T-PPO's EGAE)
+from rlpost.algos import a2tgpo  # noqa: F401  (A²TGPO's information-gain turn advantages and turn clip)

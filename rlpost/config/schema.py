@@ -198,6 +198,8 @@ class AlgoConfig:
         turn_updates: null, or a schedule that runs the policy update once per turn index of
             multi-turn episodes (``{order: reverse, ...}``), checked by
             :func:`rlpost.methods.turn_updates.turn_settings`.
+        info_gain: null, or how a method scores the reference answer per turn (A2TGPO's
+            information gain: :class:`rlpost.methods.a2tgpo.InfoGainParams`).
     """
 
     name: str = "grpo"
@@ -218,6 +220,7 @@ class AlgoConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     update_gate: Optional[Dict[str, Any]] = None
     turn_updates: Optional[Dict[str, Any]] = None
+    info_gain: Optional[Dict[str, Any]] = None
 
 
 # ------------------------------------------------------------------ model / tasks

@@ -3,6 +3,6 @@
 A new method in a new file adds one import here.
 """
 
-from rlpost.methods import a3po, a_star_po, capo, cscr, distill_topk, dppo, erc, hapo  # noqa: F401
+from rlpost.methods import a2tgpo, a3po, a_star_po, capo, cscr, distill_topk, dppo, erc, hapo  # noqa: F401
 from rlpost.methods import mipu, mssr, otr, poise, quads, reference_responses, remax  # noqa: F401
 from rlpost.methods import rollout_entropy, seed, seed_grpo, sp3o, sspo, tbrm, turn_updates, vcpo  # noqa: F401
