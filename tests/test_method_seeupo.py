@@ -160,3 +160,18 @@ def test_preset_composes(compose):
     p = turn_settings(cfg)
     assert p.order == "reverse" and p.carry_ratio and p.adv_norm == "batch"
     assert cfg.algo.loss == "gspo" and cfg.algo.adv_params.norm_by_std is False
+
+
+def test_one_step_on_episodes_tiny(compose, tmp_path):
+    """algo=seeupo trains one step on env=calculator episodes with the tiny model through the real trainer."""
+    import json
+
+    from tests.conftest import tiny_overrides
+    from rlpost.runner import train
+
+    cfg = compose(tiny_overrides("algo=seeupo", "env=calculator", "task=multiply", "steps=1", "eval.at_end=false",
+                                 "eval.every=0", "sampler.params.max_total_tokens=40", "checkpoint.every=0"))
+    train(cfg, tmp_path / "s")
+    rows = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    m = next(r for r in rows if "turns/updates" in r)
+    assert m["turns/updates"] >= 1
