@@ -1,4 +1,6 @@
-"""RTPO's reverse-turn updates (algo=rtpo: rlpost/methods/turn_updates.py without SeeUPO's corrections)."""
+"""RTPO's readable half, the reverse-turn update order (rlpost/methods/turn_updates.py without SeeUPO's
+corrections). RTPO has no preset: its reverse-tree sampler is unreadable from the abstract and no arXiv id
+was found (docs/ALGORITHMS.md, "Seed methods left out"); its update order is this setting on any preset."""
 
 from __future__ import annotations
 
@@ -9,15 +11,20 @@ import torch
 from rlpost.methods.turn_updates import TurnUpdates, turn_settings
 
 
-def test_preset_is_reverse_order_without_seeupo_corrections(compose):
-    cfg = compose(["algo=rtpo"])
+#: RTPO's order from the seeupo preset with SeeUPO's own parts switched off (docs/ALGORITHMS.md)
+RTPO_ORDER = ["algo=seeupo", "algo.turn_updates.carry_ratio=false", "algo.turn_updates.adv_norm=none",
+              "algo.loss=ppo_clip", "algo.adv_params.norm_by_std=true"]
+
+
+def test_setting_is_reverse_order_without_seeupo_corrections(compose):
+    cfg = compose(RTPO_ORDER)
     p = turn_settings(cfg)
     assert (p.order, p.carry_ratio, p.adv_norm, p.refresh_old_logprobs) == ("reverse", False, "none", True)
     assert cfg.algo.loss == "ppo_clip" and cfg.algo.adv_estimator == "grpo"
 
 
 def test_reverse_turn_updates_by_hand(compose):
-    cfg = compose(["algo=rtpo"])
+    cfg = compose(RTPO_ORDER)
     # one 3-turn episode (turns at 0-1, 3, 5-6) and one 1-turn episode; GRPO advantages +0.7 / -0.7
     mask = torch.tensor([[1, 1, 0, 1, 0, 1, 1], [1, 1, 1, 0, 0, 0, 0]], dtype=torch.float32)
     adv = torch.tensor([0.7, -0.7])[:, None] * mask

@@ -14,9 +14,10 @@ taken against the policy it is actually updated from.
   (``adv_norm=batch``), and the mirror correction ``carry_ratio``: turn ``k``'s advantage is
   multiplied by the accumulated, clipped sequence-level ratio ``pi_new / pi_before`` of the
   turns already updated in this step (authors' code, modelscope/AgentEvolver branch ``seeupo``).
-- RTPO ("Reverse-Turn Policy Optimization", arXiv id not in the seed list: see
-  docs/ALGORITHMS.md, ``algo=rtpo``): the same reverse turn order with a token-level clipped
-  loss and no cross-turn correction; its sparse reverse-tree sampler is not implemented.
+- RTPO ("Reverse-Turn Policy Optimization", abstract only, no arXiv id found): its update half
+  is the same reverse turn order (with ``carry_ratio=false``, ``adv_norm=none`` and a token-level
+  clipped loss); it has no preset, because its sparse reverse-tree sampler cannot be read from the
+  abstract (docs/ALGORITHMS.md, "Seed methods left out").
 
 On a single-turn row there is one turn, so the update is the plain update (with the pre-update
 log-probs recomputed, which on-policy equals the recorded ones).
