@@ -175,3 +175,33 @@ def test_one_step_on_episodes_tiny(compose, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
     m = next(r for r in rows if "turns/updates" in r)
     assert m["turns/updates"] >= 1
+
+
+def test_two_turn_episodes_through_the_real_trainer(compose, tmp_path):
+    """Hand-built 2-turn episodes, the tiny model's real update: two optimizer steps (turn 1, then turn 0),
+    the weights move between them (the carried ratio leaves 1), and the batch is restored."""
+    from rlpost.batch import RolloutBatch
+    from rlpost.runner import Run
+    from tests.conftest import tiny_overrides
+
+    run = Run(compose(tiny_overrides("algo=seeupo", "trainer.lr=1e-2")), tmp_path / "r")
+    try:
+        mask = torch.tensor([[1., 1, 0, 0, 1, 1], [1., 0, 0, 1, 1, 0], [1., 1, 1, 1, 0, 0]])
+        batch = RolloutBatch(prompt_ids=torch.tensor([[0, 5, 6]] * 3), prompt_mask=torch.tensor([[0, 1, 1]] * 3),
+                             response_ids=torch.tensor([[11, 12, 13, 14, 15, 16]] * 3), response_mask=mask.clone(),
+                             rollout_logprobs=torch.zeros(3, 6), group_index=torch.tensor([0, 0, 0]),
+                             prompt_index=torch.tensor([0, 0, 0]), answers=[1, 1, 1],
+                             extras={"response_attn": torch.ones(3, 6),
+                                     "advantages": torch.tensor([1.0, -1.0, 0.5])[:, None] * mask})
+        batch.extras["old_logprobs"] = run.trainer.compute_logprobs(batch)[0]
+        old0 = batch.extras["old_logprobs"].clone()
+        w0 = [p.detach().clone() for p in run.trainer.policy.parameters()]
+        m = TurnUpdates(run.cfg)
+        m.validate()
+        out = m.wrap_update(lambda: run.trainer.policy_update(batch, run.update_rng), run.services, batch)
+        assert out["turns/updates"] == 2.0
+        assert out["turns/carried_ratio_mean"] != 1.0 and 0.8 <= out["turns/carried_ratio_mean"] <= 1.2
+        assert any(not torch.equal(a, p.detach()) for a, p in zip(w0, run.trainer.policy.parameters()))
+        assert torch.equal(batch.response_mask, mask) and torch.equal(batch.extras["old_logprobs"], old0)
+    finally:
+        run.close()
