@@ -195,6 +195,11 @@ class AlgoConfig:
         update_gate: null, or a rule that accepts or rolls back each optimizer step after it is
             taken (``{name: mipu, min_gain, max_kl}``: MIPU, arXiv:2606.29526), checked by
             :func:`rlpost.algos.mipu.gate_settings`.
+        turn_updates: null, or a schedule that runs the policy update once per turn index of
+            multi-turn episodes (``{order: reverse, ...}``), checked by
+            :func:`rlpost.methods.turn_updates.turn_settings`.
+        info_gain: null, or how a method scores the reference answer per turn (A2TGPO's
+            information gain: :class:`rlpost.methods.a2tgpo.InfoGainParams`).
     """
 
     name: str = "grpo"
@@ -214,6 +219,8 @@ class AlgoConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     update_gate: Optional[Dict[str, Any]] = None
+    turn_updates: Optional[Dict[str, Any]] = None
+    info_gain: Optional[Dict[str, Any]] = None
 
 
 # ------------------------------------------------------------------ model / tasks

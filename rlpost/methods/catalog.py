@@ -3,9 +3,9 @@
 A new method in a new file adds one import here.
 """
 
-from rlpost.methods import a3po, a_star_po, capo, cscr, distill_topk, dppo, erc, hapo  # noqa: F401
+from rlpost.methods import a2tgpo, a3po, a_star_po, capo, cscr, distill_topk, dppo, erc, hapo  # noqa: F401
 from rlpost.methods import mipu, mssr, otr, poise, quads, reference_responses, remax  # noqa: F401
-from rlpost.methods import rollout_entropy, seed, seed_grpo, sp3o, sspo, tbrm, vcpo  # noqa: F401
+from rlpost.methods import rollout_entropy, seed, seed_grpo, sp3o, sspo, tbrm, turn_updates, vcpo  # noqa: F401
 from rlpost.methods import grpo_vps, oprl  # noqa: F401
 from rlpost.methods import length_cap  # noqa: F401  (rows at the generation limit: Apriel-Reasoner's length penalty)
 from rlpost.methods import episode_match  # noqa: F401  (hgpo / rtmc / g2po need multi-turn episodes)
