@@ -97,3 +97,16 @@ def test_sampler_config_errors():
         SAMPLERS.get("shuffle_r1")(2, prune_ratio=0.5, replay_times=8, weight="sum", power=1.0, eps=1e-6)
     with pytest.raises(ValueError, match="valid choices"):
         SAMPLERS.get("shuffle_r1")(4, prune_ratio=0.5, replay_times=8, weight="median", power=1.0, eps=1e-6)
+
+
+def test_shuffle_r1_estimator_composes_with_its_sampler_and_refuses_another():
+    """``algo=shuffle_r1`` alone samples with ``sampler=shuffle_r1`` (a composition rule); with another
+    sampler the estimator would fall back to GRPO's advantage on unpaired rows, so it is refused."""
+    from rlpost.config.compose import compose_config, validate_config
+    from rlpost.core.errors import ConfigError
+
+    cfg = compose_config(["algo=shuffle_r1", "model=tiny"])
+    assert cfg.sampler.name == "shuffle_r1"
+    validate_config(cfg)
+    with pytest.raises(ConfigError, match="Fix: sampler=shuffle_r1"):
+        validate_config(compose_config(["algo=shuffle_r1", "sampler=group", "model=tiny"]))

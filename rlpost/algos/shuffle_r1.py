@@ -148,7 +148,8 @@ def abs_resample(weights: torch.Tensor, replay_times: int, power: float = 1.0,
     return out
 
 
-@ADV_ESTIMATORS.register("shuffle_r1", paper=_SHUFFLE_R1_PAPER, params=ShuffleR1AdvParams, needs_group=True)
+@ADV_ESTIMATORS.register("shuffle_r1", paper=_SHUFFLE_R1_PAPER, params=ShuffleR1AdvParams, needs_group=True,
+                        sampler="shuffle_r1")
 def shuffle_r1_advantage(inp: AdvantageInput, *, eps: float) -> AdvantageOutput:
     """Each row's full-group GRPO advantage, broadcast over its response tokens.
 

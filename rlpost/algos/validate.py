@@ -375,6 +375,35 @@ def check_algo_config(cfg: Any) -> None:
         ConfigError: the first problem found.
     """
     validate_algo(cfg.algo)
+    check_estimator_sampler(cfg)
+
+
+def estimator_sampler(algo_cfg: Any) -> Optional[str]:
+    """The sampler ``algo.adv_estimator`` is tagged to need (``sampler="<name>"``; Shuffle-R1's estimator
+    reads the full-group advantages its sampler stores), or None."""
+    name = str(algo_cfg.adv_estimator)
+    return ADV_ESTIMATORS.tag(name, "sampler", None) if name in ADV_ESTIMATORS else None
+
+
+def estimator_sampler_overrides(cfg: Any, overrides: List[str]) -> List[str]:
+    """``["sampler=<its sampler>"]`` for an estimator tagged with one, unless the user named a sampler
+    (a rule of :data:`rlpost.config.compose.COMPOSE_RULES`)."""
+    want = estimator_sampler(cfg.algo)
+    named = any(o.lstrip("+~").split("=", 1)[0] == "sampler" for o in overrides)
+    return [] if want is None or named or cfg.sampler.name == want else [f"sampler={want}"]
+
+
+def check_estimator_sampler(cfg: Any) -> None:
+    """An estimator tagged with a sampler runs with that sampler.
+
+    Raises:
+        ConfigError: another sampler was named (the estimator would silently fall back to GRPO's
+            advantage on rows its sampler never paired).
+    """
+    want = estimator_sampler(cfg.algo)
+    if want is not None and str(cfg.sampler.name) != want:
+        raise ConfigError(f"algo.adv_estimator={cfg.algo.adv_estimator} reads what sampler={want} stores, but "
+                          f"sampler={cfg.sampler.name} was chosen. Fix: sampler={want} (or drop the sampler override).")
 
 
 def check_precision_config(cfg: Any) -> None:

@@ -174,6 +174,7 @@ def _compose(overrides: List[str], return_hydra_config: bool) -> DictConfig:
 COMPOSE_RULES = (
     "rlpost.methods.hapo:sampler_overrides",  # a per-token temperature loss gets the sampler that owns it
     "rlpost.algos.validate:window_rollout_overrides",  # an estimator on window-cut rollouts (T-PPO's EGAE)
+    "rlpost.algos.validate:estimator_sampler_overrides",  # an estimator that reads its sampler's data (Shuffle-R1)
 )
 
 
