@@ -415,9 +415,9 @@ class _EchoEnv:
 
 @pytest.fixture
 def echo_env(monkeypatch):
-    import rlpost.envs
+    import rlpost.samplers.episode as episode  # the sampler's own binding of make_env
 
-    monkeypatch.setattr(rlpost.envs, "make_env", lambda name, params=None: _EchoEnv())
+    monkeypatch.setattr(episode, "make_env", lambda name, params=None: _EchoEnv())
 
 
 def test_per_turn_rewards_sit_on_each_turns_last_model_token(tok, echo_env):

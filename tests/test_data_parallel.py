@@ -108,13 +108,13 @@ def test_rows_sample_the_same_tokens_whatever_call_they_are_in():
 def test_shard_rollouts_setting_and_what_prevents_it(compose, monkeypatch):
     from types import SimpleNamespace
 
-    import rlpost.distributed as dist_mod
+    import rlpost.run.runner as runner_mod  # the runner's own binding of world_size
     from conftest import tiny_overrides
     from rlpost.core.errors import ConfigError
     from rlpost.run.runner import Run
 
     def decide(*over, world=2):
-        monkeypatch.setattr(dist_mod, "world_size", lambda: world)
+        monkeypatch.setattr(runner_mod, "world_size", lambda: world)
         return Run._rollout_sharding(SimpleNamespace(cfg=compose(tiny_overrides("trainer=deepspeed", *over))))
 
     assert decide() is True

@@ -280,7 +280,7 @@ def test_local_rank_sets_the_current_cuda_device(monkeypatch):
 def test_multi_turn_episode_through_vllm_keeps_the_engine_awake_and_sends_exact_token_prompts(compose, monkeypatch, tmp_path):
     """Episodes call generate once per turn with token-id prompts (prompt + everything so far); inside the
     sampler's session the engine sleeps once at the end, so vLLM's prefix cache (enabled) survives between turns."""
-    import rlpost.envs
+    import rlpost.samplers.episode
     from rlpost.config.schema import ModelConfig
     from rlpost.envs.base import EnvStep
     from rlpost.models.loader import load_policy
@@ -298,7 +298,7 @@ def test_multi_turn_episode_through_vllm_keeps_the_engine_awake_and_sends_exact_
         def step(self, text):
             return EnvStep([{"role": "tool", "content": "ok"}], 0.0, False, {"tool_calls": 1})
 
-    monkeypatch.setattr(rlpost.envs, "make_env", lambda name, params=None: Echo())
+    monkeypatch.setattr(rlpost.samplers.episode, "make_env", lambda name, params=None: Echo())
     calls = []
     _fake_vllm(monkeypatch, calls)
     cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}"))

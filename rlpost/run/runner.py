@@ -443,7 +443,7 @@ class Run:
             "algo_state": self.methods,  # the methods' cross-step state (rlpost.methods.base.Method.state_dict)
             "update_rng": GeneratorState(self.update_rng),
             "partial": self.partial,  # the partial-rollout carry-over buffer
-            "reward": self.reward_fn,  # model rewards' running score statistics (task.reward.models.*.normalize=running)
+            "reward": self.reward_fn if self.reward_fn.models else None,  # model rewards: running score statistics
         }
 
     def restore(self, ckpt: Path) -> None:
