@@ -33,8 +33,7 @@ import torch
 
 from rlpost.algos.advantages import AdvantageInput, AdvantageOutput
 from rlpost.algos.registries import ADV_ESTIMATORS
-from rlpost.algos.utils import group_all_equal, group_stats
-from rlpost.algos.vps import normalized_progress
+from rlpost.algos.vps import outcome_plus_steps
 from rlpost.core.registry import param
 
 PAPER = "Online Process Reward Learning for Agentic Reinforcement Learning (OPRL, arXiv:2509.19199)"
@@ -116,8 +115,4 @@ def oprl_advantage(inp: AdvantageInput, *, segment: str, beta: float, step_weigh
     if sr is None or seg is None:
         raise ValueError("oprl needs batch.extras['oprl_step_rewards'] and ['oprl_segment'] (the oprl method's "
                          "implicit PRM, run for estimators tagged needs_implicit_prm)")
-    r = inp.rewards.double()
-    mean, std, _ = group_stats(r, inp.group_index)
-    A = torch.where(group_all_equal(r, inp.group_index), torch.zeros_like(r), (r - mean) / (std + eps))
-    z = normalized_progress(sr, seg, inp.group_index, eps) if step_weight else torch.zeros(sr.shape, dtype=torch.float64)
-    return AdvantageOutput(advantages=((A[:, None] + step_weight * z) * inp.response_mask.double()).float())
+    return outcome_plus_steps(inp, sr, seg, step_weight, eps, flat_groups_keep_steps=True)

@@ -234,6 +234,27 @@ def normalized_progress(progress: torch.Tensor, segment: torch.Tensor, group_ind
     return out
 
 
+def outcome_plus_steps(inp: AdvantageInput, step_signal: torch.Tensor, segment: torch.Tensor, weight: float,
+                       eps: float, flat_groups_keep_steps: bool) -> AdvantageOutput:
+    """``A_it = A_i + weight * z(s_ik(t))``: GRPO's z-scored outcome advantage (0 in a group whose rewards
+    are all equal) plus the z-scored per-step signal ``step_signal`` ``[B, R]`` of :func:`normalized_progress`.
+
+    Shared by GRPO-VPS (the signal is the answer-probability progress; a flat group gets exactly 0,
+    steps included: ``flat_groups_keep_steps=False``) and OPRL (the implicit PRM's step rewards, which
+    still credit steps when the outcomes tie: ``True``). Returns ``[B, R]`` float32, 0 outside
+    ``response_mask``.
+    """
+    r = inp.rewards.double()
+    mean, std, _ = group_stats(r, inp.group_index)
+    flat = group_all_equal(r, inp.group_index)
+    A = torch.where(flat, torch.zeros_like(r), (r - mean) / (std + eps))
+    z = normalized_progress(step_signal, segment, inp.group_index, eps) if weight else torch.zeros(step_signal.shape, dtype=torch.float64)
+    m = inp.response_mask.double()
+    if not flat_groups_keep_steps:
+        m = m * (~flat).double()[:, None]
+    return AdvantageOutput(advantages=((A[:, None] + weight * z) * m).float())
+
+
 @ADV_ESTIMATORS.register("grpo_vps", paper=PAPER, params=VPSParams, needs_group=True, needs_answer_probes=True)
 def vps_advantage(inp: AdvantageInput, *, segment: str, answer_prefix: str, progress_weight: float,
                   eps: float) -> AdvantageOutput:
@@ -259,10 +280,4 @@ def vps_advantage(inp: AdvantageInput, *, segment: str, answer_prefix: str, prog
     if prog is None or seg is None:
         raise ValueError("grpo_vps needs batch.extras['vps_progress'] and ['vps_segment'] (the grpo_vps method's "
                          "answer probes, run for estimators tagged needs_answer_probes)")
-    r = inp.rewards.double()
-    mean, std, _ = group_stats(r, inp.group_index)
-    flat = group_all_equal(r, inp.group_index)
-    A = torch.where(flat, torch.zeros_like(r), (r - mean) / (std + eps))
-    z = normalized_progress(prog, seg, inp.group_index, eps) if progress_weight else torch.zeros(prog.shape, dtype=torch.float64)
-    m = inp.response_mask.double() * (~flat).double()[:, None]
-    return AdvantageOutput(advantages=((A[:, None] + progress_weight * z) * m).float())
+    return outcome_plus_steps(inp, prog, seg, progress_weight, eps, flat_groups_keep_steps=False)
