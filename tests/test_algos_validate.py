@@ -139,7 +139,10 @@ def test_every_valid_combination_runs_under_every_aggregation(adv, loss):
                        baseline_rewards=torch.full((B,), 0.5), answer_ids=torch.arange(B) % 2,
                        teacher_logprobs=-torch.rand(B, R), rollout_logprobs=-torch.rand(B, R),
                        reference_rewards=torch.rand(B, 8), privileged_shifts=torch.randn(B, R, 2),
-                       response_ids=torch.zeros(B, R, dtype=torch.long)),
+                       response_ids=torch.zeros(B, R, dtype=torch.long),
+                       extras={"vps_progress": torch.rand(B, R), "vps_segment": (torch.arange(R) // 2 + 1).expand(B, R),
+                               "oprl_step_rewards": torch.rand(B, R),  # grpo_vps / oprl: their methods' step inputs
+                               "oprl_segment": (torch.arange(R) // 2 + 1).expand(B, R)}),
         **dict(cfg.adv_params),
     )
     lm = mask if out.loss_mask is None else out.loss_mask

@@ -167,5 +167,5 @@ def a2tgpo_clip_loss(inp: PolicyLossInput, *, eps_low: float, eps_high: float, b
     loss, low, high, extra = _ppo_core(ratio, inp.advantages, eps_low * c, eps_high * c, None, m)
     metrics = _clip_metrics(ratio, log_ratio, low, high, m)
     metrics.update(extra)
-    metrics["clip_scale_mean"] = float((c.detach() * m).sum() / m.sum().clamp(min=1))
+    metrics["clip_scale_mean"] = (c.detach() * m).sum() / m.sum().clamp(min=1)
     return loss, metrics
