@@ -21,6 +21,8 @@ from rlpost.algos.registries import LOSS_AGGS, POLICY_LOSSES  # noqa: E402
 B = 8
 _CACHE: dict = {}
 MICRO = (1, 3, B)
+#: a loss that is composed with its own estimator (its method refuses any other)
+WITH_ESTIMATOR = {"a2tgpo_clip": "a2tgpo"}
 
 
 def _run(compose, loss: str, agg: str, mb: int):
@@ -29,8 +31,9 @@ def _run(compose, loss: str, agg: str, mb: int):
     from rlpost.models.loader import load_policy
     from rlpost.trainer.torch_engine import TorchTrainer
 
+    est = [f"algo.adv_estimator={WITH_ESTIMATOR[loss]}"] if loss in WITH_ESTIMATOR else []
     cfg = compose(tiny_overrides(f"algo.loss={loss}", f"algo.loss_agg={agg}", f"trainer.micro_batch_size={mb}",
-                                 "trainer.grad_clip=0", "algo.kl.coef=0", "algo.entropy_coef=0"))
+                                 "trainer.grad_clip=0", "algo.kl.coef=0", "algo.entropy_coef=0", *est))
     if "model" not in _CACHE:
         _CACHE["model"] = load_policy(ModelConfig(source="tiny"), seed=3)[0]
     t = TorchTrainer.from_config(copy.deepcopy(_CACHE["model"]), cfg, "cpu")

@@ -40,8 +40,8 @@ _ADORA_PAPER = ("ADORA: Training Reasoning Models with Dynamic Advantage Estimat
 class ADORAParams:
     """ADORA's Length-Advantage labelling and weights (authors' code and ADORA.sh)."""
 
-    correct_threshold: float = param(0.5, "a response whose reward is above this is correct (authors' code: 1.01 on "
-                                     "Logic-RL's -3..3 reward; rlpost's correctness is in [0, 1], so 0.5, our choice)")
+    correct_threshold: float = param(0.5, "a response whose reward is above this is correct (our choice 0.5: rlpost's correctness "
+                                     "is in [0, 1]; the authors' code uses 1.01 on Logic-RL's -3..3 reward)")
     tds_weight: float = param(0.1, "advantage weight of a temporarily disadvantageous group (authors' lamda: 0.1)")
     tas_weight: float = param(1.0, "advantage weight of a temporarily advantageous group (authors' code: 1)")
     max_length_threshold: int = param(0, "incorrect responses of at least this many tokens leave the mean incorrect "
