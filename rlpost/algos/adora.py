@@ -45,7 +45,7 @@ class ADORAParams:
     tds_weight: float = param(0.1, "advantage weight of a temporarily disadvantageous group (authors' lamda: 0.1)")
     tas_weight: float = param(1.0, "advantage weight of a temporarily advantageous group (authors' code: 1)")
     max_length_threshold: int = param(0, "incorrect responses of at least this many tokens leave the mean incorrect "
-                                      "length; 0 = none (authors' ADORA.sh: 3900 with a 2048-token budget, inactive)")
+                                      "length; 0 = none, our choice (the authors' ADORA.sh sets 3900 with a 2048-token budget, so it never bound)")
     eps: float = param(1e-6, "added to the group std (authors' code: 1e-6)")
 
 
