@@ -109,10 +109,6 @@ def oprl_advantage(inp: AdvantageInput, *, segment: str, beta: float, step_weigh
     Raises:
         ValueError: the step rewards are missing, or ``step_weight < 0``.
     """
-    if step_weight < 0:
-        raise ValueError(f"oprl: step_weight must be >= 0, got {step_weight}")
-    sr, seg = inp.extras.get("oprl_step_rewards"), inp.extras.get("oprl_segment")
-    if sr is None or seg is None:
-        raise ValueError("oprl needs batch.extras['oprl_step_rewards'] and ['oprl_segment'] (the oprl method's "
-                         "implicit PRM, run for estimators tagged needs_implicit_prm)")
-    return outcome_plus_steps(inp, sr, seg, step_weight, eps, flat_groups_keep_steps=True)
+    return outcome_plus_steps(inp, "oprl", ("oprl_step_rewards", "oprl_segment"),
+                              "the oprl method's implicit PRM, run for estimators tagged needs_implicit_prm",
+                              ("step_weight", step_weight), eps, flat_groups_keep_steps=True)

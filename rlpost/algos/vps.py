@@ -234,16 +234,27 @@ def normalized_progress(progress: torch.Tensor, segment: torch.Tensor, group_ind
     return out
 
 
-def outcome_plus_steps(inp: AdvantageInput, step_signal: torch.Tensor, segment: torch.Tensor, weight: float,
-                       eps: float, flat_groups_keep_steps: bool) -> AdvantageOutput:
+def outcome_plus_steps(inp: AdvantageInput, name: str, keys: Tuple[str, str], provider: str,
+                       weight: Tuple[str, float], eps: float, flat_groups_keep_steps: bool) -> AdvantageOutput:
     """``A_it = A_i + weight * z(s_ik(t))``: GRPO's z-scored outcome advantage (0 in a group whose rewards
     are all equal) plus the z-scored per-step signal ``step_signal`` ``[B, R]`` of :func:`normalized_progress`.
 
     Shared by GRPO-VPS (the signal is the answer-probability progress; a flat group gets exactly 0,
     steps included: ``flat_groups_keep_steps=False``) and OPRL (the implicit PRM's step rewards, which
-    still credit steps when the outcomes tie: ``True``). Returns ``[B, R]`` float32, 0 outside
-    ``response_mask``.
+    still credit steps when the outcomes tie: ``True``). ``keys`` name the step signal ``[B, R]`` and the
+    step index ``[B, R]`` (0: no step) in ``inp.extras``, which ``provider`` (the estimator's method) fills;
+    ``weight`` is ``(parameter name, value)`` of the step term's weight.
+    Returns ``[B, R]`` float32, 0 outside ``response_mask``.
+
+    Raises:
+        ValueError: ``weight < 0``, or the step inputs are missing.
     """
+    weight_name, weight = weight
+    if weight < 0:
+        raise ValueError(f"{name}: {weight_name} must be >= 0, got {weight}")
+    step_signal, segment = inp.extras.get(keys[0]), inp.extras.get(keys[1])
+    if step_signal is None or segment is None:
+        raise ValueError(f"{name} needs batch.extras['{keys[0]}'] and ['{keys[1]}'] ({provider})")
     r = inp.rewards.double()
     mean, std, _ = group_stats(r, inp.group_index)
     flat = group_all_equal(r, inp.group_index)
@@ -274,10 +285,6 @@ def vps_advantage(inp: AdvantageInput, *, segment: str, answer_prefix: str, prog
         ValueError: the probes are missing (the ``grpo_vps`` method computes them
             for estimators tagged ``needs_answer_probes``), or ``progress_weight < 0``.
     """
-    if progress_weight < 0:
-        raise ValueError(f"grpo_vps: progress_weight must be >= 0, got {progress_weight}")
-    prog, seg = inp.extras.get("vps_progress"), inp.extras.get("vps_segment")
-    if prog is None or seg is None:
-        raise ValueError("grpo_vps needs batch.extras['vps_progress'] and ['vps_segment'] (the grpo_vps method's "
-                         "answer probes, run for estimators tagged needs_answer_probes)")
-    return outcome_plus_steps(inp, prog, seg, progress_weight, eps, flat_groups_keep_steps=False)
+    return outcome_plus_steps(inp, "grpo_vps", ("vps_progress", "vps_segment"),
+                              "the grpo_vps method's answer probes, run for estimators tagged needs_answer_probes",
+                              ("progress_weight", progress_weight), eps, flat_groups_keep_steps=False)
