@@ -92,3 +92,17 @@ def start_local_ray() -> None:
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
              configure_logging=False, runtime_env={"env_vars": {
                  "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
+
+
+class CharTok:
+    """A tokenizer with one token per character (id = code point), offsets like a fast tokenizer, and a
+    decode that joins the characters: step boundaries map to tokens by hand (GRPO-VPS, SCOPE tests)."""
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        out = {"input_ids": [ord(c) for c in text]}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+        return out
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)

@@ -14,16 +14,7 @@ import torch
 
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.core.errors import ConfigError
-
-
-class CharTok:
-    """One token per character (id = code point), with offsets, like a fast tokenizer."""
-
-    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-        out = {"input_ids": [ord(c) for c in text]}
-        if return_offsets_mapping:
-            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
-        return out
+from conftest import CharTok  # noqa: E402
 
 
 def batch_of(prompts, responses, answers, R=8):

@@ -14,19 +14,7 @@ import torch
 from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import SamplerContext, build_sampler
-
-
-class CharTok:
-    """One token per character (id = code point), with offsets; decode joins the characters."""
-
-    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-        out = {"input_ids": [ord(c) for c in text]}
-        if return_offsets_mapping:
-            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
-        return out
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
+from conftest import CharTok  # noqa: E402
 
 
 class FakeEngine:
