@@ -28,7 +28,6 @@ TINY = [
     "task.train_size=64",
     "task.eval_size=16",
     "trainer.micro_batch_size=8",
-    "task.reward.overlong_buffer=0",  # rewards are pure correctness in unit tests
     "precision=fp32",  # the same dtype on every machine (the default, auto, depends on the CPU)
 ]
 

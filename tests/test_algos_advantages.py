@@ -163,8 +163,8 @@ def test_mssr_entropy_shaping_is_bounded_and_keeps_sign():
 def test_dapo_overlong_shaping_via_adv_params_is_applied_once_by_the_reward_function():
     # max_len 10, buffer 4: L<=6 -> 0, L=8 -> -(8-6)/4 = -0.5, L=10 -> -1
     assert torch.allclose(overlong_penalty(torch.tensor([5, 8, 10, 11]), 10, 4), torch.tensor([0.0, -0.5, -1.0, -1.0]))
-    # the preset's share 0.4 of max_len 10 is a 4-token window, applied by the reward function ...
-    rf = RewardFunction.from_config(None, None, max_len=10, preset_shaping={"overlong_buffer": 0.4, "overlong_penalty": 1.0})
+    # the old spelling's share 0.4 of max_len 10 is a 4-token window, applied by the reward function ...
+    rf = RewardFunction.from_config(None, None, max_len=10, old_spelling={"overlong_buffer": 0.4, "overlong_penalty": 1.0})
     assert rf.overlong_buffer == 4
     shaped = torch.tensor([1.0, 1.0]) + overlong_penalty(torch.tensor([5, 8]), 10, rf.overlong_buffer)
     x = inp(shaped.tolist(), [5, 8], [0, 0], R=10)

@@ -73,7 +73,7 @@ def test_no_overlong_window_is_a_config_error(compose):
     from rlpost.core.errors import ConfigError
     from rlpost.methods.length_cap import LengthCap
 
-    cfg = compose(tiny_overrides("algo=apriel_reasoner", "algo.adv_params.overlong_buffer=0"))
-    with pytest.raises(ConfigError, match="overlong_buffer=0.2"):
+    cfg = compose(tiny_overrides("algo=apriel_reasoner", "task.reward.overlong_buffer=0"))
+    with pytest.raises(ConfigError, match="task.reward.overlong_buffer=0.2"):
         LengthCap(cfg).validate()
     LengthCap(compose(tiny_overrides("algo=apriel_reasoner"))).validate()

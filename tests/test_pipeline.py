@@ -110,18 +110,28 @@ def test_selector_learns_exactly_the_rewards_training_uses_with_length_shaping(c
 
 def test_dapo_preset_gets_the_papers_overlong_window_in_the_reward(compose, tmp_path):
     # DAPO (arXiv:2503.14476): punish the last 4096 of 20480 tokens = 20% of the budget; 12 tokens -> 2
+    from rlpost.algos.validate import old_shaping_spelling
     from rlpost.core.errors import ConfigError
-    from rlpost.rewards import RewardFunction
+    from rlpost.rewards import RewardFunction, overlong_penalty
 
     cfg = compose(tiny_overrides("algo=dapo"))
-    rf = RewardFunction.from_config(None, cfg.task.reward, cfg.rollout.max_new_tokens, preset_shaping=cfg.algo.adv_params)
+    assert cfg.task.reward.overlong_buffer == 0.2 and "overlong_buffer" not in cfg.algo.adv_params  # the reward owns it
+    rf = RewardFunction.from_config(None, cfg.task.reward, cfg.rollout.max_new_tokens)
     assert (rf.overlong_buffer, rf.overlong_pen, rf.max_len) == (2, 1.0, 12)
-    from rlpost.rewards import overlong_penalty
-
     assert overlong_penalty(torch.tensor([9, 10, 11, 12]), 12, rf.overlong_buffer).tolist() == [0.0, 0.0, -0.5, -1.0]
-    both = compose(tiny_overrides("algo=dapo", "task.reward.overlong_buffer=4"))
+    # the user's word wins over the preset's: another window, or none
+    assert compose(tiny_overrides("algo=dapo", "task.reward.overlong_buffer=4")).task.reward.overlong_buffer == 4
+    assert compose(tiny_overrides("algo=dapo", "task.reward.overlong_buffer=0")).task.reward.overlong_buffer == 0
+    # on another task (composed before the algo) the preset's window still holds; other presets have none
+    assert compose(tiny_overrides("algo=dapo", "task=multiply")).task.reward.overlong_buffer == 0.2
+    assert compose(tiny_overrides("algo=grpo")).task.reward.overlong_buffer == 0
+    # the old spelling works too, and a window in both places would count twice
+    old = compose(tiny_overrides("algo=grpo", "+algo.adv_params.overlong_buffer=0.2"))
+    rf = RewardFunction.from_config(None, old.task.reward, 12, old_spelling=old_shaping_spelling(old.algo))
+    assert rf.overlong_buffer == 2
+    both = compose(tiny_overrides("algo=grpo", "+algo.adv_params.overlong_buffer=0.2", "task.reward.overlong_buffer=4"))
     with pytest.raises(ConfigError, match="count twice"):
-        RewardFunction.from_config(None, both.task.reward, 12, preset_shaping=both.algo.adv_params)
+        RewardFunction.from_config(None, both.task.reward, 12, old_spelling=old_shaping_spelling(both.algo))
 
 
 def _distinct_selectors():

@@ -59,7 +59,9 @@ class TrainerLossParams:
 
 @dataclass(frozen=True)
 class RewardShapingParams:
-    """Keys of ``algo.adv_params`` that shape rewards before the estimator (DAPO overlong punishment, arXiv:2503.14476)."""
+    """The old spelling of reward shaping in ``algo.adv_params`` (DAPO's overlong punishment,
+    arXiv:2503.14476): ``task.reward.overlong_buffer`` / ``overlong_penalty`` own these now
+    (:func:`old_shaping_spelling`)."""
 
     overlong_buffer: float = param(0, "soft-punishment window: tokens, or a fraction of max_len if in (0, 1); 0 = off")
     overlong_penalty: float = param(1.0, "penalty at the hard length limit (DAPO: 1)")
@@ -163,6 +165,23 @@ def trainer_loss_params(algo_cfg: Any) -> TrainerLossParams:
                 f"algo.loss_params.{k} is the old spelling of algo.offpolicy.{k} (a trainer setting, not a loss "
                 f"parameter); it still works. Fix: write algo.offpolicy.{k}={v}.")
     return resolve_params(TrainerLossParams, {**old, **new}, "algo.offpolicy", "off-policy update")
+
+
+def old_shaping_spelling(algo_cfg: Any) -> Dict[str, Any]:
+    """The reward-shaping keys written in ``algo.adv_params`` (the old spelling of
+    ``task.reward.overlong_buffer`` / ``overlong_penalty``), each reported once per process.
+
+    They still work: :meth:`rlpost.rewards.RewardFunction.from_config` applies them (and refuses a
+    window set in both places). Empty when ``adv_params`` holds none.
+    """
+    old = _split(_as_dict(_get(algo_cfg, "adv_params")), SHAPING_KEYS)[1]
+    for k, v in old.items():
+        if ("shaping", k) not in _WARNED:
+            _WARNED.add(("shaping", k))
+            logging.getLogger("rlpost").warning(
+                f"algo.adv_params.{k} is the old spelling of task.reward.{k} (reward shaping belongs to the "
+                f"reward, not the estimator); it still works. Fix: write task.reward.{k}={v}.")
+    return old
 
 
 def adv_overrides(algo_cfg: Any) -> Dict[str, Any]:

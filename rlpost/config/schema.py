@@ -344,8 +344,12 @@ class RewardConfig:
         verifier: registered verifier name, or null for the task's own.
         timeout_s: per-call verifier timeout; a hang or crash gives reward 0.
         format_weight: weight of a format reward added to correctness.
-        overlong_buffer: DAPO soft overlong punishment window in tokens (0 = off).
-        overlong_penalty: DAPO penalty at the hard limit.
+        overlong_buffer: DAPO's soft overlong punishment window (DAPO, arXiv:2503.14476):
+            tokens when >= 1, a share of ``rollout.max_new_tokens`` when in (0, 1); 0 = off.
+            The presets of methods whose paper uses it merge it in from ``conf/algo/reward/``
+            (``algo=dapo``: 0.2). The old spelling ``algo.adv_params.overlong_buffer`` still
+            works and warns once.
+        overlong_penalty: DAPO penalty at the hard limit (the paper: 1).
         length_penalty: per-token penalty.
         verifier_params: keyword parameters of the verifier (e.g. ``rel_tol`` for
             ``numeric``, ``dataset`` for ``reasoning_gym``).
@@ -369,7 +373,7 @@ class RewardConfig:
     verifier: Optional[str] = None
     timeout_s: float = 5.0
     format_weight: float = 0.0
-    overlong_buffer: int = 0
+    overlong_buffer: float = 0
     overlong_penalty: float = 1.0
     length_penalty: float = 0.0
     verifier_params: Dict[str, Any] = field(default_factory=dict)

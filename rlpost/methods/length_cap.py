@@ -16,6 +16,7 @@ from typing import Any, Dict
 import torch
 
 from rlpost.algos.registries import ADV_ESTIMATORS
+from rlpost.algos.validate import old_shaping_spelling
 from rlpost.core.errors import ConfigError
 from rlpost.methods.base import METHODS, Method, Needs, RunServices
 
@@ -39,11 +40,11 @@ class LengthCap(Method):
         """The estimator rescales DAPO's overlong penalty: without an overlong window it would be plain GRPO."""
 
         task_buf = float(getattr(getattr(self.cfg.task, "reward", None), "overlong_buffer", 0) or 0)
-        algo_buf = float(dict(self.cfg.algo.get("adv_params") or {}).get("overlong_buffer", 0) or 0)
+        algo_buf = float(old_shaping_spelling(self.cfg.algo).get("overlong_buffer", 0) or 0)  # the old spelling
         if task_buf <= 0 and algo_buf <= 0:
             raise ConfigError(f"adv_estimator={self.cfg.algo.adv_estimator} rescales DAPO's overlong penalty, but no "
-                              f"overlong window is set. Fix: algo.adv_params.overlong_buffer=0.2 (a share of "
-                              f"rollout.max_new_tokens) or task.reward.overlong_buffer > 0.")
+                              f"overlong window is set. Fix: task.reward.overlong_buffer=0.2 (a share of "
+                              f"rollout.max_new_tokens; the algo=apriel_reasoner preset sets it), or a token count.")
 
     def needs(self) -> Needs:
         return Needs(provides=("length_capped",))

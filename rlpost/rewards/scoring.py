@@ -280,7 +280,7 @@ class RewardFunction:
         self.correct_weight = float(correct_weight)
 
     @classmethod
-    def from_config(cls, task: Any, reward_cfg: Any, max_len: int = 0, preset_shaping: Optional[Dict[str, Any]] = None) -> "RewardFunction":
+    def from_config(cls, task: Any, reward_cfg: Any, max_len: int = 0, old_spelling: Optional[Dict[str, Any]] = None) -> "RewardFunction":
         """Build from a ``task.reward`` node (:class:`rlpost.config.schema.RewardConfig`).
 
         Args:
@@ -288,23 +288,25 @@ class RewardFunction:
             reward_cfg: ``cfg.task.reward``.
             max_len: generation limit in tokens (``rollout.max_new_tokens``), the
                 end of DAPO's overlong window.
-            preset_shaping: the overlong shaping an algorithm preset asks for
-                (``overlong_buffer`` / ``overlong_penalty`` of ``algo.adv_params``,
-                e.g. ``algo=dapo``'s share 0.2); applied here, never by the estimator.
+            old_spelling: ``overlong_buffer`` / ``overlong_penalty`` written in
+                ``algo.adv_params`` (the old spelling,
+                :func:`rlpost.algos.validate.old_shaping_spelling`); applied like
+                ``task.reward``'s own keys.
 
         Raises:
-            rlpost.core.errors.ConfigError: both the task and the preset set an
-                overlong window (the punishment would count twice), or a bad window.
+            rlpost.core.errors.ConfigError: both spellings set an overlong window
+                (the punishment would count twice), or a bad window.
         """
 
         g = lambda k, d: getattr(reward_cfg, k, d) if reward_cfg is not None else d  # noqa: E731
         buf, pen = g("overlong_buffer", 0), g("overlong_penalty", 1.0)
-        ps = {k: v for k, v in dict(preset_shaping or {}).items() if k in ("overlong_buffer", "overlong_penalty")}
+        ps = {k: v for k, v in dict(old_spelling or {}).items() if k in ("overlong_buffer", "overlong_penalty")}
         if float(ps.get("overlong_buffer", 0) or 0) > 0:
             if float(buf or 0) > 0:
                 raise ConfigError(
                     f"task.reward.overlong_buffer={buf} and algo.adv_params.overlong_buffer={ps['overlong_buffer']} "
-                    f"both ask for DAPO's overlong punishment, which would then count twice. Fix: set one of them to 0.")
+                    f"both ask for DAPO's overlong punishment, which would then count twice. Fix: set it once, "
+                    f"as task.reward.overlong_buffer (algo.adv_params.overlong_buffer is its old spelling).")
             buf, pen = ps["overlong_buffer"], ps.get("overlong_penalty", 1.0)
 
         models = build_model_rewards(g("models", None), task)  # start-time checks: score head, endpoint
