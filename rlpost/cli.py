@@ -324,7 +324,7 @@ def eval_cmd(ctx: typer.Context) -> None:
         from rlpost.eval.evaluate import evaluate
         from rlpost.core.tracking import eval_line, log
         from rlpost.models.loader import load_policy
-        from rlpost.rollout import build_engine
+        from rlpost.rollout import EngineConfig, build_engine
         from rlpost.run.runner import pick_device, seed_everything
         from rlpost.tasks import build_task
 
@@ -369,7 +369,7 @@ def eval_cmd(ctx: typer.Context) -> None:
 
         t = build_task(cfg.task)
         # rollout.speculative.drafter=mtp_head without a head file fits one on the task's training prompts
-        engine = build_engine(cfg, policy, tok, device, run_dir=run_dir, prompts=task_prompts(t, tok, cfg.seed))
+        engine = build_engine(EngineConfig.of(cfg), policy, tok, device, run_dir=run_dir, prompts=task_prompts(t, tok, cfg.seed))
         res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout,
                        progress=f"evaluating {cfg.task.name}")
         run_dir.mkdir(parents=True, exist_ok=True)

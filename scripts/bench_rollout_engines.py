@@ -42,7 +42,7 @@ def one(engine: str, rows: int, tokens: int, reps: int, threads: int, overrides)
     torch.set_num_threads(threads)
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
     from rlpost.tasks.base import build_task
 
@@ -53,7 +53,7 @@ def one(engine: str, rows: int, tokens: int, reps: int, threads: int, overrides)
     prompts = [task.render_prompt(ex, tok) for ex in task.train_examples()[: max(1, rows // n)]]
     prompts = [p for p in prompts for _ in range(n)][:rows]
     t0 = time.perf_counter()
-    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     build_s = time.perf_counter() - t0
     sp = lambda i: SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=1000 + i)  # noqa: E731
     eng.generate(prompts, sp(0))  # warm-up

@@ -42,7 +42,7 @@ def run(mode: str, args) -> dict:
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
     from rlpost.models.moe_replay import attach_routing
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
     from rlpost.trainer.torch_engine import TorchTrainer
 
@@ -51,7 +51,7 @@ def run(mode: str, args) -> dict:
                           f"trainer.micro_batch_size={args.prompts * args.n}", f"seed={args.seed}"])
     policy, tok = load_policy(cfg.model, seed=args.seed)
     t = TorchTrainer.from_config(policy, cfg, "cpu")
-    eng = attach_routing(cfg, t, build_engine(cfg, t.policy, tok, torch.device("cpu")))
+    eng = attach_routing(cfg.model, t, build_engine(EngineConfig.of(cfg), t.policy, tok, torch.device("cpu")))
     g = torch.Generator().manual_seed(args.seed)
     fixed = torch.randn(args.prompts * args.n, 1, generator=torch.Generator().manual_seed(args.seed + 1))
     out = {"moe/route_mismatch": [], "rollout/logprob_gap": [], "actor/ratio_max": [], "post": []}

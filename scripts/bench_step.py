@@ -95,13 +95,13 @@ def decode_floor(rows: int = 32, new_tokens: int = 32, overrides: list | None = 
 
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
     from rlpost.tasks import build_task
 
     cfg = compose_config(["logger=none", *(overrides or [])])
     policy, tok = load_policy(cfg.model, torch.float32, seed=0)
-    eng = build_engine(cfg, policy, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), policy, tok, torch.device("cpu"))
     task = build_task(cfg.task)
     prompts = [task.render_prompt(e, tok) for e in task.train_examples()[:rows]]
     n_params = sum(p.numel() for p in eng.model.parameters())
@@ -168,13 +168,13 @@ def decode_compile_ab(rows: int = 32, new_tokens: int = 32, overrides: list | No
 
     from rlpost.config.compose import compose_config
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
     from rlpost.tasks import build_task
 
     cfg = compose_config(["logger=none", *(overrides or [])])
     policy, tok = load_policy(cfg.model, torch.float32, seed=0)
-    eng = build_engine(cfg, policy, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), policy, tok, torch.device("cpu"))
     task = build_task(cfg.task)
     prompts = [task.render_prompt(e, tok) for e in task.train_examples()[:rows]]
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)

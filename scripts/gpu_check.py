@@ -419,6 +419,7 @@ def vllm_workload(shape: str):
 def part_vllm(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
     """vLLM engine: generate, push changed weights, compare log-probs with the trainer (bf16 and fp8)."""
     from rlpost.rollout.vllm import VLLMRolloutEngine
+    from rlpost.rollout.base import EngineConfig
     from rlpost.trainer.torch_engine import TorchTrainer
 
     tok, prompts, sp = vllm_workload(shape)
@@ -432,7 +433,7 @@ def part_vllm(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
                          f"rollout.batch_size={len(prompts)}", f"model.cache_dir={tmp / prec}"])
         policy = build_model(shape, layers, torch.float32, device, seed=1)
         trainer = TorchTrainer.from_config(policy, cfg, device)
-        eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
+        eng = VLLMRolloutEngine(EngineConfig.of(cfg), trainer.policy, tok)
         t0 = time.perf_counter()
         gen = eng.generate(prompts, sp)
         dt = time.perf_counter() - t0
@@ -495,6 +496,7 @@ def part_spec(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
     """
     from rlpost.core.errors import ConfigError
     from rlpost.rollout.vllm import VLLMRolloutEngine
+    from rlpost.rollout.base import EngineConfig
     from rlpost.trainer.torch_engine import TorchTrainer
 
     tok, prompts, sp = vllm_workload(shape)
@@ -502,7 +504,7 @@ def part_spec(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
         cfg = rl_config(["precision=bf16", "rollout=vllm_mtp", f"model.cache_dir={tmp / 'mtp'}"])
         policy = build_model(shape, layers, torch.float32, device, seed=1)
         try:
-            VLLMRolloutEngine(cfg, policy, tok)
+            VLLMRolloutEngine(EngineConfig.of(cfg), policy, tok)
             report("vllm_spec_mtp_refused", False, "method=mtp on a model without MTP layers was not refused")
         except ConfigError as e:
             report("vllm_spec_mtp_refused", "multi-token-prediction" in str(e), f"ConfigError: {str(e)[:120]}")
@@ -520,7 +522,7 @@ def part_spec(device: torch.device, shape: str, layers: int, tmp: Path) -> None:
                              f"model.cache_dir={tmp / name}"])
             policy = build_model(shape, layers, torch.float32, device, seed=1)
             trainer = TorchTrainer.from_config(policy, cfg, device)
-            eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
+            eng = VLLMRolloutEngine(EngineConfig.of(cfg), trainer.policy, tok)
             gen = eng.generate(prompts, sp)
             trainer.policy_update(batch_from(gen), torch.Generator().manual_seed(0))
             eng.sync_weights(trainer.policy)
@@ -612,8 +614,9 @@ def part_agent(device: torch.device, shape: str, layers: Optional[int], dry: boo
             inner = HFRolloutEngine(trainer.policy, tok, B * G, share_weights=True, device=device)
         else:
             from rlpost.rollout.vllm import VLLMRolloutEngine
+            from rlpost.rollout.base import EngineConfig
 
-            inner = VLLMRolloutEngine(cfg, trainer.policy, tok)
+            inner = VLLMRolloutEngine(EngineConfig.of(cfg), trainer.policy, tok)
         eng = RecordingEngine(inner)
         s = EpisodeSampler(G, env="gpu_check_echo", max_turns=3, max_total_tokens=256, transcripts=False)
         t0 = time.perf_counter()
@@ -664,7 +667,7 @@ def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool,
     import ray
 
     from rlpost.ray_pool.ray_workers import RayRolloutPool
-    from rlpost.rollout.base import SamplingParams
+    from rlpost.rollout.base import EngineConfig, SamplingParams
     from rlpost.rollout.hf import HFRolloutEngine
     from rlpost.trainer.torch_engine import TorchTrainer
 
@@ -699,7 +702,7 @@ def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool,
             trainer = TorchTrainer.from_config(policy, cfg, device)
             local = HFRolloutEngine(trainer.policy, tok, B, share_weights=True, device=device)
             t0 = time.perf_counter()
-            pool = RayRolloutPool(cfg, local, trainer.policy)
+            pool = RayRolloutPool(cfg.launcher, EngineConfig.of(cfg), local, trainer.policy)
             start_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             gen = pool.generate(prompts, sp)
@@ -778,7 +781,7 @@ def dp_worker(shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
     import torch.distributed as dist
 
     from rlpost.distributed import ShardedEngine, local_run_rows
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
     from rlpost.trainer.torchrun import local_device
 
@@ -796,7 +799,7 @@ def dp_worker(shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
         over += ["precision=fp32"] if dry else ["precision=bf16", "rollout=vllm", "rollout.gpu_memory_utilization=0.5"]
         cfg = rl_config(over)
         policy = build_model(shape, layers, torch.float32 if dry else torch.bfloat16, device, seed=1)  # same everywhere
-        inner = TimedEngine(build_engine(cfg, policy, tok, device))
+        inner = TimedEngine(build_engine(EngineConfig.of(cfg), policy, tok, device))
         if not dry:
             policy = None
             reset_peak(device)
@@ -938,8 +941,9 @@ def part_lora(device: torch.device, shape: str, layers: Optional[int], dry: bool
             eng = HFRolloutEngine(trainer.policy, tok, B, share_weights=False, device=device)
         else:
             from rlpost.rollout.vllm import VLLMRolloutEngine
+            from rlpost.rollout.base import EngineConfig
 
-            eng = VLLMRolloutEngine(cfg, trainer.policy, tok)
+            eng = VLLMRolloutEngine(EngineConfig.of(cfg), trainer.policy, tok)
         gen = eng.generate(prompts, sp)
         batch = batch_from(gen, G)
         tokens = int(gen.prompt_mask.sum() + gen.response_mask.sum())

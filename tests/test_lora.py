@@ -201,7 +201,7 @@ def test_vllm_engine_runs_the_adapter_through_lora_requests(compose, monkeypatch
 
     from rlpost.models.lora import PEFT_FILE_PREFIX, adapter_state_dict
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
 
     calls = []
@@ -229,7 +229,7 @@ def test_vllm_engine_runs_the_adapter_through_lora_requests(compose, monkeypatch
 
     cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}", *LORA))
     model, tok = load_policy(cfg.model, seed=0)
-    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     init = calls[0][1]
     assert (init["enable_lora"], init["max_lora_rank"], init["max_loras"]) == (True, 8, 1)  # rank 4 -> vLLM's 8
     saved = load_file(str(eng.llm_dir / "model.safetensors"))

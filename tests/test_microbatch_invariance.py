@@ -80,7 +80,8 @@ def test_gradient_and_logged_loss_do_not_depend_on_micro_batch_size(compose, los
         # absolute tolerance on the gradient's own scale: SPPO's eta = 1000 makes float32 noise ~1e-4 absolute, and
         # on AVX-512 CPUs fp32 matmuls block by batch size, so near-zero entries differ by up to 1.1e-5 of the largest
         # gradient between micro-batch sizes (measured on every loss); an aggregation bug moves entries by ~10%
-        atol = 5e-5 * max(1.0, float(g_full.abs().max()))
+        # (aepo under seq-mean-token-sum measured 8.2e-5 off against 7.2e-5 on one AMD EPYC: float32 summation order)
+        atol = 1e-4 * max(1.0, float(g_full.abs().max()))
         assert torch.allclose(g, g_full, rtol=1e-4, atol=atol), (mb, (g - g_full).abs().max(), g_full.abs().max())
         for k, v in m_full.items():
             if k == "actor/lr":

@@ -70,13 +70,13 @@ def test_predictor_velocity_and_predicted_route_by_hand():
 def _built(compose, mode):
     from rlpost.models.loader import load_policy
     from rlpost.models.moe_replay import attach_routing
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.trainer.torch_engine import TorchTrainer
 
     cfg = compose(tiny_overrides("model=tiny_moe", f"model.routing_replay={mode}"))
     policy, tok = load_policy(cfg.model, seed=0)
     t = TorchTrainer.from_config(policy, cfg, "cpu")
-    return t, attach_routing(cfg, t, build_engine(cfg, t.policy, tok, torch.device("cpu")))
+    return t, attach_routing(cfg.model, t, build_engine(EngineConfig.of(cfg), t.policy, tok, torch.device("cpu")))
 
 
 def _drift(t, seed=3, scale=1.0):
@@ -168,7 +168,7 @@ def test_pr2_config_errors(compose):
     policy, _ = load_policy(cfg.model, seed=0)
     t = TorchTrainer.from_config(policy, cfg, "cpu")
     with pytest.raises(ConfigError, match="model.pr2: PR2 horizon must be >= 0"):
-        attach_routing(cfg, t, object())
+        attach_routing(cfg.model, t, object())
     with pytest.raises(Exception, match="hozizon"):
         compose(tiny_overrides("model=tiny_moe", "model.pr2.hozizon=2"))
 

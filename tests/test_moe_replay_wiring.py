@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -26,7 +27,7 @@ def _setup(compose, mode: str, *extra: str):
     from rlpost.core.batch import RolloutBatch
     from rlpost.models.loader import load_policy
     from rlpost.models.moe_replay import attach_routing
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
     from rlpost.trainer.torch_engine import TorchTrainer
 
@@ -34,7 +35,7 @@ def _setup(compose, mode: str, *extra: str):
                                  "algo.entropy_coef=0", "trainer.grad_clip=0", *extra))
     policy, tok = load_policy(cfg.model, seed=0)
     t = TorchTrainer.from_config(policy, cfg, "cpu")
-    eng = attach_routing(cfg, t, build_engine(cfg, t.policy, tok, torch.device("cpu")))
+    eng = attach_routing(cfg.model, t, build_engine(EngineConfig.of(cfg), t.policy, tok, torch.device("cpu")))
     gen = eng.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=5))
     B, R = gen.response_ids.shape
     g = torch.Generator().manual_seed(0)
@@ -137,16 +138,29 @@ def test_config_errors(compose):
     policy, tok = load_policy(cfg.model, seed=0)
     t = TorchTrainer.from_config(policy, cfg, "cpu")
     with pytest.raises(ConfigError, match="no top-k MoE routers"):
-        attach_routing(cfg, t, object())
+        attach_routing(cfg.model, t, object())
+    # the engine choices routing replay needs are config checks, run before anything is built
+    from rlpost.models.moe_replay import check_routing_config
+
+    check_routing_config(cfg)
     cfg.trainer.engine = "deepspeed"
     with pytest.raises(ConfigError, match="needs trainer=torch"):
-        attach_routing(cfg, t, object())
+        check_routing_config(cfg)
+    cfg.trainer.engine = "torch"
     cfg.rollout.engine = "vllm"
     with pytest.raises(ConfigError, match="hf engine only"):
-        attach_routing(cfg, t, object())
+        check_routing_config(cfg)
+    cfg.model.gradient_checkpointing = True
+    cfg.rollout.engine = "hf"
+    with pytest.raises(ConfigError, match="checkpointed"):
+        check_routing_config(cfg)
     cfg.model.routing_replay = "always"
     with pytest.raises(ConfigError, match="not one of off, record, replay"):
-        attach_routing(cfg, t, object())
+        check_routing_config(cfg)
+    with pytest.raises(ConfigError, match="not one of off, record, replay"):
+        attach_routing(cfg.model, t, object())
+    with pytest.raises(ConfigError, match="needs trainer=torch"):  # a trainer object without the forward hook
+        attach_routing(OmegaConf.create({"routing_replay": "replay"}), object(), object())
     cfg.model.routing_replay = "off"
     eng = object()
-    assert attach_routing(cfg, t, eng) is eng and t.routing is None  # off: nothing wrapped, nothing patched
+    assert attach_routing(cfg.model, t, eng) is eng and t.routing is None  # off: nothing wrapped, nothing patched

@@ -68,13 +68,13 @@ def fp8_rollouts():
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.models.logprobs import response_logprobs
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
 
     cfg = compose_config(tiny_overrides("precision=rollout_fp8_sim"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=11)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     prompts = [tok(p)["input_ids"] for p in ["What is 3+4?", "Name a prime", "Hello there", "Count to five"]] * 4
     gen = eng.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0, seed=3))
     with torch.no_grad():
@@ -123,7 +123,7 @@ def test_int8_and_fp4_rollout_engines_generate_with_a_mismatch():
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.models.logprobs import response_logprobs
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
     from rlpost.rollout.precision import mismatch_metrics
 
@@ -131,7 +131,7 @@ def test_int8_and_fp4_rollout_engines_generate_with_a_mismatch():
     prompts = [tok("What is 2+2?")["input_ids"], tok("Hi")["input_ids"]] * 2
     gaps = {}
     for preset in ("rollout_int8_sim", "rollout_fp4_sim"):
-        eng = build_engine(compose_config(tiny_overrides(f"precision={preset}")), model, tok, torch.device("cpu"))
+        eng = build_engine(EngineConfig.of(compose_config(tiny_overrides(f"precision={preset}"))), model, tok, torch.device("cpu"))
         gen = eng.generate(prompts, SamplingParams(max_new_tokens=8, seed=1))
         with torch.no_grad():
             lp, _ = response_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.response_ids,

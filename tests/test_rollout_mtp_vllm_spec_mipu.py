@@ -53,18 +53,19 @@ def test_vllm_engine_kwargs_speculative(compose, tmp_path):
     """rollout=vllm_mtp on the tiny model (no MTP heads) stops with a ConfigError; with heads it is passed on."""
     from rlpost.rollout.self_spec import check_speculative
     from rlpost.rollout.vllm import engine_kwargs
+    from rlpost.rollout.base import EngineConfig
 
     cfg = compose(tiny_overrides("rollout=vllm_mtp", "precision=bf16"))
     assert check_speculative(cfg) is None  # vLLM speculates inside its own engine: no hf wrapper
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
     with pytest.raises(ConfigError, match="method=mtp needs a model with multi-token-prediction heads"):
-        engine_kwargs(cfg, str(tmp_path))
+        engine_kwargs(EngineConfig.of(cfg), str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_nextn_predict_layers": 1}))
     cfg.model.path = "/ckpt/deepseek"
-    kw = engine_kwargs(cfg, str(tmp_path))
+    kw = engine_kwargs(EngineConfig.of(cfg), str(tmp_path))
     assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2, "model": "/ckpt/deepseek"}
     cfg = compose(tiny_overrides("rollout=vllm_self_spec", "precision=bf16"))
-    kw = engine_kwargs(cfg, str(tmp_path))
+    kw = engine_kwargs(EngineConfig.of(cfg), str(tmp_path))
     assert kw["speculative_config"] == {"method": "draft_model", "num_speculative_tokens": 3,
                                         "model": str(tmp_path), "quantization": "fp8"}
     assert "speculative_config" not in engine_kwargs(compose(tiny_overrides("rollout=vllm", "precision=bf16")),
@@ -169,12 +170,13 @@ def test_fp8_gpu_recipe_names_vllm_fp8_and_fits_its_node(compose, tmp_path):
     from rlpost.run.memory import check, shape_from_config
     from rlpost.experiments.recipes import parse_card
     from rlpost.rollout.vllm import engine_kwargs
+    from rlpost.rollout.base import EngineConfig
 
     cfg = compose(["+recipe=fp8_rollout_qwen3_8b", "trainer.num_procs=8", "logger=none"])
     assert (cfg.model.name, cfg.rollout.engine, cfg.precision.trainer_dtype, cfg.precision.rollout_dtype,
             cfg.precision.correction) == ("qwen3-8b", "vllm", "bf16", "fp8", "tis")
     (tmp_path / "config.json").write_text("{}")
-    kw = engine_kwargs(cfg, str(tmp_path))
+    kw = engine_kwargs(EngineConfig.of(cfg), str(tmp_path))
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from gpu_check import hf_config
@@ -188,7 +190,7 @@ def test_fp8_gpu_recipe_names_vllm_fp8_and_fits_its_node(compose, tmp_path):
     toy = compose(["model=tiny", "logger=none", "algo=grpo", "algo.kl.coef=0", "+recipe=fp8_rollout_qwen3_8b",
                    "model=tiny", "trainer=torch", "model.gradient_checkpointing=false", "precision=rollout_fp8",
                    "rollout=vllm"])
-    assert toy.model.name == "tiny" and engine_kwargs(toy, str(tmp_path))["quantization"] == "fp8"
+    assert toy.model.name == "tiny" and engine_kwargs(EngineConfig.of(toy), str(tmp_path))["quantization"] == "fp8"
 
 
 # --------------------------------------------------------------------------- MIPU
@@ -237,14 +239,14 @@ def _mipu_setup(compose, min_gain):
     from rlpost.methods.mipu import UpdateGate
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.trainer.torch_engine import TorchTrainer
 
     cfg = compose(tiny_overrides("algo=mipu", "precision=rollout_fp8_sim", "trainer.lr=1e-2",
                                  f"algo.update_gate.min_gain={min_gain}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=3)
     trainer = TorchTrainer.from_config(model, cfg, "cpu")
-    eng = build_engine(cfg, trainer.policy, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), trainer.policy, tok, torch.device("cpu"))
     gate = UpdateGate(cfg)
     gate.validate()
     return cfg, trainer, eng, gate.gate, make_batch()

@@ -16,6 +16,7 @@ from conftest import tiny_overrides
 def test_build_requests_maps_sampling_params():
     from rlpost.rollout.base import SamplingParams
     from rlpost.rollout.vllm import build_requests
+    from rlpost.rollout.base import EngineConfig
 
     inputs, kws = build_requests([[1, 2, 3], [1, 2, 3], [7]],
                                  SamplingParams(max_new_tokens=9, temperature=0.7, top_k=0, top_p=0.9, seed=100,
@@ -41,6 +42,7 @@ def _out(tokens, lps, reason, text="x", as_objects=True):
 
 def test_extract_result_pads_masks_and_reads_sampled_logprobs():
     from rlpost.rollout.vllm import extract_result
+    from rlpost.rollout.base import EngineConfig
 
     outs = [_out([5, 6, 2], [-0.1, -0.2, -0.3], "stop"), _out([8], [-1.5], "length", as_objects=False)]
     r = extract_result(outs, [[1, 2], [3]], pad_id=0, temperature=0.8)
@@ -56,6 +58,7 @@ def test_extract_result_pads_masks_and_reads_sampled_logprobs():
 def test_extract_result_errors_on_missing_logprobs():
     from rlpost.core.errors import RlpostError
     from rlpost.rollout.vllm import extract_result
+    from rlpost.rollout.base import EngineConfig
 
     bad = NS(outputs=[NS(token_ids=[5], logprobs=None, text="", finish_reason="stop")])
     with pytest.raises(RlpostError, match="logprobs=0"):
@@ -68,6 +71,7 @@ def test_weight_names_for_load_weights():
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.rollout.vllm import vllm_weight_items
+    from rlpost.rollout.base import EngineConfig
 
     model, _ = load_policy(ModelConfig(source="tiny"), seed=0)
     sd = {"module." + k: v for k, v in model.state_dict().items()}
@@ -83,22 +87,21 @@ def test_weight_names_for_load_weights():
 
 def test_missing_vllm_or_gpu_is_a_clear_error(compose, monkeypatch):
     from rlpost.core.errors import RlpostError
-    from rlpost.rollout import build_engine
-
+    from rlpost.rollout import EngineConfig, build_engine
     cfg = compose(tiny_overrides("rollout=vllm"))
     monkeypatch.setitem(sys.modules, "vllm", None)  # "not installed"
     with pytest.raises(RlpostError, match=r"scripts/setup.sh` installs vLLM's CPU backend.*pip install 'rlpost\[vllm\]'"):
-        build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
+        build_engine(EngineConfig.of(cfg), torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
     _fake_vllm(monkeypatch, [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vLLM's CUDA build, but no GPU here
     with pytest.raises(RlpostError, match="CUDA build and no CUDA GPU"):
-        build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
+        build_engine(EngineConfig.of(cfg), torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
     _fake_vllm(monkeypatch, [], device="")  # a vLLM that found no platform at all
     with pytest.raises(RlpostError, match="found no platform"):
-        build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
+        build_engine(EngineConfig.of(cfg), torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
     cfg = compose(tiny_overrides("rollout=vllm", "precision=rollout_fp8_sim"))
     with pytest.raises(RlpostError, match="rollout=hf"):
-        build_engine(cfg, torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
+        build_engine(EngineConfig.of(cfg), torch.nn.Linear(1, 1), NS(pad_token_id=0, eos_token_id=0), torch.device("cpu"))
 
 
 def _fake_vllm(monkeypatch, calls, version="0.33.0", reload_api=True, device="cuda"):
@@ -169,14 +172,14 @@ def test_engine_drives_vllm_api_with_fakes(compose, monkeypatch, tmp_path):
 
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
 
     calls = []
     _fake_vllm(monkeypatch, calls)
     cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
-    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     init = calls[0][1]
     assert init["dtype"] == "bfloat16" and init["enable_sleep_mode"] and "quantization" not in init
     assert init["max_model_len"] == 2048 and init["logprobs_mode"]  # rollout.max_model_len 4096, capped at the model's context == "processed_logprobs"
@@ -201,14 +204,14 @@ def test_fp8_push_goes_through_worker_reload(compose, monkeypatch, tmp_path):
     from rlpost.config.schema import ModelConfig
     from rlpost.core.errors import RlpostError
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
 
     calls = []
     _fake_vllm(monkeypatch, calls)
     cfg = compose(tiny_overrides("rollout=vllm", "precision=rollout_fp8", f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
-    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     assert calls[0][1]["quantization"] == "fp8" and calls[0][1]["dtype"] == "bfloat16"
     eng.generate([[1]], SamplingParams(max_new_tokens=2))
     eng.sync_weights(model)
@@ -221,34 +224,34 @@ def test_fp8_push_goes_through_worker_reload(compose, monkeypatch, tmp_path):
     calls.clear()
     _fake_vllm(monkeypatch, calls, reload_api=False)
     with pytest.raises(RlpostError, match="in-place reload"):
-        build_engine(cfg, model, tok, torch.device("cpu"))
+        build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
 
 
 def test_torchrun_ranks_use_external_launcher_and_multiprocessing_is_refused(compose, monkeypatch, tmp_path):
     from rlpost.config.schema import ModelConfig
     from rlpost.core.errors import RlpostError
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
-
+    from rlpost.rollout import EngineConfig, build_engine
     calls = []
     _fake_vllm(monkeypatch, calls, version="0.9.2")
     cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
     with pytest.raises(RlpostError, match=r"vLLM >= 0\.10\.2"):  # too old: refused, no second engine
-        build_engine(cfg, model, tok, torch.device("cpu"))
+        build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     assert not calls
     _fake_vllm(monkeypatch, calls)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    build_engine(cfg, model, tok, torch.device("cpu"))
+    build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     assert calls[0][1]["distributed_executor_backend"] == "external_launcher"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.raises(RlpostError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1"):
-        build_engine(cfg, model, tok, torch.device("cpu"))
+        build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
 
 
 def test_temperature_is_recorded_as_vllm_samples_it():
     from rlpost.rollout.base import SamplingParams
     from rlpost.rollout.vllm import build_requests, extract_result, vllm_temperature
+    from rlpost.rollout.base import EngineConfig
 
     assert vllm_temperature(0.005) == 0.01  # vLLM's SamplingParams raises (0, 0.01) to 0.01
     assert vllm_temperature(0.7) == 0.7 and vllm_temperature(0.3, greedy=True) == 0.0
@@ -284,7 +287,7 @@ def test_multi_turn_episode_through_vllm_keeps_the_engine_awake_and_sends_exact_
     from rlpost.config.schema import ModelConfig
     from rlpost.envs.base import EnvStep
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
     from rlpost.samplers.base import SamplerContext
     from rlpost.samplers.episode import EpisodeSampler, render_insert
@@ -303,7 +306,7 @@ def test_multi_turn_episode_through_vllm_keeps_the_engine_awake_and_sends_exact_
     _fake_vllm(monkeypatch, calls)
     cfg = compose(tiny_overrides("rollout=vllm", "precision=bf16", f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
-    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     assert calls[0][1]["enable_prefix_caching"] is True
     sent = []
     orig = eng.llm.generate
@@ -329,6 +332,7 @@ def test_init_dir_is_renamed_into_place_and_a_lost_race_keeps_the_winner(compose
     from rlpost.config.schema import ModelConfig, TinyConfig
     from rlpost.models.loader import load_policy
     from rlpost.rollout.vllm import VLLMRolloutEngine
+    from rlpost.rollout.base import EngineConfig
 
     cfg = compose(tiny_overrides(f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
@@ -355,6 +359,7 @@ def test_cpu_platform_plan_and_engine_arguments(compose, tmp_path):
     eager by default; fp8, several torchrun ranks and speculative decoding are refused with the fix."""
     from rlpost.core.errors import RlpostError
     from rlpost.rollout.vllm import engine_kwargs, platform_plan, reload_items
+    from rlpost.rollout.base import EngineConfig
 
     assert platform_plan("cpu", "fp32") == platform_plan("cpu", "bf16")
     p = platform_plan("cpu", "fp32")
@@ -365,7 +370,7 @@ def test_cpu_platform_plan_and_engine_arguments(compose, tmp_path):
         with pytest.raises(RlpostError, match=msg):
             platform_plan(*args)
     cfg = compose(tiny_overrides("rollout=vllm", "rollout.cpu_kv_cache_gib=0.5"))
-    cpu, gpu = engine_kwargs(cfg, str(tmp_path), device="cpu"), engine_kwargs(cfg, str(tmp_path), device="cuda")
+    cpu, gpu = engine_kwargs(EngineConfig.of(cfg), str(tmp_path), device="cpu"), engine_kwargs(EngineConfig.of(cfg), str(tmp_path), device="cuda")
     assert "enable_sleep_mode" not in cpu and "gpu_memory_utilization" not in cpu
     assert cpu["kv_cache_memory_bytes"] == 2**29 and cpu["enforce_eager"] is True
     assert gpu["enable_sleep_mode"] is True and gpu["gpu_memory_utilization"] == 0.4 and gpu["enforce_eager"] is False
@@ -384,7 +389,7 @@ def test_engine_on_the_cpu_platform_drives_the_calls_the_real_cpu_engine_needs(c
     head size the CPU kernels lack refused before any engine is built."""
     from rlpost.core.errors import RlpostError
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
 
     calls = []
@@ -392,13 +397,13 @@ def test_engine_on_the_cpu_platform_drives_the_calls_the_real_cpu_engine_needs(c
     narrow = compose(tiny_overrides("rollout=vllm", f"model.cache_dir={tmp_path}"))  # head size 16
     model, tok = load_policy(narrow.model, seed=0)
     with pytest.raises(RlpostError, match="no kernel for head size 16"):
-        build_engine(narrow, model, tok, torch.device("cpu"))
+        build_engine(EngineConfig.of(narrow), model, tok, torch.device("cpu"))
     assert not calls
     cfg = compose(tiny_overrides("rollout=vllm", "model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2",
                                  "model.tiny.num_key_value_heads=1", f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(cfg.model, seed=0)
     threads = torch.get_num_threads()
-    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     assert torch.get_num_threads() == threads == eng.threads
     init = calls[0][1]
     assert "enable_sleep_mode" not in init and init["kv_cache_memory_bytes"] == 2**30 and init["enforce_eager"] is True

@@ -59,10 +59,9 @@ def policy(cfg):
 
 @pytest.fixture(scope="module")
 def engine(cfg, policy):
-    from rlpost.rollout import build_engine
-
+    from rlpost.rollout import EngineConfig, build_engine
     model, tok = policy
-    eng = build_engine(cfg, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
     yield eng
     eng.close()
 

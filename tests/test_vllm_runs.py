@@ -39,13 +39,13 @@ def test_lora_adapters_are_served_through_lora_requests_and_never_stale(cfg):
     from omegaconf import OmegaConf
 
     from rlpost.models.loader import load_policy
-    from rlpost.rollout import build_engine
+    from rlpost.rollout import EngineConfig, build_engine
     from rlpost.rollout.base import SamplingParams
 
     c = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["model.lora.rank=8", "model.lora.alpha=16",
                                                       "model.lora.target_modules=[q_proj,v_proj,up_proj]"]))
     model, tok = load_policy(c.model, seed=1)
-    eng = build_engine(c, model, tok, torch.device("cpu"))
+    eng = build_engine(EngineConfig.of(c), model, tok, torch.device("cpu"))
     try:
         assert eng.lora and eng.lora_request is None
         gen = eng.generate(_prompts(tok, 3), SamplingParams(max_new_tokens=10, seed=2))
@@ -74,12 +74,11 @@ def test_lora_adapters_are_served_through_lora_requests_and_never_stale(cfg):
 def test_speculative_decoding_on_cpu_is_refused_with_the_reason(policy):
     from rlpost.config.compose import compose_config
     from rlpost.core.errors import RlpostError
-    from rlpost.rollout import build_engine
-
+    from rlpost.rollout import EngineConfig, build_engine
     model, tok = policy
     c = compose_config([o for o in _overrides() if o != "rollout=vllm"] + ["rollout=vllm_ngram"])
     with pytest.raises(RlpostError, match="speculated tokens are wrong.*rollout=hf_self_spec"):
-        build_engine(c, model, tok, torch.device("cpu"))
+        build_engine(EngineConfig.of(c), model, tok, torch.device("cpu"))
 
 
 def test_rlpost_train_with_rollout_vllm_trains_and_logs_a_small_logprob_gap(tmp_path):

@@ -245,6 +245,8 @@ def check_ranges(cfg: DictConfig) -> None:
 #: enums in :mod:`rlpost.config.schema`, so composition already rejected them.
 GROUP_CHECKS = (
     ("model", "rlpost.models.lora:check_model_config"),
+    ("model", "rlpost.models.moe_replay:check_routing_config"),  # routing replay's engines
+    ("rollout", "rlpost.rollout.self_spec:check_speculative"),
     ("model", "rlpost.algos.validate:check_teacher_config"),  # model.teacher set exactly when the algorithm distils
     ("algo", "rlpost.algos.validate:check_algo_config"),
     ("methods", "rlpost.methods.base:check_config"),

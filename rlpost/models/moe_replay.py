@@ -491,34 +491,56 @@ class TrainerRouting:
         return out
 
 
-def attach_routing(cfg: Any, trainer: Any, engine: Any) -> Any:
-    """Wire ``model.routing_replay`` into a run: the trainer replays (or measures) and the engine records.
-
-    Returns the engine to use (``engine`` itself when the mode is ``off``).
+def check_routing_config(cfg: Any) -> None:
+    """``model.routing_replay`` against the engines that must carry it (a ``model`` group check of
+    :data:`rlpost.config.compose.GROUP_CHECKS`; :func:`attach_routing` checks the model itself).
 
     Raises:
-        ConfigError: a mode other than off/record/replay/pr2, bad ``model.pr2`` settings, a non-hf rollout engine, a
-            trainer without a policy forward hook (deepspeed), gradient checkpointing
-            (its recomputed forward would route on its own), or a model without MoE routers.
+        ConfigError: an unknown mode, a non-hf rollout engine, a trainer other than torch
+            (DeepSpeed trains a wrapped, under ZeRO-3 partitioned, module whose routers were never
+            patched), or gradient checkpointing (its recomputed forward would route on its own).
     """
-
     mode = str(getattr(cfg.model, "routing_replay", "off") or "off")
     if mode not in ROUTING_MODES:
         raise ConfigError(f"model.routing_replay={mode!r} is not one of {', '.join(ROUTING_MODES)}")
     if mode == "off":
-        return engine
+        return
     if cfg.rollout.engine != "hf":
         raise ConfigError(f"model.routing_replay={mode} records routes in the hf engine only; set rollout=hf")
-    if not hasattr(trainer, "routing") or str(getattr(cfg.trainer, "engine", "torch")) != "torch":
-        # DeepSpeed trains a wrapped (ZeRO-3: partitioned) module whose routers were never patched
+    if str(getattr(cfg.trainer, "engine", "torch")) != "torch":
         raise ConfigError(f"model.routing_replay={mode} needs trainer=torch (the routers of the module it trains "
                           "are the ones patched)")
     if getattr(cfg.model, "gradient_checkpointing", False):
         raise ConfigError(f"model.routing_replay={mode} cannot replay inside recomputed (checkpointed) forwards; "
                           "set model.gradient_checkpointing=false")
+
+
+def attach_routing(model_cfg: Any, trainer: Any, engine: Any) -> Any:
+    """Wire ``model.routing_replay`` into a run: the trainer replays (or measures) and the engine records.
+
+    Returns the engine to use (``engine`` itself when the mode is ``off``). The engine choices it
+    needs are config checks (:func:`check_routing_config`), run before anything is built.
+
+    Args:
+        model_cfg: ``cfg.model`` (``routing_replay``, ``pr2``).
+        trainer: the torch trainer (its ``policy`` is patched; it gets a ``routing`` attribute).
+        engine: the hf rollout engine (wrapped to record routes).
+    Raises:
+        ConfigError: a mode other than off/record/replay/pr2, bad ``model.pr2`` settings, a
+            trainer without a policy forward hook (deepspeed), or a model without MoE routers.
+    """
+
+    mode = str(getattr(model_cfg, "routing_replay", "off") or "off")
+    if mode not in ROUTING_MODES:
+        raise ConfigError(f"model.routing_replay={mode!r} is not one of {', '.join(ROUTING_MODES)}")
+    if mode == "off":
+        return engine
+    if not hasattr(trainer, "routing"):
+        raise ConfigError(f"model.routing_replay={mode} needs trainer=torch (the routers of the module it trains "
+                          "are the ones patched)")
     predictor = None
     if mode == "pr2":
-        pr2 = getattr(cfg.model, "pr2", None)
+        pr2 = getattr(model_cfg, "pr2", None)
         try:
             predictor = RouterEvolutionPredictor(float(getattr(pr2, "horizon", 1.0)), float(getattr(pr2, "ema", 0.5)))
         except ValueError as e:

@@ -13,6 +13,7 @@ import importlib.util
 from typing import Any
 
 from rlpost.core.errors import ConfigError
+from rlpost.rollout.base import EngineConfig
 from rlpost.ray_pool.ray_workers import RayRolloutPool
 
 LAUNCHERS = ("none", "ray")
@@ -66,20 +67,19 @@ def check_launcher(cfg: Any) -> None:
                           "which Ray rollout workers cannot update. Fix: launcher=none, or another sampler.")
 
 
-def build_rollout_backend(cfg: Any, local_engine: Any, policy: Any, tokenizer: Any) -> Any:
+def build_rollout_backend(launcher: Any, ec: EngineConfig, local_engine: Any, policy: Any) -> Any:
     """The engine the runner generates with: ``local_engine`` itself, or a Ray worker pool in front of it.
 
     Args:
-        cfg: the run config.
+        launcher: ``cfg.launcher`` (None or ``name=none``: no pool).
+        ec: the engine config the workers build their engines from (:class:`rlpost.rollout.base.EngineConfig`).
         local_engine: the driver's own engine (evaluation, HIVE's prompt entropy and
             attribute look-ups such as ``pad_id`` go to it).
         policy: the trainer's policy (the workers start from its weights).
-        tokenizer: its tokenizer.
     Returns:
         an object with the :class:`rlpost.rollout.base.RolloutEngine` interface.
     """
-    lc = cfg.get("launcher")
-    if lc is None or lc.name == "none":
+    if launcher is None or launcher.name == "none":
         return local_engine
 
-    return RayRolloutPool(cfg, local_engine, policy)
+    return RayRolloutPool(launcher, ec, local_engine, policy)

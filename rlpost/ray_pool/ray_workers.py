@@ -54,7 +54,7 @@ from rlpost.distributed import local_run_rows
 from rlpost.models.loader import load_policy
 from rlpost.models.lora import is_lora, merged_state_dict
 from rlpost.rollout import build_engine
-from rlpost.rollout.base import concat_generations
+from rlpost.rollout.base import EngineConfig, concat_generations
 
 log = logging.getLogger("rlpost")
 
@@ -153,34 +153,36 @@ class WeightGroup:
 class RolloutWorker:
     """One rollout worker (run as a Ray actor by :class:`RayRolloutPool`).
 
-    Builds the policy architecture from ``cfg.model`` (a LoRA config is built
+    Builds the policy architecture from ``model`` (a LoRA config is built
     without adapters: workers hold merged weights) and an engine with
     :func:`rlpost.rollout.build_engine`; the weights come from the driver.
 
     Args:
-        cfg: the run config as a plain dict (``OmegaConf.to_container``).
+        engine_cfg: the pool's :class:`rlpost.rollout.base.EngineConfig` as a plain dict
+            (``rollout``, ``precision``, ``model`` sections as ``OmegaConf.to_container`` gives them, ``seed``).
+        gpu: the worker holds a GPU (``launcher.gpus_per_worker > 0``).
         index: the worker's slot in the pool (logs only).
     """
 
-    def __init__(self, cfg: Dict[str, Any], index: int) -> None:
+    def __init__(self, engine_cfg: Dict[str, Any], gpu: bool, index: int) -> None:
         from omegaconf import OmegaConf
 
-        c = OmegaConf.create(cfg)
-        gpu = float(c.launcher.gpus_per_worker) > 0
-        c.device = "cuda" if gpu else "cpu"
-        if c.model.get("lora") is not None:
-            c.model.lora.rank = 0  # merged weights: a plain model
+        model = OmegaConf.create(engine_cfg["model"])
+        if model.get("lora") is not None:
+            model.lora.rank = 0  # merged weights: a plain model
+        ec = EngineConfig(OmegaConf.create(engine_cfg["rollout"]), OmegaConf.create(engine_cfg["precision"]), model,
+                          int(engine_cfg["seed"]), share_weights=True)
         self.index = index
         self.device = torch.device("cuda" if gpu else "cpu")
         # vLLM holds its own weights: the worker's torch copy only seeds vLLM's model directory (on a GPU
         # node in 16 bits, on the CPU in fp32, vLLM's CPU rollout dtype) and pushes go straight into vLLM
-        self.vllm = str(c.rollout.engine) == "vllm"
-        self.policy, self.tokenizer = load_policy(c.model, torch.bfloat16 if self.vllm and gpu else torch.float32,
-                                                  seed=int(c.seed))
+        self.vllm = str(ec.rollout.engine) == "vllm"
+        self.policy, self.tokenizer = load_policy(ec.model, torch.bfloat16 if self.vllm and gpu else torch.float32,
+                                                  seed=ec.seed)
         self.policy.eval().requires_grad_(False)
         if not self.vllm:
             self.policy.to(self.device)
-        self.engine = build_engine(c, self.policy, self.tokenizer, self.device)
+        self.engine = build_engine(ec, self.policy, self.tokenizer, self.device)
         self.version = -1
         self.group: Optional[WeightGroup] = None
 
@@ -376,7 +378,8 @@ class RayRolloutPool:
     """A rollout engine that generates in ``launcher.num_rollout_workers`` Ray actors (see the module doc).
 
     Args:
-        cfg: the run config (``launcher``, ``rollout``, ``model`` ...).
+        lc: ``cfg.launcher`` (workers, placement, resources, weight sync, restarts).
+        ec: the workers' engine config (:class:`rlpost.rollout.base.EngineConfig`).
         local_engine: the driver's engine: evaluation and attribute look-ups
             (``pad_id``, ``tokenizer``, ``model``) go to it, and it is kept in sync.
         policy: the trainer's policy; the workers start from its weights.
@@ -391,26 +394,27 @@ class RayRolloutPool:
             cluster has (names the resources), or a bad ``launcher.address``.
     """
 
-    def __init__(self, cfg: Any, local_engine: Any, policy: torch.nn.Module) -> None:
+    def __init__(self, lc: Any, ec: EngineConfig, local_engine: Any, policy: torch.nn.Module) -> None:
         import ray
         from omegaconf import OmegaConf
 
-        self.lc = lc = cfg.launcher
+        self.lc = lc
         self.local = local_engine
         self._ray_logging = route_ray_logging()
         self.started_ray = init_ray(lc)
         if self.started_ray:
             logging.getLogger("ray").info(f"Ray session logs (the rollout workers' output): {_session_logs()}")
-        self.cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+        self.engine_cfg = {k: OmegaConf.to_container(getattr(ec, k), resolve=True) for k in ("rollout", "precision", "model")}
+        self.engine_cfg["seed"] = int(ec.seed)
         self.n = int(lc.num_rollout_workers)
         self.gpu = float(lc.gpus_per_worker) > 0
         ws = str(lc.weight_sync)
         # NCCL takes one device per rank: a broadcast needs workers on devices of their own (gpus_per_worker >= 1)
         self.weight_sync = ("collective" if float(lc.gpus_per_worker) >= 1 else "object_store") if ws == "auto" else ws
         self.restarts_left = int(lc.max_restarts)
-        rd = str(cfg.precision.rollout_dtype)
+        rd = str(ec.precision.rollout_dtype)
         self.push_dtype = ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(rd)
-                           if str(cfg.rollout.engine) == "vllm" else None)
+                           if str(ec.rollout.engine) == "vllm" else None)
         self.driver_node = ray.get_runtime_context().get_node_id()
         self.pg = None
         self.after_submit: Optional[Callable[..., None]] = None
@@ -469,7 +473,7 @@ class RayRolloutPool:
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=slot)
         opts = {"num_cpus": float(self.lc.cpus_per_worker), "num_gpus": float(self.lc.gpus_per_worker),
                 "max_restarts": 0, "scheduling_strategy": strategy}  # the pool replaces dead workers itself
-        return self._actor_cls.options(**opts).remote(self.cfg_dict, slot)
+        return self._actor_cls.options(**opts).remote(self.engine_cfg, self.gpu, slot)
 
     # ------------------------------------------------------------------------- weights
     def live(self) -> List[int]:

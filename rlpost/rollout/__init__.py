@@ -8,19 +8,19 @@ from typing import Any, Dict, Optional
 import torch
 
 from rlpost.core.errors import ConfigError
-from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams  # noqa: F401
+from rlpost.rollout.base import EngineConfig, GenerationResult, RolloutEngine, SamplingParams  # noqa: F401
 from rlpost.core.autoprecision import resolve_precision
 from rlpost.rollout.hf import HFRolloutEngine
 from rlpost.rollout.mtp_draft import mtp_engine
 from rlpost.rollout.precision import rollout_converter
-from rlpost.rollout.self_spec import MTP_DRAFTER, SelfSpeculativeEngine, check_speculative
+from rlpost.rollout.self_spec import MTP_DRAFTER, SelfSpeculativeEngine, check_speculative, speculative_settings  # noqa: F401
 
 ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")
 
 
-def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device,
+def build_engine(ec: EngineConfig, policy: torch.nn.Module, tokenizer: Any, device: torch.device,
                  run_dir: Any = None, prompts: Any = None) -> RolloutEngine:
-    """The rollout engine named by ``cfg.rollout.engine`` for ``policy``.
+    """The rollout engine named by ``ec.rollout.engine`` for ``policy``.
 
     With ``rollout.speculative`` set, the hf engine is wrapped by the self-speculative engine
     (:mod:`rlpost.rollout.self_spec`: a quantised copy of the policy drafts, the policy verifies),
@@ -28,38 +28,45 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torc
     head is read from ``rollout.speculative.mtp_head_path`` or ``<run_dir>/mtp_head.pt``, or fitted
     here on ``prompts(n)`` (``n`` token-id training prompts) and saved to ``run_dir``.
 
-    ``hf`` shares the trainer's module when the rollout dtype is the trainer's
-    master dtype (fp32) and otherwise keeps a converted copy that is refreshed
-    after each update.
+    ``hf`` shares the trainer's module when the rollout dtype is the trainer's master dtype (fp32)
+    and ``ec.share_weights`` allows it, and otherwise keeps a converted copy that is refreshed after
+    each update.
 
+    Args:
+        ec: the engine's config sections (:class:`EngineConfig`; ``EngineConfig.of(cfg)`` from a run config).
     Raises:
+        TypeError: ``ec`` is not an :class:`EngineConfig` (a whole run config: pass ``EngineConfig.of(cfg)``).
         ConfigError: unknown engine or rollout dtype, or bad speculative settings
             (:func:`wrap_speculative`).
     """
 
-    spec = check_speculative(cfg)  # before building: a bad setting stops the run before any weights move
-    return wrap_speculative(cfg, _plain_engine(cfg, policy, tokenizer, device), spec, policy=policy,
-                                 run_dir=run_dir, prompts=prompts)
+    _check_engine_config(ec)
+    spec = speculative_settings(ec.rollout, ec.model)  # before building: a bad setting stops the run before any weights move
+    return wrap_speculative(ec, _plain_engine(ec, policy, tokenizer, device), spec, policy=policy,
+                            run_dir=run_dir, prompts=prompts)
 
 
-def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
+def _check_engine_config(ec: Any) -> None:
+    if not isinstance(ec, EngineConfig):
+        raise TypeError(f"rollout engines are built from an EngineConfig (its rollout, precision, model sections and "
+                        f"seed), got {type(ec).__name__}. Fix: pass rlpost.rollout.EngineConfig.of(cfg).")
+
+
+def _plain_engine(ec: EngineConfig, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
     """:func:`build_engine` without the speculative wrapper."""
 
-    resolve_precision(cfg, device)  # precision=auto (no-op when already concrete)
-    rd = cfg.precision.rollout_dtype
-    if cfg.rollout.engine == "vllm":
+    resolve_precision(ec, device)  # precision=auto (no-op when already concrete)
+    rd = ec.precision.rollout_dtype
+    if ec.rollout.engine == "vllm":
         from rlpost.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is optional and GPU-only
 
         # one engine per torchrun rank, on the rank's current device (external launcher)
-        return VLLMRolloutEngine(cfg, policy, tokenizer, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    if cfg.rollout.engine != "hf":
-        raise ConfigError(f"Unknown rollout engine rollout.engine={cfg.rollout.engine!r}. Valid choices: hf, vllm.")
+        return VLLMRolloutEngine(ec, policy, tokenizer, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if ec.rollout.engine != "hf":
+        raise ConfigError(f"Unknown rollout engine rollout.engine={ec.rollout.engine!r}. Valid choices: hf, vllm.")
 
     if rd == "fp32":
-        # The asynchronous executor generates while the trainer updates: it needs a private copy
-        # (at max_staleness 0 the two strictly alternate, so sharing stays safe and exact).
-        share = cfg.executor.name != "async" or int(cfg.executor.max_staleness) == 0
-        return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=share, device=device)
+        return HFRolloutEngine(policy, tokenizer, ec.rollout.batch_size, share_weights=ec.share_weights, device=device)
     if rd in ("bf16", "fp16"):
         dt = torch.bfloat16 if rd == "bf16" else torch.float16
 
@@ -67,7 +74,7 @@ def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: tor
             return m.to(dt)
 
         cast.dtype_cast = True  # invertible: weights are refreshed in place, not rebuilt
-        return HFRolloutEngine(policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=cast, device=device)
+        return HFRolloutEngine(policy, tokenizer, ec.rollout.batch_size, share_weights=False, convert=cast, device=device)
     try:
         from rlpost.rollout.precision import rollout_converter
     except ImportError:
@@ -75,12 +82,12 @@ def _plain_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, device: tor
     if rollout_converter is None:
         raise ConfigError(f"precision.rollout_dtype={rd!r} is not available; valid: {', '.join(ROLLOUT_DTYPES)}.")
     return HFRolloutEngine(
-        policy, tokenizer, cfg.rollout.batch_size, share_weights=False, convert=rollout_converter(rd), device=device
+        policy, tokenizer, ec.rollout.batch_size, share_weights=False, convert=rollout_converter(rd), device=device
     )
 
 
-def wrap_speculative(cfg: Any, engine: Any, c: Optional[Dict[str, Any]] = None, policy: Any = None,
-                          run_dir: Any = None, prompts: Any = None) -> Any:
+def wrap_speculative(ec: EngineConfig, engine: Any, c: Optional[Dict[str, Any]] = None, policy: Any = None,
+                     run_dir: Any = None, prompts: Any = None) -> Any:
     """``engine`` wrapped for ``rollout.speculative`` when it is set, else ``engine`` itself.
 
     A quantised drafter gives a :class:`rlpost.rollout.self_spec.SelfSpeculativeEngine`; ``drafter=mtp_head`` gives a
@@ -88,22 +95,24 @@ def wrap_speculative(cfg: Any, engine: Any, c: Optional[Dict[str, Any]] = None, 
     (:func:`rlpost.rollout.mtp_draft.mtp_engine`).
 
     Args:
-        cfg: the run config.
+        ec: the engine's config sections (:class:`EngineConfig`).
         engine: the plain hf engine.
-        c: settings already checked by :func:`rlpost.rollout.self_spec.check_speculative` (checked here when None).
+        c: settings already checked by :func:`rlpost.rollout.self_spec.speculative_settings` (checked here when None).
         policy: the trainer's policy (drafter=mtp_head: the head is fitted on it; None: ``engine.model``).
         run_dir: the run directory (drafter=mtp_head: ``mtp_head.pt`` is reused from / saved there).
         prompts: ``fn(n) -> n`` token-id prompts of the task's training split (drafter=mtp_head:
             what the head's fit samples the policy on; None: the head must come from a file).
     Raises:
-        ConfigError: see :func:`rlpost.rollout.self_spec.check_speculative` and :func:`rlpost.rollout.mtp_draft.mtp_engine`.
+        TypeError: ``ec`` is not an :class:`EngineConfig`.
+        ConfigError: see :func:`rlpost.rollout.self_spec.speculative_settings` and :func:`rlpost.rollout.mtp_draft.mtp_engine`.
     """
 
-    c = check_speculative(cfg) if c is None else c
+    _check_engine_config(ec)
+    c = speculative_settings(ec.rollout, ec.model) if c is None else c
     if c is None:
         return engine
     if c["drafter"] == MTP_DRAFTER:
-        return mtp_engine(cfg, engine, c, policy=policy, run_dir=run_dir, prompts=prompts)
+        return mtp_engine(ec, engine, c, policy=policy, run_dir=run_dir, prompts=prompts)
     return SelfSpeculativeEngine(engine, rollout_converter(c["drafter"]), switch_batch=c["switch_batch"],
                                  draft_len=c["draft_len"], min_draft_len=c["min_draft_len"],
                                  max_draft_len=c["max_draft_len"], adaptive=c["adaptive"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -16,6 +16,36 @@ from rlpost.core.batch import pad_cat
 # with (HAPO's adaptive temperature is one). Returning None keeps the engine's
 # scalar temperature.
 TemperatureHook = Callable[[torch.Tensor, int], Optional[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The parts of a run's config a rollout engine is built from, and nothing else.
+
+    :func:`rlpost.rollout.build_engine`, the vLLM engine, the speculative wrappers and the Ray
+    rollout workers read only these, so a key an engine depends on is visible here (a run's other
+    sections, e.g. ``algo`` or ``executor``, never reach an engine).
+
+    Attributes:
+        rollout: ``cfg.rollout`` (engine, batch size, max lengths, speculative and vLLM settings).
+        precision: ``cfg.precision`` (``rollout_dtype``; ``auto`` is resolved in place by the builder).
+        model: ``cfg.model`` (name, path, cache_dir, LoRA rank, routing_replay).
+        seed: the run's seed (vLLM's engine seed, the MTP head's fit).
+        share_weights: an fp32 hf engine may generate with the trainer's own module. False when
+            rollouts overlap updates (:func:`rlpost.run.executor.rollouts_overlap_updates`).
+    """
+
+    rollout: Any
+    precision: Any
+    model: Any
+    seed: int = 0
+    share_weights: bool = True
+
+    @classmethod
+    def of(cls, cfg: Any, share_weights: bool = True) -> "EngineConfig":
+        """The engine sections of a whole run config ``cfg`` (``rollout``, ``precision``, ``model``, ``seed``)."""
+        return cls(cfg.rollout, cfg.precision, cfg.model, int(cfg.get("seed", 0) if hasattr(cfg, "get") else cfg.seed),
+                   share_weights)
 
 
 @dataclass

@@ -519,7 +519,7 @@ def _same_setting(a: Any, b: Any) -> bool:
         return str(a) == str(b)
 
 
-def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.nn.Module] = None,
+def mtp_engine(ec: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.nn.Module] = None,
                run_dir: Any = None, prompts: Optional[Callable[[int], List[List[int]]]] = None) -> MTPSpeculativeEngine:
     """``rollout.speculative.drafter=mtp_head``: an :class:`MTPSpeculativeEngine` with a head fitted once before RL.
 
@@ -528,14 +528,15 @@ def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.
     the current policy and only the acceptance rate falls as the policy drifts. The head comes from,
     in order: ``mtp_head_path``; ``<run_dir>/mtp_head.pt`` (a resumed run, or a rerun in the same
     directory); a fit by :func:`fit_mtp_head` on ``mtp_head_prompts`` training prompts (one
-    response each at the run's rollout settings, seeded by ``cfg.seed``), saved to
+    response each at the run's rollout settings, seeded by ``ec.seed``), saved to
     ``<run_dir>/mtp_head.pt`` by the main process (a reused run-directory head whose file records
     other ``mtp_head_*`` settings than ``c`` is reused all the same, and the differences are
     logged: a resume must not refit). The head's summary is logged once and reported
     by the engine's first :meth:`~MTPSpeculativeEngine.pop_metrics` as ``mtp_head/...``.
 
     Args:
-        cfg: the run config (``rollout.*`` sampling settings, ``seed``).
+        ec: the engine's config sections (:class:`rlpost.rollout.base.EngineConfig`: ``rollout.*``
+            sampling settings, ``seed``, ``model.name``).
         engine: the plain hf engine (verifies; samples the fit's responses).
         c: checked ``rollout.speculative`` (:func:`rlpost.rollout.self_spec.spec_config`).
         policy: the policy the head is fitted to / checked against (None: ``engine.model``).
@@ -568,20 +569,20 @@ def mtp_engine(cfg: Any, engine: Any, c: Dict[str, Any], policy: Optional[torch.
             raise ConfigError("rollout.speculative.drafter=mtp_head has no head and nothing to fit one on here (no "
                               "training prompts). Fix: set rollout.speculative.mtp_head_path to a saved head "
                               f"(a training run writes <run_dir>/{HEAD_FILE})")
-        r = cfg.rollout
+        r = ec.rollout
         params = SamplingParams(max_new_tokens=int(r.max_new_tokens), temperature=float(r.temperature),
                                 top_p=float(r.get("top_p", 1.0)), top_k=int(r.get("top_k", 0)),
-                                stop=list(r.get("stop", []) or []), seed=int(cfg.seed))
+                                stop=list(r.get("stop", []) or []), seed=int(ec.seed))
         try:
             head, info = fit_mtp_head(policy, engine, prompts(int(c["mtp_head_prompts"])), params,
                                       depth=c["mtp_head_depth"], steps=c["mtp_head_steps"], lr=c["mtp_head_lr"],
-                                      loss=c["mtp_head_loss"], seed=int(cfg.seed))
+                                      loss=c["mtp_head_loss"], seed=int(ec.seed))
         except ValueError as e:
             raise ConfigError(f"rollout.speculative.drafter=mtp_head: {e} (rollout.speculative.mtp_head_prompts, "
                               f"rollout.max_new_tokens, rollout.speculative.mtp_head_depth)") from None
         meta = {**info, "loss": c["mtp_head_loss"], "depth": c["mtp_head_depth"], "lr": c["mtp_head_lr"],
                 "prompts": c["mtp_head_prompts"],
-                "model": str(cfg.model.get("name", "")) if hasattr(cfg.model, "get") else ""}
+                "model": str(ec.model.get("name", "")) if hasattr(ec.model, "get") else ""}
         where = ""
         if own is not None and int(os.environ.get("RANK", "0")) == 0:
             save_mtp_head(own, head, meta)

@@ -447,33 +447,47 @@ def _crop_to(cache: Any, keep: int) -> None:
         cache.crop(keep - n)
 
 
-def check_speculative(cfg: Any) -> Optional[Dict[str, Any]]:
-    """The checked ``rollout.speculative`` settings of ``cfg``, or None when it is unset.
+def speculative_settings(rollout: Any, model: Any = None) -> Optional[Dict[str, Any]]:
+    """The checked ``rollout.speculative`` settings, or None when unset or when vLLM speculates itself.
 
+    Args:
+        rollout: ``cfg.rollout``.
+        model: ``cfg.model`` (its ``routing_replay``), or None.
     Raises:
         ConfigError: ``rollout.speculative`` with an engine other than hf or vllm (vllm's keys are
             checked by :func:`rlpost.rollout.vllm_spec.vllm_spec_settings`, and None is returned:
-            vLLM speculates inside its own engine), with MoE routing replay (routes are recorded per plain decode forward),
-            ``drafter=mtp_head`` without ``mtp_head_path`` under ``launcher=ray`` (the workers cannot fit a head),
-            or bad speculative settings (:func:`spec_config`).
+            vLLM speculates inside its own engine), with MoE routing replay (routes are recorded per
+            plain decode forward), or bad speculative settings (:func:`spec_config`).
     """
-    spec = cfg.rollout.get("speculative", None) if hasattr(cfg.rollout, "get") else getattr(cfg.rollout, "speculative", None)
+    spec = rollout.get("speculative", None) if hasattr(rollout, "get") else getattr(rollout, "speculative", None)
     if not spec:
         return None
-    if str(cfg.rollout.engine) == "vllm":
+    if str(rollout.engine) == "vllm":
         from rlpost.rollout.vllm_spec import vllm_spec_settings
 
         vllm_spec_settings(spec)  # vLLM speculates inside its engine (rlpost.rollout.vllm_spec): no hf wrapper
         return None
     c = spec_config(spec)
-    if str(cfg.rollout.engine) != "hf":
+    if str(rollout.engine) != "hf":
         raise ConfigError(f"rollout.speculative is implemented for rollout=hf and rollout=vllm, not "
-                          f"rollout.engine={cfg.rollout.engine!r}; drop rollout.speculative")
-    if str(getattr(cfg.model, "routing_replay", "off") or "off") != "off":
+                          f"rollout.engine={rollout.engine!r}; drop rollout.speculative")
+    if str(getattr(model, "routing_replay", "off") or "off") != "off":
         raise ConfigError("rollout.speculative cannot be combined with model.routing_replay (routes are "
                           "recorded per plain decode forward); set one of them off")
+    return c
+
+
+def check_speculative(cfg: Any) -> Optional[Dict[str, Any]]:
+    """:func:`speculative_settings` of a whole run config, plus the launcher's constraint (a
+    ``rollout`` group check of :data:`rlpost.config.compose.GROUP_CHECKS`).
+
+    Raises:
+        ConfigError: as :func:`speculative_settings`; ``drafter=mtp_head`` without
+            ``mtp_head_path`` under ``launcher=ray`` (the workers cannot fit a head).
+    """
+    c = speculative_settings(cfg.rollout, cfg.model)
     launcher = cfg.get("launcher", None) if hasattr(cfg, "get") else None
-    if c["drafter"] == MTP_DRAFTER and c["mtp_head_path"] is None and launcher is not None \
+    if c is not None and c["drafter"] == MTP_DRAFTER and c["mtp_head_path"] is None and launcher is not None \
             and str(launcher.get("name", "none")) == "ray":
         raise ConfigError("rollout.speculative.drafter=mtp_head with launcher=ray: the Ray rollout workers cannot fit "
                           "a head (they have no training prompts). Fix: fit one first (a launcher=none run writes "

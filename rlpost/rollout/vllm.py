@@ -95,7 +95,7 @@ import torch
 
 from rlpost.core.errors import RlpostError
 from rlpost.models.lora import is_lora, lora_rank, save_adapter
-from rlpost.rollout.base import GenerationResult, RolloutEngine, SamplingParams
+from rlpost.rollout.base import EngineConfig, GenerationResult, RolloutEngine, SamplingParams
 from rlpost.rollout.hf import left_pad
 from rlpost.rollout.vllm_spec import read_hf_config, vllm_spec_settings, vllm_speculative_config
 
@@ -468,8 +468,9 @@ def _get(node: Any, key: str, default: Any = None) -> Any:
     return default if v is None else v
 
 
-def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "cuda") -> Dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for ``cfg`` on vLLM platform ``device`` (pure; tested without vLLM).
+def engine_kwargs(ec: Any, model_dir: str, world_size: int = 1, device: str = "cuda") -> Dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for ``ec`` (an :class:`rlpost.rollout.base.EngineConfig`: its
+    ``precision``, ``rollout``, ``model`` and ``seed``) on vLLM platform ``device`` (pure; tested without vLLM).
 
     On ``device="cpu"`` (vLLM's CPU backend): no sleep mode (:class:`PlatformPlan`), and the
     KV cache gets ``kv_cache_memory_bytes = rollout.cpu_kv_cache_gib`` GiB (what
@@ -498,15 +499,15 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
         RlpostError: an unsupported rollout dtype; a LoRA rank above 512.
         ConfigError: bad ``rollout.speculative`` settings, or method=mtp on a model without MTP layers.
     """
-    rd = cfg.precision.rollout_dtype
+    rd = ec.precision.rollout_dtype
     if rd not in VLLMRolloutEngine.DTYPES:
         raise RlpostError(f"rollout=vllm supports precision.rollout_dtype in {sorted(VLLMRolloutEngine.DTYPES)}, "
                           f"got {rd!r}. Fix: use rollout=hf for int8 / fp8_sim / fp4_sim.")
-    r = cfg.rollout
+    r = ec.rollout
     spec = _get(r, "speculative")
     plan = platform_plan(device, rd, world_size, _get(spec, "method") if spec else None)
     kw: Dict[str, Any] = dict(
-        model=str(model_dir), tokenizer=str(model_dir), dtype=VLLMRolloutEngine.DTYPES[rd], seed=int(cfg.seed),
+        model=str(model_dir), tokenizer=str(model_dir), dtype=VLLMRolloutEngine.DTYPES[rd], seed=int(ec.seed),
         enforce_eager=bool(_get(r, "enforce_eager", device == "cpu")), max_num_seqs=int(r.batch_size), logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,  # multi-turn episodes: turn k+1's prompt is turn k's prompt + response + tool text
     )
@@ -530,7 +531,7 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
     if rd == "fp8":
         kw["quantization"] = "fp8"
 
-    r_lora = lora_rank(cfg.model)
+    r_lora = lora_rank(ec.model)
     if r_lora > 0:
         fits = [r for r in VLLM_LORA_RANKS if r >= r_lora]
         if not fits:
@@ -540,7 +541,7 @@ def engine_kwargs(cfg: Any, model_dir: str, world_size: int = 1, device: str = "
     if world_size > 1:
         kw["distributed_executor_backend"] = "external_launcher"
     sc = vllm_speculative_config(vllm_spec_settings(spec), hf, str(model_dir),
-                                 checkpoint=getattr(cfg.model, "path", None))
+                                 checkpoint=getattr(ec.model, "path", None))
     if sc is not None:
         kw["speculative_config"] = sc
     return kw
@@ -611,8 +612,8 @@ class VLLMRolloutEngine(RolloutEngine):
     size, and on CPU the thread count (:func:`cpu_threads_kept`).
 
     Args:
-        cfg: run config (``rollout.*``: ``gpu_memory_utilization``,
-            ``max_model_len``, ``enforce_eager``, ``batch_size``;
+        ec: the engine's config sections (:class:`rlpost.rollout.base.EngineConfig`; ``rollout.*``:
+            ``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``, ``batch_size``;
             ``precision.rollout_dtype``: fp32 | bf16 | fp16 | fp8 (vLLM's
             ``quantization="fp8"``, dynamic scales); ``model.cache_dir``; ``seed``).
         policy: the trainer's policy; its initial weights are written once to
@@ -630,18 +631,22 @@ class VLLMRolloutEngine(RolloutEngine):
         RlpostError: vLLM not installed or too old; a CUDA build of vLLM without a GPU; an
             unsupported rollout dtype (fp8 on CPU); fp8 on a vLLM without the in-place reload
             API; several torchrun ranks on CPU; ``VLLM_ENABLE_V1_MULTIPROCESSING=1``.
+        TypeError: ``ec`` is not an ``EngineConfig`` (pass ``EngineConfig.of(cfg)``).
     """
 
     DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 
-    def __init__(self, cfg: Any, policy: torch.nn.Module, tokenizer: Any, world_size: int = 1) -> None:
-        rd = cfg.precision.rollout_dtype
+    def __init__(self, ec: Any, policy: torch.nn.Module, tokenizer: Any, world_size: int = 1) -> None:
+        if not isinstance(ec, EngineConfig):
+            raise TypeError(f"VLLMRolloutEngine is built from an EngineConfig, got {type(ec).__name__}. "
+                            f"Fix: pass rlpost.rollout.EngineConfig.of(cfg).")
+        rd = ec.precision.rollout_dtype
         if rd not in self.DTYPES:
             raise RlpostError(f"rollout=vllm supports precision.rollout_dtype in {sorted(self.DTYPES)}, got {rd!r}. "
                               "Fix: use rollout=hf for int8 / fp8_sim / fp4_sim.")
         in_process_worker_env()
         vllm, device = _require_vllm()
-        spec = _get(cfg.rollout, "speculative")
+        spec = _get(ec.rollout, "speculative")
         ver = getattr(vllm, "__version__", None)
         if spec and (spec.get("method") if hasattr(spec, "get") else None) and ver is not None:
             from rlpost.rollout.vllm_spec import MIN_VLLM_SPEC
@@ -661,16 +666,16 @@ class VLLMRolloutEngine(RolloutEngine):
         self.tie = bool(getattr(policy.config, "tie_word_embeddings", False))
 
         self.lora = is_lora(policy)
-        path, fresh = self._init_dir(cfg, policy, tokenizer)
+        path, fresh = self._init_dir(ec, policy, tokenizer)
         self.llm_dir = path  # the directory vLLM was built from
-        kwargs = engine_kwargs(cfg, str(path), world_size, device)
+        kwargs = engine_kwargs(ec, str(path), world_size, device)
         if device == "cpu":
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
             from rlpost.rollout.vllm_spec import read_hf_config
 
             check_cpu_head_size(read_hf_config(str(path)), CPUAttentionBackend.get_supported_head_sizes())
-            with cpu_threads_kept(_get(cfg.rollout, "cpu_threads")) as n, quiet_vllm_start():
+            with cpu_threads_kept(_get(ec.rollout, "cpu_threads")) as n, quiet_vllm_start():
                 self.llm = _build_llm(vllm, kwargs)
             self.threads: Optional[int] = n
         else:
@@ -693,7 +698,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.sync_weights(policy)
 
     @staticmethod
-    def _init_dir(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Tuple[Path, bool]:
+    def _init_dir(ec: Any, policy: torch.nn.Module, tokenizer: Any) -> Tuple[Path, bool]:
         """The HF directory vLLM starts from, ``<cache>/vllm_init/<model.name>-<arch>``, written once.
 
         ``<arch>`` is a 10-hex-digit digest of the policy's config (architecture and shape), so
@@ -713,11 +718,11 @@ class VLLMRolloutEngine(RolloutEngine):
         import hashlib
         import json
 
-        root = Path(cfg.model.cache_dir or os.environ.get("RLPOST_CACHE", Path.home() / ".cache" / "rlpost"))
+        root = Path(ec.model.cache_dir or os.environ.get("RLPOST_CACHE", Path.home() / ".cache" / "rlpost"))
         conf = getattr(getattr(policy, "config", None), "to_dict", dict)()
         conf = {k: v for k, v in conf.items() if k not in ("_name_or_path", "transformers_version", "use_cache", "architectures")}
         arch = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:10]
-        path = root / "vllm_init" / f"{cfg.model.name}-{arch}"
+        path = root / "vllm_init" / f"{ec.model.name}-{arch}"
         fresh = False
         if not (path / "config.json").exists():
             from rlpost.models.lora import is_lora, merged_model

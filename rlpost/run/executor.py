@@ -53,6 +53,13 @@ EXECUTORS = ("sync", "async")
 PARTIAL_SAMPLERS = ("group", "single")
 
 
+def rollouts_overlap_updates(executor_cfg: Any) -> bool:
+    """Whether the rollout engine generates while the trainer updates (``executor=async`` with
+    ``max_staleness > 0``): the engine then needs weights of its own, not the trainer's module.
+    At ``max_staleness=0`` the two halves strictly alternate, so sharing stays safe and exact."""
+    return str(executor_cfg.name) == "async" and int(executor_cfg.max_staleness) > 0
+
+
 def build_executor(cfg: Any, run: Any) -> "SyncExecutor":
     """The executor named by ``cfg.executor.name`` for ``run``.
 

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
 from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
 from rlpost.algos.regularizers import kl_penalty
-from rlpost.algos.validate import adv_overrides, teacher_top_k
+from rlpost.algos.validate import adv_overrides, old_shaping_spelling, teacher_top_k
 from rlpost.config.compose import validate_config
 from rlpost.core.autoprecision import resolve_precision
 from rlpost.core.batch import RolloutBatch
@@ -54,7 +54,7 @@ from rlpost.models.moe_replay import attach_routing
 from rlpost.ray_pool import build_rollout_backend
 from rlpost.rewards import RewardFunction, StepScorer
 from rlpost.rollout import build_engine
-from rlpost.rollout.base import GenerationResult, SamplingParams
+from rlpost.rollout.base import EngineConfig, GenerationResult, SamplingParams
 from rlpost.run.checkpoint import (
     DONE_MARKER,
     FAILED_MARKER,
@@ -68,7 +68,7 @@ from rlpost.run.checkpoint import (
     save_checkpoint,
 )
 from rlpost.run.collect import StepRollouts, check_allocation, collect_rollouts, rollout_metrics, row_oldest
-from rlpost.run.executor import build_executor
+from rlpost.run.executor import build_executor, rollouts_overlap_updates
 from rlpost.run.interrupts import StopRequest
 from rlpost.run.memory import preflight
 from rlpost.run.resume import continue_command
@@ -312,9 +312,9 @@ class Run:
             _check_episode_rewards(cfg)
         # the run's hook-using methods (rlpost.methods): their config errors stop the run before any weights load
         self.methods = MethodSet.for_config(cfg)
-        # all reward shaping lives here (e.g. a preset's overlong window); its config errors stop the run early too
+        # all reward shaping lives here (task.reward: e.g. algo=dapo's overlong window); its config errors stop the run early too
         self.reward_fn = RewardFunction.from_config(self.task, cfg.task.reward, max_len=cfg.rollout.max_new_tokens,
-                                                    preset_shaping=cfg.algo.adv_params)
+                                                    old_spelling=old_shaping_spelling(cfg.algo))
         self.reward_fn.check_estimator(cfg.algo.adv_estimator)  # a PRM's token rewards need an estimator that reads them
 
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
@@ -331,10 +331,13 @@ class Run:
                                         self.trainer.device, seed=cfg.seed)
 
         # run_dir and prompts: rollout.speculative.drafter=mtp_head fits its head on training prompts, keeps it there
-        self.local_engine = build_engine(cfg, self.trainer.policy, self.tokenizer, self.device, run_dir=self.run_dir,
+        # the engines see their own sections only (EngineConfig); the executor decides whether weights may be shared
+        self.engine_cfg = EngineConfig.of(cfg, share_weights=not rollouts_overlap_updates(cfg.executor))
+        self.local_engine = build_engine(self.engine_cfg, self.trainer.policy, self.tokenizer, self.device,
+                                         run_dir=self.run_dir,
                                          prompts=task_prompts(self.task, self.tokenizer, cfg.seed, self.train_examples))
 
-        self.local_engine = attach_routing(cfg, self.trainer, self.local_engine)  # model.routing_replay
+        self.local_engine = attach_routing(cfg.model, self.trainer, self.local_engine)  # model.routing_replay
         self.shard = self._rollout_sharding()
         if self.shard:  # data-parallel rollouts: every generate call is split across ranks and gathered
             from rlpost.distributed import ShardedEngine
@@ -344,7 +347,7 @@ class Run:
             self.engine = self.local_engine
 
         # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.ray_pool)
-        self.engine = build_rollout_backend(cfg, self.engine, self.trainer.policy, self.tokenizer)
+        self.engine = build_rollout_backend(cfg.get("launcher"), self.engine_cfg, self.engine, self.trainer.policy)
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         self.services = self._services()
@@ -422,7 +425,7 @@ class Run:
             engine=self.engine, local_engine=self.local_engine, tokenizer=self.tokenizer, task=self.task,
             examples=self.train_examples, prompt_ids=self.prompt_ids, sampling_params=self.sampling_params,
             reward=lambda texts, examples, lengths: self.reward_fn(texts, examples, lengths)[0],
-            build_engine=lambda policy: build_engine(self.cfg, policy, self.tokenizer, self.device),
+            build_engine=lambda policy: build_engine(self.engine_cfg, policy, self.tokenizer, self.device),
             rows_pass=self._rows_pass,
         )
 
