@@ -216,6 +216,9 @@ def cached_measure(flags: set, path: Optional[Path] = None) -> Callable[[], Dict
 def resolve_precision(cfg, device: torch.device, log: Callable[[str], None] = None) -> Optional[PrecisionChoice]:
     """Replace ``auto`` in ``cfg.precision.trainer_dtype`` / ``rollout_dtype`` by concrete dtypes (in place).
 
+    ``cfg`` is anything with a ``precision`` DictConfig: a run config or an
+    :class:`rlpost.rollout.base.EngineConfig` (whose precision node is the run's own).
+
     Idempotent: a config without ``auto`` is left alone and None is returned.
     The choice is printed once per process (to stderr, or through ``log``).
     """
@@ -230,7 +233,7 @@ def resolve_precision(cfg, device: torch.device, log: Callable[[str], None] = No
     else:
         flags = cpu_flags()
         choice = choose_precision("cpu", flags=flags, measure=cached_measure(flags))
-    with open_dict(cfg):
+    with open_dict(p):  # cfg may be a run config or an EngineConfig; its precision node is a DictConfig
         if p.trainer_dtype == "auto":
             p.trainer_dtype = choice.trainer_dtype
         if p.rollout_dtype == "auto":
