@@ -22,7 +22,7 @@ B = 8
 _CACHE: dict = {}
 MICRO = (1, 3, B)
 #: a loss that is composed with its own estimator (its method refuses any other)
-WITH_ESTIMATOR = {"a2tgpo_clip": "a2tgpo"}
+WITH_ESTIMATOR = {"a2tgpo_clip": "a2tgpo", "osw_ft": "osw_ft"}
 
 
 def _run(compose, loss: str, agg: str, mb: int):
