@@ -21,3 +21,5 @@ from rlpost.algos import hgpo  # noqa: F401  (HGPO: nested history groups of tur
 from rlpost.algos import rtmc  # noqa: F401  (RTMC: Monte Carlo Q over the rollout tree)
 from rlpost.algos import g2po  # noqa: F401  (G2PO: TD errors on the group's observation graph)
 from rlpost.algos import a2tgpo  # noqa: F401  (A²TGPO's information-gain turn advantages and turn clip)
+from rlpost.algos import drift  # noqa: F401  (DRIFT's return-based importance weights)
+from rlpost.algos import spear  # noqa: F401  (SPEAR's tool-call bonus, self-imitation replay loss)
