@@ -23,3 +23,5 @@ from rlpost.algos import g2po  # noqa: F401  (G2PO: TD errors on the group's obs
 from rlpost.algos import a2tgpo  # noqa: F401  (A²TGPO's information-gain turn advantages and turn clip)
 from rlpost.algos import dare  # noqa: F401  (DARE: label-free reward from the group's answer distribution)
 from rlpost.algos import osw_ft  # noqa: F401  (OSW-FT: SFT weighted by 1 - the probes' success rate)
+from rlpost.algos import drift  # noqa: F401  (DRIFT's return-based importance weights)
+from rlpost.algos import spear  # noqa: F401  (SPEAR's tool-call bonus, self-imitation replay loss)

@@ -61,6 +61,9 @@ class Needs:
         entropy_for_update: the update computes per-token entropy every step.
         untruncated: the trained tokens were not sampled (reference answers), so the
             trainer's log-probs ignore the sampler's top-k / top-p.
+        frozen_rollouts: the rollouts sample the frozen reference copy, never the trained policy: the
+            run's rollout engine is built over the reference and receives no weights (evaluation
+            keeps an engine over the trained policy); DRIFT's decoupled rollouts.
         provides: keys the method writes into ``batch.extras`` or the loss's extras
             (checked against what the loss declares it reads).
     """
@@ -71,6 +74,7 @@ class Needs:
     entropy_for_update: bool = False
     untruncated: bool = False
     provides: Tuple[str, ...] = ()
+    frozen_rollouts: bool = False
 
 
 @dataclass
@@ -285,7 +289,8 @@ class MethodSet:
             n = m.needs()
             out = Needs(out.old_logprobs or n.old_logprobs, out.skip_old_logprobs or n.skip_old_logprobs,
                         out.reference_policy or n.reference_policy, out.entropy_for_update or n.entropy_for_update,
-                        out.untruncated or n.untruncated, out.provides + tuple(n.provides))
+                        out.untruncated or n.untruncated, out.provides + tuple(n.provides),
+                        out.frozen_rollouts or n.frozen_rollouts)
         return out
 
     def describe(self) -> List[str]:

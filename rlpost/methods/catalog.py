@@ -10,3 +10,5 @@ from rlpost.methods import grpo_vps, oprl  # noqa: F401
 from rlpost.methods import length_cap  # noqa: F401  (rows at the generation limit: Apriel-Reasoner's length penalty)
 from rlpost.methods import episode_match  # noqa: F401  (hgpo / rtmc / g2po need multi-turn episodes)
 from rlpost.methods import osw_ft  # noqa: F401  (OSW-FT: the probe rollouts swapped for the expert trajectories)
+from rlpost.methods import drift  # noqa: F401  (DRIFT: rollouts from the frozen reference policy)
+from rlpost.methods import spear  # noqa: F401  (SPEAR: self-imitation replay buffer and tool-call bonus)

@@ -348,6 +348,11 @@ class Run:
 
         # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.ray_pool)
         self.engine = build_rollout_backend(cfg.get("launcher"), self.engine_cfg, self.engine, self.trainer.policy)
+        # a method whose rollouts sample the frozen reference (Needs.frozen_rollouts, DRIFT): the step's engine holds
+        # the reference copy and gets no weights; evaluation keeps local_engine over the trained policy
+        self.frozen_rollouts = bool(self.methods.needs().frozen_rollouts)
+        if self.frozen_rollouts:
+            self.engine = build_engine(self.engine_cfg, self.trainer.ref, self.tokenizer, self.device)
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         self.services = self._services()
@@ -453,7 +458,7 @@ class Run:
         """Load a checkpoint written by :meth:`checkpoint` and continue after its step."""
 
         self.step = load_checkpoint(ckpt, self.trainer.policy, self.stateful())
-        self.engine.sync_weights(self.trainer.policy)
+        self._trained_engine().sync_weights(self.trainer.policy)
 
     def checkpoint(self) -> Optional[Path]:
         """Write an atomic checkpoint of the current step (files from rank 0 only; None on other ranks)."""
@@ -729,7 +734,12 @@ class Run:
 
     def _sync(self, ctx: "LearnContext") -> None:
         if ctx.sync_engine:  # else the asynchronous executor's producer loads the weights itself
-            self.engine.sync_weights(self.trainer.policy)
+            self._trained_engine().sync_weights(self.trainer.policy)
+
+    def _trained_engine(self) -> Any:
+        """The engine that follows the trained weights: the rollout engine, or the evaluation engine when the
+        rollouts sample the frozen reference (``Needs.frozen_rollouts``)."""
+        return self.local_engine if self.frozen_rollouts else self.engine
 
     def _step_metrics(self, ctx: "LearnContext") -> Dict[str, Any]:
         """The step's logged metrics from the producer's output and the learn stages' results."""

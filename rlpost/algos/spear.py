@@ -1,0 +1,171 @@
+"""SPEAR's tensor parts ("Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive
+Exploration for Agentic Reinforcement Learning", SPEAR, arXiv:2509.22601; authors' code
+TencentYoutuResearch/SPEAR, ``verl-agent``).
+
+SPEAR is GRPO (the authors' Dr.BoT settings) plus a curriculum of two parts, both followed here
+from the authors' code:
+
+1. a tool-call bonus (skill-level exploration, strong early): episode ``i`` with ``n_i`` tool calls
+   gets ``b_i = min(cap, per_call n_i) (cos(pi s / T) + 1) / 2`` added to its reward at RL step
+   ``s <= T``, 0 after (``agent_system/reward_manager/episode.py``, ``use_toolcall_reward=cosine``;
+   per_call 0.1, cap 1, ``T = max_toolcall_steps`` 200 in their ALFWorld/WebShop SPEAR scripts);
+2. self-imitation on a replay buffer (action-level exploration, strong late): rows with a positive
+   advantage are stored; once the buffer holds enough rows above the recalibrated baseline their
+   advantages are recomputed against the median of the recent groups' mean returns, the
+   non-negative ones replayed in an extra update whose loss is scaled by
+   ``coef (1 - cos(pi s / T_sil)) / 2`` for ``s <= T_sil`` (then ``coef``), with Clip-Cov's token
+   selection at the wider replay settings (ratio 0.02, covariance bounds 2 and 60). The buffer
+   lives in :mod:`rlpost.methods.spear`.
+
+:func:`spear_advantage` is the on-policy estimator (GRPO on reward + bonus; no std division, as
+the authors' ``norm_adv_by_std_in_grpo=False``); :func:`spear_clip_cov_loss` the loss of both
+updates; :func:`replay_advantages`, :func:`replay_scale`, :func:`tool_call_bonus` the formulas the
+method applies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from rlpost.algos.advantages import AdvantageInput, AdvantageOutput
+from rlpost.algos.losses import EXTRA_INPUTS, Metrics, PolicyLossInput, clip_cov_loss
+from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
+from rlpost.algos.utils import group_all_equal, group_stats
+from rlpost.core.registry import param
+
+PAPER = ("Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive Exploration for Agentic "
+         "Reinforcement Learning (SPEAR, arXiv:2509.22601)")
+
+#: the per-row tool-call bonus the SPEAR method writes before the advantages
+TOOL_BONUS_KEY = "spear_tool_bonus"
+#: the per-row loss scale of a replayed (self-imitation) row; absent on the on-policy update
+REPLAY_KEY = "sil_replay_coef"
+EXTRA_INPUTS.setdefault(REPLAY_KEY, "[B] loss scale of each replayed self-imitation row (absent or 0: an on-policy "
+                                    "row); algo=spear's replay buffer")
+
+
+def tool_call_bonus(tool_calls: torch.Tensor, step: int, *, per_call: float, cap: float, steps: int) -> torch.Tensor:
+    """SPEAR's cosine-decayed tool-call reward (arXiv:2509.22601, authors' ``episode.py``).
+
+    Args:
+        tool_calls: ``[B]`` tool calls of each episode.
+        step: the RL step (1-based).
+        per_call: reward per call; cap: its maximum; steps: ``T``, the step after which it is 0.
+    Returns:
+        ``[B]`` float32 ``min(cap, per_call n) (cos(pi step / T) + 1) / 2`` for ``step <= T``, else 0.
+    """
+    if steps <= 0 or step > steps:
+        return torch.zeros(tool_calls.shape, dtype=torch.float32)
+    decay = (math.cos(step / steps * math.pi) + 1.0) / 2.0
+    return (torch.clamp(per_call * tool_calls.float(), max=cap) * max(decay, 0.0)).float()
+
+
+def replay_scale(step: int, *, coef: float, steps: int) -> float:
+    """The replay loss's weight at RL step ``step``: ``coef (1 - cos(pi step / T)) / 2`` for ``step <= T``,
+    then ``coef`` (SPEAR, arXiv:2509.22601, authors' ``dp_actor.py``; ``T = steps``, 0: always ``coef``)."""
+    if steps <= 0 or step > steps:
+        return float(coef)
+    return float(coef) * (1.0 - math.cos(step / steps * math.pi)) / 2.0
+
+
+def replay_advantages(returns: torch.Tensor, baseline: float, std: float, norm_by_std: bool,
+                      eps: float = 1e-6) -> torch.Tensor:
+    """Recalibrated advantages of replayed rows (SPEAR's advantage recalibration, arXiv:2509.22601).
+
+    Args:
+        returns: ``[N]`` each stored row's return (reward + tool bonus at its own step).
+        baseline: the median of the recent groups' mean returns (authors' ``reward_mean_50p``).
+        std: the median of their within-group stds (used when ``norm_by_std``).
+    Returns:
+        ``[N]`` float64 ``R - baseline`` (divided by ``std + eps`` when ``norm_by_std``).
+    """
+    a = returns.double() - float(baseline)
+    return a / (float(std) + eps) if norm_by_std else a
+
+
+@dataclass(frozen=True)
+class SpearParams:
+    """SPEAR's estimator and curriculum (arXiv:2509.22601; authors' ALFWorld/WebShop SPEAR scripts)."""
+
+    norm_by_std: bool = param(False, "divide by the group std (the authors' scripts: norm_adv_by_std_in_grpo false)")
+    eps: float = param(1e-6, "added to the group std when norm_by_std")
+    tool_bonus_per_call: float = param(0.1, "tool-call reward per call (authors: 0.1)")
+    tool_bonus_cap: float = param(1.0, "largest tool-call reward of an episode (authors: 1)")
+    tool_bonus_steps: int = param(200, "RL steps of the cosine-decayed tool-call reward, 0 off (authors: 200)")
+    buffer_size: int = param(2048, "replayed rows per replay update at most (authors: 2048)")
+    tolerate_steps: int = param(5, "buffer keeps rows at most this many steps older than the newest, capped at 10 "
+                                   "(authors: 5)")
+    baseline_buffer_size: int = param(10240, "group means kept for the recalibrated baseline (authors: 10240)")
+    replay_coef: float = param(1.0, "weight of the replay loss once ramped up, 0 off (authors: 1)")
+    replay_ramp_steps: int = param(100, "RL steps of the replay weight's cosine ramp from 0 (authors: 100)")
+
+
+@ADV_ESTIMATORS.register("spear", paper=PAPER, params=SpearParams, needs_group=True, needs_self_imitation=True)
+def spear_advantage(inp: AdvantageInput, *, norm_by_std: bool, eps: float, tool_bonus_per_call: float,
+                    tool_bonus_cap: float, tool_bonus_steps: int, buffer_size: int, tolerate_steps: int,
+                    baseline_buffer_size: int, replay_coef: float, replay_ramp_steps: int) -> AdvantageOutput:
+    """GRPO's group-relative advantage of reward + tool-call bonus (the on-policy half of SPEAR).
+
+    ``A_i = (R_i + b_i) - mean_g(R + b)`` (``/ (std_g + eps)`` when ``norm_by_std``; 0 in a group whose
+    values are all equal), on every loss token; ``b = extras['spear_tool_bonus']`` (absent: 0).
+    The buffer and schedule parameters are the method's (:mod:`rlpost.methods.spear`).
+
+    Args:
+        inp: rewards ``[B]``, response_mask ``[B, R]``, group_index ``[B]``, extras.
+    Returns:
+        AdvantageOutput with ``advantages [B, R]`` float32.
+    """
+    b = (inp.extras or {}).get(TOOL_BONUS_KEY)
+    r = inp.rewards.double() + (b.double() if b is not None else 0.0)
+    mean, std, _ = group_stats(r, inp.group_index)
+    a = r - mean
+    if norm_by_std:
+        a = a / (std + eps)
+    a = torch.where(group_all_equal(r, inp.group_index), torch.zeros_like(a), a)
+    return AdvantageOutput(advantages=(a[:, None] * inp.response_mask.double()).float(), returns=None)
+
+
+@dataclass(frozen=True)
+class SpearClipCovParams:
+    """Clip-Cov of SPEAR's two updates (arXiv:2509.22601; authors' ALFWorld SPEAR script)."""
+
+    clip_cov_ratio: float = param(2e-4, "on-policy rows: share of tokens whose loss is zeroed (Clip-Cov paper: 2e-4)")
+    cov_lb: float = param(1.0, "on-policy rows: lower covariance bound (Clip-Cov paper: 1)")
+    cov_ub: float = param(5.0, "on-policy rows: upper covariance bound (Clip-Cov paper: 5)")
+    replay_clip_cov_ratio: float = param(0.02, "replayed rows: share of tokens whose loss is zeroed (authors: 0.02)")
+    replay_cov_lb: float = param(2.0, "replayed rows: lower covariance bound (authors: 2)")
+    replay_cov_ub: float = param(60.0, "replayed rows: upper covariance bound (authors: 60)")
+    eps_low: float = param(0.2, "ratio floor 1 - eps_low (authors: 0.2)")
+    eps_high: float = param(0.28, "ratio ceiling 1 + eps_high (authors: 0.28)")
+
+
+@POLICY_LOSSES.register("spear_clip_cov", paper=PAPER, params=SpearClipCovParams, batch_statistics=True,
+                        extras=(REPLAY_KEY,), optional_extras=(REPLAY_KEY,))
+def spear_clip_cov_loss(inp: PolicyLossInput, *, clip_cov_ratio: float, cov_lb: float, cov_ub: float,
+                        replay_clip_cov_ratio: float, replay_cov_lb: float, replay_cov_ub: float,
+                        eps_low: float, eps_high: float) -> Tuple[torch.Tensor, Metrics]:
+    """Clip-Cov (:func:`rlpost.algos.losses.clip_cov_loss`) with SPEAR's replay settings on replayed rows.
+
+    A micro-batch whose ``extras['sil_replay_coef']`` (``[B]``) is present and positive is a replay
+    update (the method replays a buffer in its own update, never mixed with on-policy rows): its
+    tokens use the replay ratio and covariance bounds and its loss is multiplied by the row's
+    coefficient. Otherwise this is ``clip_cov`` with the on-policy settings.
+
+    Returns:
+        ``(loss_mat [B, R], metrics)``; metrics add ``replay_rows`` (the share of replayed rows).
+    """
+    c = inp.extras.get(REPLAY_KEY)
+    replay = c is not None and bool((c > 0).any())
+    if replay:
+        loss, metrics = clip_cov_loss(inp, clip_cov_ratio=replay_clip_cov_ratio, cov_lb=replay_cov_lb,
+                                      cov_ub=replay_cov_ub, eps_low=eps_low, eps_high=eps_high)
+        loss = loss * c.to(loss)[:, None]
+    else:
+        loss, metrics = clip_cov_loss(inp, clip_cov_ratio=clip_cov_ratio, cov_lb=cov_lb, cov_ub=cov_ub,
+                                      eps_low=eps_low, eps_high=eps_high)
+    metrics["replay_rows"] = torch.tensor(1.0 if replay else 0.0)
+    return loss, metrics

@@ -1,0 +1,242 @@
+"""SPEAR's curriculum around the update: the tool-call bonus and the self-imitation replay buffer.
+
+"Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive Exploration for Agentic
+Reinforcement Learning" (SPEAR, arXiv:2509.22601). Followed from the authors' code
+(TencentYoutuResearch/SPEAR, ``verl-agent/verl/trainer/ppo/ray_trainer_hybrid.py``,
+``TrajectoryBufferBatch``; ``verl/workers/actor/dp_actor.py``) where it is more specific than
+the paper:
+
+- ``prepare`` (before the advantages): each episode's tool-call bonus
+  (:func:`rlpost.algos.spear.tool_call_bonus`, from ``extras['episode_tool_calls']``; 0 on
+  single-turn rows) into ``extras['spear_tool_bonus']``;
+- ``wrap_update``: (1) when the buffer holds more than ``1.5 buffer_size`` rows whose return
+  exceeds the baseline ``p50`` (the median of the recorded group mean returns), the replay batch
+  is built and the buffer emptied: every stored row's advantage is recalibrated to ``R - p50``
+  (:func:`rlpost.algos.spear.replay_advantages`), rows with a negative one dropped, and a random
+  ``min(largest power of 2 <= n, buffer_size)`` of them kept; (2) the on-policy update;
+  (3) the replay update (the trainer's own update on the replay batch, one more optimizer step,
+  ``extras['sil_replay_coef']`` = :func:`rlpost.algos.spear.replay_scale` of the step, skipped
+  while it is 0); (4) the step's rows with a positive advantage join the buffer, after rows more
+  than ``min(tolerate_steps, 10)`` steps older than the newest stored step are dropped, and each
+  prompt group's mean and std of the return join the baseline history (oldest steps dropped past
+  ``baseline_buffer_size`` values).
+  Replayed rows keep the pre-update log-probs of their own step (``Needs.old_logprobs``) as the
+  ratio's denominator, as the authors' stored ``old_log_probs``.
+- ``state_dict``: the buffer rows and the baseline history, saved with every checkpoint.
+
+Not built: the authors' filters of Dr.BoT (overlong / incomplete / repetitive / unreadable
+responses, the 0.75 std rollout filter) and their invalid-action penalty. The extra optimizer step
+also advances the learning-rate schedule once more on a replay step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from rlpost.algos.registries import ADV_ESTIMATORS
+from rlpost.algos.spear import REPLAY_KEY, TOOL_BONUS_KEY, replay_advantages, replay_scale, tool_call_bonus
+from rlpost.algos.validate import adv_overrides
+from rlpost.core.batch import RolloutBatch
+from rlpost.core.errors import ConfigError
+from rlpost.methods.base import METHODS, Method, Needs, RunServices
+
+#: the stored row's return (reward + bonus), kept with the row
+RETURN_KEY = "spear_return"
+
+
+def _median(xs: List[float]) -> float:
+    """The 50th percentile with linear interpolation (numpy's default, as the authors' ``np.percentile``)."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("median of no values")
+    pos = (len(s) - 1) * 0.5
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _power_of_two_at_most(n: int) -> int:
+    """The largest power of 2 ``<= n``; 0 for ``n <= 1`` (the authors' ``nearest_lower_power_of_2``)."""
+    return 0 if n <= 1 else 1 << (n.bit_length() - 1)
+
+
+def _to_dict(b: RolloutBatch) -> Dict[str, Any]:
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
+
+
+class ReplayBuffer:
+    """SPEAR's trajectory buffer and baseline history (arXiv:2509.22601; authors' ``TrajectoryBufferBatch``).
+
+    Args:
+        buffer_size: replayed rows per replay at most; a replay starts above ``1.5 buffer_size`` ready rows.
+        tolerate_steps: the largest age of a stored row relative to the newest stored step (capped at 10).
+        baseline_buffer_size: group means kept (whole steps are dropped, oldest first).
+        norm_by_std: recalibrated advantages divided by the median group std.
+    """
+
+    def __init__(self, buffer_size: int, tolerate_steps: int, baseline_buffer_size: int, norm_by_std: bool) -> None:
+        self.buffer_size = int(buffer_size)
+        self.tolerate = min(int(tolerate_steps), 10)
+        self.baseline_size = int(baseline_buffer_size)
+        self.norm_by_std = bool(norm_by_std)
+        self.entries: List[Tuple[int, RolloutBatch]] = []  # (step, rows with extras RETURN_KEY, old_logprobs)
+        self.means: List[Tuple[int, List[float]]] = []  # (step, each group's mean return)
+        self.stds: List[Tuple[int, List[float]]] = []
+
+    def baseline(self) -> Optional[Tuple[float, float]]:
+        """``(p50 of the recorded group means, p50 of the group stds)``, None before any step."""
+        m = [x for _, xs in self.means for x in xs]
+        s = [x for _, xs in self.stds for x in xs]
+        return (_median(m), _median(s)) if m else None
+
+    def ready_rows(self) -> int:
+        """Stored rows whose return exceeds the baseline (all rows above their step's mean without history)."""
+        base = self.baseline()
+        n = 0
+        for _, b in self.entries:
+            r = b.extras[RETURN_KEY].double()
+            n += int((r > (base[0] if base is not None else r.mean())).sum())
+        return n
+
+    def is_ready(self) -> bool:
+        """More than ``1.5 buffer_size`` ready rows (the authors' ``is_full_capacity``)."""
+        return self.ready_rows() > 1.5 * self.buffer_size
+
+    def add(self, batch: RolloutBatch, returns: torch.Tensor, step: int) -> int:
+        """Record step ``step``: its group statistics, then its positive-advantage rows; returns rows stored.
+
+        Args:
+            batch: the step's batch with ``extras['advantages']`` and ``['old_logprobs']``.
+            returns: ``[B]`` reward + bonus of its rows.
+        """
+        if self.entries:  # rows too old relative to the newest stored step (before this one joins)
+            newest = self.entries[-1][0]
+            self.entries = [(s, b) for s, b in self.entries if abs(s - newest) <= self.tolerate]
+        g = batch.group_index
+        means, stds = [], []
+        for gid in torch.unique(g).tolist():
+            r = returns[g == gid].double()
+            means.append(float(r.mean()))
+            stds.append(float(r.std(unbiased=False)))
+        while sum(len(x) for _, x in self.means) > self.baseline_size and self.means:
+            self.means.pop(0)
+            self.stds.pop(0)
+        self.means.append((step, means))
+        self.stds.append((step, stds))
+        adv = (batch.extras["advantages"] * batch.response_mask).sum(-1)
+        keep = torch.nonzero(adv > 0).flatten()
+        if keep.numel() == 0:
+            return 0
+        rows = batch.select(keep)
+        rows.extras = {k: v for k, v in rows.extras.items() if k != "advantages"}
+        rows.extras[RETURN_KEY] = returns[keep].float()
+        self.entries.append((step, rows))
+        return int(keep.numel())
+
+    def take(self, gen: torch.Generator, pad_id: int = 0) -> Optional[RolloutBatch]:
+        """The replay batch (recalibrated advantages, negatives dropped, a power-of-2 random subset); empties the buffer.
+
+        Returns:
+            the batch with ``extras['advantages']`` ``[N, R]``, or None when no row is left.
+        """
+        if not self.entries:
+            return None
+        base = self.baseline()
+        allb = RolloutBatch.concat([b for _, b in self.entries], pad_token_id=pad_id)
+        self.entries = []
+        r = allb.extras[RETURN_KEY]
+        a = replay_advantages(r, base[0], base[1], self.norm_by_std) if base else r.double() - r.double().mean()
+        ok = torch.nonzero(a >= 0).flatten()
+        n = min(_power_of_two_at_most(int(ok.numel())), self.buffer_size)
+        if n == 0:
+            return None
+        pick = ok[torch.randperm(ok.numel(), generator=gen)[:n]].sort().values
+        out = allb.select(pick)
+        out.extras["advantages"] = (a[pick][:, None] * out.response_mask.double()).float()
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"entries": [(s, _to_dict(b)) for s, b in self.entries], "means": self.means, "stds": self.stds}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.entries = [(int(s), RolloutBatch(**d)) for s, d in sd.get("entries", [])]
+        self.means = [(int(s), list(x)) for s, x in sd.get("means", [])]
+        self.stds = [(int(s), list(x)) for s, x in sd.get("stds", [])]
+
+
+@METHODS.register("spear", paper="SPEAR (arXiv:2509.22601)")
+class SelfImitation(Method):
+    """SPEAR's tool-call bonus and self-imitation replay (see the module docstring).
+
+    Raises:
+        ConfigError: (``validate``) a negative size, step count or coefficient, or ``buffer_size < 1``.
+    """
+
+    name = "spear"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        adv = str(cfg.algo.adv_estimator)
+        self.p = dict(ADV_ESTIMATORS.kwargs(adv, adv_overrides(cfg.algo), "algo.adv_params"))
+        self.buffer = ReplayBuffer(self.p["buffer_size"], self.p["tolerate_steps"], self.p["baseline_buffer_size"],
+                                   self.p["norm_by_std"])
+
+    @classmethod
+    def applies(cls, cfg: Any) -> bool:
+        return bool(ADV_ESTIMATORS.tag(str(cfg.algo.adv_estimator), "needs_self_imitation", False))
+
+    def validate(self) -> None:
+        p = self.p
+        if int(p["buffer_size"]) < 1:
+            raise ConfigError(f"algo.adv_params.buffer_size must be >= 1, got {p['buffer_size']}")
+        for k in ("tolerate_steps", "baseline_buffer_size", "tool_bonus_steps", "replay_ramp_steps", "replay_coef",
+                  "tool_bonus_per_call", "tool_bonus_cap"):
+            if float(p[k]) < 0:
+                raise ConfigError(f"algo.adv_params.{k} must be >= 0, got {p[k]}")
+
+    def needs(self) -> Needs:
+        return Needs(old_logprobs=True, provides=(TOOL_BONUS_KEY, REPLAY_KEY))
+
+    def describe(self) -> str:
+        return "tool-call bonus; self-imitation replay buffer (SPEAR)"
+
+    def prepare(self, batch: Any, run: RunServices) -> Dict[str, Any]:
+        calls = batch.extras.get("episode_tool_calls")
+        if calls is None:
+            calls = torch.zeros(len(batch))
+        b = tool_call_bonus(calls, int(run.step), per_call=float(self.p["tool_bonus_per_call"]),
+                            cap=float(self.p["tool_bonus_cap"]), steps=int(self.p["tool_bonus_steps"]))
+        batch.extras[TOOL_BONUS_KEY] = b
+        return {"spear/tool_bonus_mean": float(b.mean()) if len(b) else 0.0}
+
+    def wrap_update(self, update: Any, run: RunServices, batch: Any) -> Optional[Dict[str, Any]]:
+        step = int(run.step)
+        gen = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + step)
+        replay = None
+        if self.buffer.is_ready():
+            pad = run.tokenizer.pad_token_id if run.tokenizer is not None and run.tokenizer.pad_token_id is not None else 0
+            replay = self.buffer.take(gen, pad)
+        out = dict(update())
+        coef = replay_scale(step, coef=float(self.p["replay_coef"]), steps=int(self.p["replay_ramp_steps"]))
+        out["spear/replay_rows"] = 0.0
+        if replay is not None and coef > 0:
+            replay.extras[REPLAY_KEY] = torch.full((len(replay),), coef)
+            m = run.policy_update(replay, gen)
+            out.update({f"spear/replay_{k.split('/')[-1]}": v for k, v in m.items()})
+            out["spear/replay_rows"] = float(len(replay))
+        out["spear/replay_coef"] = coef
+        bonus = batch.extras.get(TOOL_BONUS_KEY)
+        returns = batch.rewards.float() + (bonus.float() if bonus is not None else 0.0)
+        out["spear/buffer_added"] = float(self.buffer.add(batch, returns, step))
+        out["spear/buffer_rows"] = float(sum(len(b) for _, b in self.buffer.entries))
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"buffer": self.buffer.state_dict()}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        if "buffer" in sd:
+            self.buffer.load_state_dict(sd["buffer"])

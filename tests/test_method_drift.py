@@ -1,0 +1,117 @@
+"""DRIFT (arXiv:2605.31455): discounted turn returns and group-normalised exp(R / beta) weights by hand,
+the weighted-SFT loss they give, the frozen-rollout method's checks, and the preset on the tiny model
+(its rollouts come from the frozen reference, evaluation from the trained policy)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from rlpost.algos.advantages import AdvantageInput
+from rlpost.algos.drift import discounted_returns, drift_advantage, group_softmax_weights
+from rlpost.core.errors import ConfigError
+
+# row 0: one turn (tokens 0-2); row 1: two turns (0-1, env 2, 3); row 2: three turns (0, env 1, 2, env 3, 4)
+MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.float32)
+
+
+def test_discounted_returns_by_hand():
+    r = torch.tensor([1.0, 1.0, 1.0])
+    R = discounted_returns(r, MASK, 0.9)
+    # the outcome is the last turn's reward: gamma^(K-1)
+    assert R.tolist() == pytest.approx([1.0, 0.9, 0.81])
+    tr = torch.zeros(3, 5)
+    tr[2, 0] = 0.5   # row 2, turn 0's reward
+    tr[2, 2] = -1.0  # row 2, turn 1's reward
+    R = discounted_returns(torch.tensor([0.0, 0.0, 2.0]), MASK, 0.5, tr)
+    assert R.tolist() == pytest.approx([0.0, 0.0, 0.5 - 0.5 + 0.25 * 2.0])
+
+
+def test_group_weights_by_hand():
+    # group 0: returns 1 and 0 at beta 0.5 -> exp(2), exp(0) over their mean (e^2 + 1) / 2
+    w = group_softmax_weights(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 0, 1]), 0.5)
+    e2 = math.exp(2.0)
+    assert w.tolist() == pytest.approx([2 * e2 / (e2 + 1), 2 / (e2 + 1), 1.0])
+    assert float(w[:2].mean()) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        group_softmax_weights(torch.tensor([1.0]), torch.tensor([0]), 0.0)
+
+
+def test_advantage_is_the_weight_on_every_token():
+    inp = AdvantageInput(rewards=torch.tensor([1.0, 1.0, 0.0]), response_mask=MASK,
+                         group_index=torch.tensor([0, 0, 0]))
+    a = drift_advantage(inp, beta=0.1, gamma=0.9).advantages
+    # returns 1, 0.9, 0 -> exp(10), exp(9), exp(0) over their mean
+    e = [math.exp(10.0), math.exp(9.0), 1.0]
+    m = sum(e) / 3
+    w = [x / m for x in e]
+    for i in range(3):
+        assert a[i][MASK[i] > 0].tolist() == pytest.approx([w[i]] * int(MASK[i].sum()), rel=1e-5)
+        assert float(a[i][MASK[i] == 0].abs().sum()) == 0.0
+
+
+def test_weighted_sft_loss_by_hand():
+    """gpg with A = w and seq-mean-token-mean is the authors' mean_i w_i mean_t(-log p)."""
+    from rlpost.algos.aggregation import aggregate
+    from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
+
+    lp = torch.tensor([[-1.0, -2.0, -3.0, 0.0, 0.0], [-0.5, -1.5, 0.0, -1.0, 0.0], [-2.0, 0.0, -1.0, 0.0, -3.0]])
+    w = torch.tensor([1.5, 1.0, 0.5])
+    adv = w[:, None] * MASK
+    inp = PolicyLossInput(logprobs=lp, old_logprobs=lp, advantages=adv, response_mask=MASK)
+    mat, _ = compute_policy_loss("gpg", inp)
+    loss = aggregate("seq-mean-token-mean", mat, MASK, None, None)
+    # per-sample mean NLL: 2, 1, 2 -> (1.5 * 2 + 1 * 1 + 0.5 * 2) / 3
+    assert float(loss) == pytest.approx((3.0 + 1.0 + 1.0) / 3)
+
+
+def test_method_checks(compose):
+    from rlpost.methods.base import MethodSet
+    from rlpost.methods.drift import FrozenRollouts
+
+    cfg = compose(["algo=drift"])
+    ms = MethodSet.for_config(cfg)
+    assert "drift" in ms.names and ms.needs().frozen_rollouts and ms.needs().reference_policy
+    with pytest.raises(ConfigError, match="executor=sync"):
+        FrozenRollouts(compose(["algo=drift", "executor=async"])).validate()
+    assert not MethodSet.for_config(compose(["algo=grpo"])).needs().frozen_rollouts
+
+
+def test_rollouts_come_from_the_frozen_reference(compose, tmp_path):
+    """Two steps at a large learning rate: the rollout engine keeps the initial weights (its module is the
+    reference copy), evaluation's engine follows the trained policy."""
+    from tests.conftest import tiny_overrides
+    from rlpost.run.runner import Run
+
+    cfg = compose(tiny_overrides("algo=drift", "steps=2", "eval.at_end=false", "eval.every=0", "checkpoint.every=0",
+                                 "trainer.lr=1e-2", "algo.n_samples_per_prompt=2"))
+    run = Run(cfg, tmp_path / "d")
+    ref0 = {k: v.clone() for k, v in run.trainer.ref.state_dict().items()}
+    assert run.frozen_rollouts and run.engine is not run.local_engine
+    for _ in range(2):
+        m = run.train_step()
+    assert m["step"] == 2
+    moved = any(not torch.equal(v, run.trainer.policy.state_dict()[k]) for k, v in ref0.items())
+    assert moved  # the policy trained
+    eng_model = run.engine.model  # the HF engine's module: the untouched reference
+    for k, v in eng_model.state_dict().items():
+        assert torch.equal(v, ref0[k]), k
+    ev = run.local_engine.model.state_dict()  # evaluation's engine: the trained weights
+    assert all(torch.equal(v, ev[k]) for k, v in run.trainer.policy.state_dict().items())
+    run.close()
+
+
+def test_one_step_on_episodes_tiny(compose, tmp_path):
+    """The preset trains on env=calculator episodes with the tiny model."""
+    from tests.conftest import tiny_overrides
+    from rlpost.run.runner import train
+
+    cfg = compose(tiny_overrides("algo=drift", "env=calculator", "task=multiply", "steps=1", "eval.at_end=false",
+                                 "eval.every=0", "sampler.params.max_total_tokens=40", "checkpoint.every=0",
+                                 "algo.n_samples_per_prompt=2"))
+    train(cfg, tmp_path / "dr")
+    rows = [json.loads(x) for x in (tmp_path / "dr" / "metrics.jsonl").read_text().splitlines()]
+    assert rows and rows[-1]["step"] == 1
