@@ -338,21 +338,21 @@ class Run:
                                          prompts=task_prompts(self.task, self.tokenizer, cfg.seed, self.train_examples))
 
         self.local_engine = attach_routing(cfg.model, self.trainer, self.local_engine)  # model.routing_replay
+        # a method whose rollouts sample the frozen reference (Needs.frozen_rollouts, DRIFT): the step's engine holds
+        # the reference copy and gets no weights; evaluation keeps local_engine over the trained policy
+        self.frozen_rollouts = bool(self.methods.needs().frozen_rollouts)
+        rollout_engine = (build_engine(self.engine_cfg, self.trainer.ref, self.tokenizer, self.device)
+                          if self.frozen_rollouts else self.local_engine)
         self.shard = self._rollout_sharding()
         if self.shard:  # data-parallel rollouts: every generate call is split across ranks and gathered
             from rlpost.distributed import ShardedEngine
 
-            self.engine = ShardedEngine(self.local_engine)
+            self.engine = ShardedEngine(rollout_engine)
         else:
-            self.engine = self.local_engine
+            self.engine = rollout_engine
 
         # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.ray_pool)
         self.engine = build_rollout_backend(cfg.get("launcher"), self.engine_cfg, self.engine, self.trainer.policy)
-        # a method whose rollouts sample the frozen reference (Needs.frozen_rollouts, DRIFT): the step's engine holds
-        # the reference copy and gets no weights; evaluation keeps local_engine over the trained policy
-        self.frozen_rollouts = bool(self.methods.needs().frozen_rollouts)
-        if self.frozen_rollouts:
-            self.engine = build_engine(self.engine_cfg, self.trainer.ref, self.tokenizer, self.device)
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         self.services = self._services()
