@@ -59,3 +59,13 @@ def test_report_needs_the_uniform_arm_and_matched_seeds(tmp_path):
         protocol_report({"selector=uniform": u, "m": m})
     with pytest.raises(DataError, match="no finished run"):
         protocol_report({"selector=uniform": u, "m": []})
+
+
+def test_report_names_another_baseline(tmp_path):
+    # e.g. turn-level methods against turn_grpo: the text names the baseline given, not "uniform"
+    base = [_run(tmp_path, "turn_grpo", 0, [1, 0, 0, 1], [16], start=0.5)]
+    meth = [_run(tmp_path, "hgpo", 0, [1, 1, 0, 1], [16])]
+    text, rows = protocol_report({"turn_grpo": base, "hgpo": meth}, baseline="turn_grpo", n_boot=200)
+    assert "diff vs turn_grpo [95% CI]" in text and "uniform" not in text
+    assert "turn_grpo gain over the untrained checkpoint: +0.0 pts (50.0% -> 50.0%, 1 seed(s))" in text
+    assert rows[1]["diff"] == pytest.approx(0.25)

@@ -121,7 +121,8 @@ def protocol_report(arms: Dict[str, List[Path]], baseline: str = BASELINE, overs
                        over_budget=bool(row["rollouts"] > (1 + overspend) * base_roll))
         rows.append(row)
     starts = [s for s in (_start_eval(p) for p in arms[baseline]) if s is not None]
-    lines = ["| method | seeds | rollouts | rollout tokens | rollout s | held-out acc. | diff vs uniform [95% CI] "
+    name = "uniform" if baseline == BASELINE else baseline  # what the baseline is called in the text
+    lines = [f"| method | seeds | rollouts | rollout tokens | rollout s | held-out acc. | diff vs {name} [95% CI] "
              "| CI excludes 0 |", "|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         cmp_txt = "(baseline)" if r["method"] == baseline else (
@@ -133,7 +134,7 @@ def protocol_report(arms: Dict[str, List[Path]], baseline: str = BASELINE, overs
                      f"{r['rollout_s']:.1f} | {100 * r['acc']:.1f}% | {cmp_txt} | {flag} |")
     if starts:
         gain = rows[0]["acc"] - mean(starts)
-        lines.append(f"\nuniform gain over the untrained checkpoint: {100 * gain:+.1f} pts "
+        lines.append(f"\n{name} gain over the untrained checkpoint: {100 * gain:+.1f} pts "
                      f"({100 * mean(starts):.1f}% -> {100 * rows[0]['acc']:.1f}%, {len(starts)} seed(s))")
     if any(r["seeds"] < 2 for r in rows):
         lines.append("one seed only: the intervals cover problem sampling, not seed-to-seed variance")
