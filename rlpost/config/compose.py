@@ -90,6 +90,7 @@ def friendly_error(err: Exception) -> ConfigError:
 FREE_DICTS = (
     "task.params.", "task.reward.verifier_params.", "algo.adv_params.", "algo.loss_params.",
     "sampler.params.", "selector.params.", "precision.correction_params.",
+    "precision.rollout_params.", "precision.kv_cache_params.",
 )
 
 
@@ -251,6 +252,7 @@ GROUP_CHECKS = (
     ("algo", "rlpost.algos.validate:check_algo_config"),
     ("methods", "rlpost.methods.base:check_config"),
     ("precision", "rlpost.algos.validate:check_precision_config"),
+    ("precision", "rlpost.rollout.fp8_stack:check_precision_rollout"),  # FP8-RL stack: block sizes, fp8 KV cache
     ("selector", "rlpost.selectors:check_config"),
     ("sampler", "rlpost.samplers:check_config"),
     ("task", "rlpost.tasks:check_config"),

@@ -513,7 +513,14 @@ class PrecisionConfig:
     Attributes:
         trainer_dtype: fp32 | bf16 (autocast, fp32 master weights) | fp16 | auto
             (resolved at start by :func:`rlpost.core.autoprecision.resolve_precision`).
-        rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp4_sim | fp8 (vLLM) | auto.
+        rollout_dtype: fp32 | bf16 | int8 | fp8_sim | fp8_blockwise_sim | fp4_sim | fp8 (vLLM) |
+            fp8_blockwise (vLLM) | auto.
+        rollout_params: the rollout dtype's declared parameters (``fp8_blockwise_sim`` /
+            ``fp8_blockwise``: ``weight_block``, ``act_group``; :mod:`rlpost.rollout.fp8_stack`).
+        kv_cache: none | fp8: an fp8 KV cache (and query) with Q/K/V scales recalibrated after each
+            weight sync (FP8-RL, arXiv:2601.18150): simulated on rollout=hf, ``kv_cache_dtype=fp8`` in vLLM.
+        kv_cache_params: ``recalibrate`` (per_step | once), ``quantize_q``, ``q_range`` / ``k_range`` /
+            ``v_range`` (:class:`rlpost.rollout.fp8_stack.Fp8KvCacheParams`).
         correction: none | tis | mis | cis | ais | seq_is | geo_is (importance correction against
             the rollout log-probs).
         correction_params: e.g. ``{cap: 2.0}``.
@@ -528,6 +535,9 @@ class PrecisionConfig:
     correction: str = "none"
     correction_params: Dict[str, Any] = field(default_factory=dict)
     trainer_weight_quant: str = "none"
+    rollout_params: Dict[str, Any] = field(default_factory=dict)
+    kv_cache: str = "none"
+    kv_cache_params: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

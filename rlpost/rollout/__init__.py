@@ -11,6 +11,7 @@ from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import EngineConfig, GenerationResult, RolloutEngine, SamplingParams  # noqa: F401
 from rlpost.core.autoprecision import resolve_precision
 from rlpost.rollout.hf import HFRolloutEngine
+from rlpost.rollout.fp8_stack import precision_converter
 from rlpost.rollout.mtp_draft import mtp_engine
 from rlpost.rollout.precision import rollout_converter
 from rlpost.rollout.self_spec import MTP_DRAFTER, SelfSpeculativeEngine, check_speculative, speculative_settings  # noqa: F401
@@ -65,16 +66,17 @@ def _plain_engine(ec: EngineConfig, policy: torch.nn.Module, tokenizer: Any, dev
     if ec.rollout.engine != "hf":
         raise ConfigError(f"Unknown rollout engine rollout.engine={ec.rollout.engine!r}. Valid choices: hf, vllm.")
 
+    # FP8-RL's stack (rlpost.rollout.fp8_stack): blockwise W8A8 weights / an fp8 KV cache with recalibrated scales
+    if rd == "fp8_blockwise_sim" or str(ec.precision.get("kv_cache", "none") or "none") != "none":
+        base = None if rd in ("fp32", "fp8_blockwise_sim") else _cast_converter(rd) if rd in ("bf16", "fp16") \
+            else rollout_converter(rd)
+        return HFRolloutEngine(policy, tokenizer, ec.rollout.batch_size, share_weights=False,
+                               convert=precision_converter(ec.precision, base), device=device)
     if rd == "fp32":
         return HFRolloutEngine(policy, tokenizer, ec.rollout.batch_size, share_weights=ec.share_weights, device=device)
     if rd in ("bf16", "fp16"):
-        dt = torch.bfloat16 if rd == "bf16" else torch.float16
-
-        def cast(m: torch.nn.Module) -> torch.nn.Module:
-            return m.to(dt)
-
-        cast.dtype_cast = True  # invertible: weights are refreshed in place, not rebuilt
-        return HFRolloutEngine(policy, tokenizer, ec.rollout.batch_size, share_weights=False, convert=cast, device=device)
+        return HFRolloutEngine(policy, tokenizer, ec.rollout.batch_size, share_weights=False, convert=_cast_converter(rd),
+                               device=device)
     try:
         from rlpost.rollout.precision import rollout_converter
     except ImportError:
@@ -84,6 +86,17 @@ def _plain_engine(ec: EngineConfig, policy: torch.nn.Module, tokenizer: Any, dev
     return HFRolloutEngine(
         policy, tokenizer, ec.rollout.batch_size, share_weights=False, convert=rollout_converter(rd), device=device
     )
+
+
+def _cast_converter(rd: str) -> Any:
+    """The bf16 / fp16 rollout copy's converter: a dtype cast, marked invertible (weights refreshed in place)."""
+    dt = torch.bfloat16 if rd == "bf16" else torch.float16
+
+    def cast(m: torch.nn.Module) -> torch.nn.Module:
+        return m.to(dt)
+
+    cast.dtype_cast = True  # invertible: weights are refreshed in place, not rebuilt
+    return cast
 
 
 def wrap_speculative(ec: EngineConfig, engine: Any, c: Optional[Dict[str, Any]] = None, policy: Any = None,

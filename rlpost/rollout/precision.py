@@ -43,6 +43,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from rlpost.core.errors import ConfigError
+from rlpost.rollout.fp8_stack import blockwise_w8a8_converter
 from rlpost.rollout.hif4 import fake_quant_hif4
 
 Converter = Callable[[torch.nn.Module], torch.nn.Module]
@@ -213,6 +214,8 @@ def _hif4_weights(model: torch.nn.Module) -> torch.nn.Module:
 ROLLOUT_CONVERTERS: Dict[str, Converter] = {
     "int8": _int8_dynamic,
     "fp8_sim": _fake_quant_converter(fake_quant_fp8_e4m3),
+    # FP8-RL's blockwise W8A8 at its default blocks; with precision.rollout_params: rlpost.rollout.fp8_stack.precision_converter
+    "fp8_blockwise_sim": blockwise_w8a8_converter(),
     "fp4_sim": _fake_quant_converter(fake_quant_fp4_e2m1),
     "fp4_w4a4_sim": _w4a4_converter("none"),
     "fp4_w4a4_quads_sim": _w4a4_converter("quads"),
@@ -228,7 +231,8 @@ def rollout_converter(name: str) -> Converter:
 
     Args:
         name: ``int8`` (CPU dynamic quantization), ``fp8_sim`` (e4m3 weight
-            fake-quantization), ``fp4_sim`` (e2m1 block fake-quantization of the weights),
+            fake-quantization), ``fp8_blockwise_sim`` (FP8-RL's blockwise W8A8 at 128x128 / 1x128,
+            :mod:`rlpost.rollout.fp8_stack`), ``fp4_sim`` (e2m1 block fake-quantization of the weights),
             ``fp4_w4a4_sim`` (fp4 weights and activations), ``fp4_w4a4_quads_sim`` /
             ``fp4_w4a4_resq_sim`` (W4A4 with QUADS channel / Rollout-ResQ sparse residual
             compensation, :func:`w4a4_activation`), ``hif4_sim`` / ``hif4_w4a4_sim`` /
@@ -242,15 +246,16 @@ def rollout_converter(name: str) -> Converter:
     Raises:
         ConfigError: unknown name, or ``fp8`` with the hf engine.
     """
-    if name == "fp8":
+    if name in ("fp8", "fp8_blockwise"):
+        sim = "rollout_fp8_sim" if name == "fp8" else "rollout_fp8_blockwise_sim"
         raise ConfigError(
-            "precision.rollout_dtype=fp8 is real fp8 and needs rollout=vllm on a GPU. "
-            "Fix: add rollout=vllm, or use precision=rollout_fp8_sim to simulate it on CPU."
+            f"precision.rollout_dtype={name} is real fp8 and needs rollout=vllm on a GPU. "
+            f"Fix: add rollout=vllm, or use precision={sim} to simulate it on CPU."
         )
     if name not in ROLLOUT_CONVERTERS:
         raise ConfigError(
             f"Unknown precision.rollout_dtype={name!r}. Valid choices: fp32, bf16, fp16, "
-            f"{', '.join(ROLLOUT_CONVERTERS)}, fp8 (rollout=vllm)."
+            f"{', '.join(ROLLOUT_CONVERTERS)}, fp8 / fp8_blockwise (rollout=vllm)."
         )
     return ROLLOUT_CONVERTERS[name]
 

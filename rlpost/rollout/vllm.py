@@ -96,6 +96,7 @@ import torch
 from rlpost.core.errors import RlpostError
 from rlpost.models.lora import is_lora, lora_rank, save_adapter
 from rlpost.rollout.base import EngineConfig, GenerationResult, RolloutEngine, SamplingParams
+from rlpost.rollout.fp8_stack import kv_kwargs_for
 from rlpost.rollout.hf import left_pad
 from rlpost.rollout.vllm_spec import read_hf_config, vllm_spec_settings, vllm_speculative_config
 
@@ -312,6 +313,11 @@ class PlatformPlan:
     push_method: str
 
 
+#: rollout dtypes that are vLLM fp8 quantisation (reloaded in place so scales are recomputed; CUDA only):
+#: ``fp8`` per-tensor, ``fp8_blockwise`` 128x128 blocks (:func:`rlpost.rollout.fp8_stack.vllm_fp8_kwargs`)
+FP8_DTYPES = ("fp8", "fp8_blockwise")
+
+
 def platform_plan(device: str, rollout_dtype: str, world_size: int = 1, speculative: Optional[str] = None) -> PlatformPlan:
     """The :class:`PlatformPlan` for vLLM's platform ``device``, ``precision.rollout_dtype`` and
     ``rollout.speculative.method`` (``speculative``, None when off).
@@ -327,7 +333,7 @@ def platform_plan(device: str, rollout_dtype: str, world_size: int = 1, speculat
             per machine there: use launcher=ray for several rollout workers).
     """
     if device == "cuda":
-        return PlatformPlan("cuda", True, "reload_weights" if rollout_dtype == "fp8" else "load_weights")
+        return PlatformPlan("cuda", True, "reload_weights" if rollout_dtype in FP8_DTYPES else "load_weights")
     if device != "cpu":
         raise RlpostError(f"rollout=vllm runs on vLLM's cuda and cpu platforms; this vLLM reports {device!r}. "
                           "Fix: use rollout=hf.")
@@ -336,10 +342,10 @@ def platform_plan(device: str, rollout_dtype: str, world_size: int = 1, speculat
                           "backend the log-probs of speculated tokens are wrong (NaN or nats off the model's), and "
                           "rlpost trains on them. Fix: drop rollout.speculative (rollout=vllm), or use rollout=hf_self_spec "
                           "for exact speculative rollouts on CPU.")
-    if rollout_dtype == "fp8":
-        raise RlpostError("precision.rollout_dtype=fp8 (vLLM's fp8 quantisation) needs a CUDA GPU; vLLM here runs on "
-                          "its CPU backend. Fix: precision=fp32 or bf16 with rollout=vllm, or rollout=hf "
-                          "with precision.rollout_dtype=fp8_sim.")
+    if rollout_dtype in FP8_DTYPES:
+        raise RlpostError(f"precision.rollout_dtype={rollout_dtype} (vLLM's fp8 quantisation) needs a CUDA GPU; vLLM here "
+                          "runs on its CPU backend. Fix: precision=fp32 or bf16 with rollout=vllm, or rollout=hf "
+                          "with precision.rollout_dtype=fp8_sim (fp8_blockwise_sim for blockwise).")
     if world_size > 1:
         raise RlpostError(f"rollout=vllm on CPU runs one in-process engine per machine, not one per torchrun rank "
                           f"(WORLD_SIZE={world_size}). Fix: trainer.num_procs=1, or launcher=ray for several "
@@ -530,6 +536,8 @@ def engine_kwargs(ec: Any, model_dir: str, world_size: int = 1, device: str = "c
         kw["max_model_len"] = min(int(mml), int(ctx)) if ctx else int(mml)
     if rd == "fp8":
         kw["quantization"] = "fp8"
+    # FP8-RL's stack (arXiv:2601.18150): blockwise fp8 weights, fp8 KV cache with calibrated scales
+    kw.update(kv_kwargs_for(ec.precision, device))
 
     r_lora = lora_rank(ec.model)
     if r_lora > 0:
@@ -545,6 +553,19 @@ def engine_kwargs(ec: Any, model_dir: str, world_size: int = 1, device: str = "c
     if sc is not None:
         kw["speculative_config"] = sc
     return kw
+
+
+def rearm_kv_scales(model: torch.nn.Module) -> int:
+    """Set ``calculate_kv_scales = True`` on every vLLM attention layer of ``model`` that has the flag, so the
+    next forward recomputes its Q/K/V fp8 scales from the new weights' activations (FP8-RL's per-step QKV
+    scale recalibration, arXiv:2601.18150; vLLM computes them once and clears the flag). Returns how many
+    layers were re-armed."""
+    n = 0
+    for mod in model.modules():
+        if hasattr(mod, "calculate_kv_scales"):
+            mod.calculate_kv_scales = True
+            n += 1
+    return n
 
 
 # ranks vLLM's LoRAConfig accepts for max_lora_rank (``MaxLoRARanks``, vllm/config/lora.py)
@@ -634,7 +655,7 @@ class VLLMRolloutEngine(RolloutEngine):
         TypeError: ``ec`` is not an ``EngineConfig`` (pass ``EngineConfig.of(cfg)``).
     """
 
-    DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+    DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16", "fp8_blockwise": "bfloat16"}
 
     def __init__(self, ec: Any, policy: torch.nn.Module, tokenizer: Any, world_size: int = 1) -> None:
         if not isinstance(ec, EngineConfig):
@@ -657,8 +678,8 @@ class VLLMRolloutEngine(RolloutEngine):
                                   "Fix: pip install -U vllm, or drop rollout.speculative.")
         self.plan = platform_plan(device, rd, world_size, _get(spec, "method") if spec else None)
         self.push_method = self.plan.push_method
-        if device == "cuda" and rd == "fp8" and not _fp8_reload_supported():
-            raise RlpostError("precision.rollout_dtype=fp8 needs vLLM's in-place reload (GPUModelRunner.reload_weights "
+        if device == "cuda" and rd in FP8_DTYPES and not _fp8_reload_supported():
+            raise RlpostError(f"precision.rollout_dtype={rd} needs vLLM's in-place reload (GPUModelRunner.reload_weights "
                               "with weights_iterator / is_checkpoint_format), which this vLLM lacks. "
                               "Fix: pip install -U vllm, or use precision=bf16.")
         self.tokenizer = tokenizer
@@ -669,6 +690,8 @@ class VLLMRolloutEngine(RolloutEngine):
         path, fresh = self._init_dir(ec, policy, tokenizer)
         self.llm_dir = path  # the directory vLLM was built from
         kwargs = engine_kwargs(ec, str(path), world_size, device)
+        # fp8 KV cache with vLLM's calculate_kv_scales: re-armed after every push (per-step recalibration)
+        self.rearm_kv_scales = bool(kwargs.get("calculate_kv_scales"))
         if device == "cpu":
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -813,6 +836,8 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             items = vllm_weight_items(state, self.tie)
             self.llm.apply_model(lambda model: model.load_weights(items))
+        if getattr(self, "rearm_kv_scales", False):
+            self.llm.apply_model(rearm_kv_scales)
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' KV values
 
     def _push_adapter(self, policy: torch.nn.Module) -> None:

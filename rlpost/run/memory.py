@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from rlpost.core.errors import ConfigError
 
 GiB = 1024 ** 3
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp8_sim": 2, "fp4_sim": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp8_sim": 2, "fp4_sim": 2, "fp8_blockwise": 1, "fp8_blockwise_sim": 2}
 RESERVED = 2 * GiB  # CUDA context + allocator fragmentation per GPU
 VLLM_OVERHEAD = 2 * GiB  # vLLM activations, sampler buffers and CUDA graphs inside its share
 
