@@ -32,7 +32,9 @@ class EpisodeMatch(Method):
             ConfigError: the sampler is not ``episode``, naming the fix (an ``env=``)."""
         adv = str(self.cfg.algo.adv_estimator)
         sampler = str(self.cfg.sampler.name)
-        if sampler != "episode":
+        from rlpost.samplers.base import runs_episodes  # samplers tagged episodes (episode, trace_tree)
+
+        if not runs_episodes(sampler):
             raise ConfigError(
                 f"algo.adv_estimator={adv} assigns credit per turn by matching the turns of a group's multi-turn "
                 f"episodes, but sampler={sampler} produces single-turn rows (nothing to match: it would be a plain "

@@ -73,7 +73,7 @@ from rlpost.run.interrupts import StopRequest
 from rlpost.run.memory import preflight
 from rlpost.run.resume import continue_command
 from rlpost.samplers import build_sampler
-from rlpost.samplers.base import SampleResult, SamplerContext, pad_id_of, score_rows
+from rlpost.samplers.base import SampleResult, SamplerContext, pad_id_of, runs_episodes, score_rows
 from rlpost.selectors import build_selector
 from rlpost.selectors.mixture import make_hint_fn
 from rlpost.tasks import build_task
@@ -308,7 +308,7 @@ class Run:
         check_allocation(self.selector, self.sampler, cfg.selector.name, cfg.sampler.name)
         if hasattr(self.sampler, "attach"):  # sampler=episode: environments reset on examples, transcripts
             self.sampler.attach(task=self.task, examples=self.train_examples, run_dir=self.run_dir)
-        if cfg.sampler.name == "episode":
+        if runs_episodes(cfg.sampler.name):  # sampler=episode and the samplers built on it (trace_tree)
             _check_episode_rewards(cfg)
         # the run's hook-using methods (rlpost.methods): their config errors stop the run before any weights load
         self.methods = MethodSet.for_config(cfg)
@@ -401,7 +401,7 @@ class Run:
         blockers = [why for why, on in (
             ("executor=async (its producer thread would interleave collectives with the update's)", ex.name == "async"),
             ("executor.partial_rollout=true (the carry-over buffer is per process)", bool(ex.get("partial_rollout", False))),
-            ("sampler=episode (environments step per process)", self.cfg.sampler.name == "episode"),
+            (f"sampler={self.cfg.sampler.name} (environments step per process)", runs_episodes(self.cfg.sampler.name)),
             ("sampler=adaptive_temperature (its temperature hook keeps entropy statistics of the rows it sees)",
              self.cfg.sampler.name == "adaptive_temperature"),
         ) if on]
@@ -800,7 +800,7 @@ class Run:
         """
 
         name = self.cfg.task.name
-        if self.cfg.sampler.name == "episode":  # multi-turn: evaluate episodes with the training environment
+        if runs_episodes(self.cfg.sampler.name):  # multi-turn: evaluate episodes with the training environment
             from rlpost.eval.episodes import evaluate_episodes
 
             res = evaluate_episodes(self.sampler, self.local_engine, self.tokenizer, self.task, self.reward_fn,

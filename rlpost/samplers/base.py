@@ -333,6 +333,17 @@ class SingleSampler(GroupSampler):
         return [1] * n_prompts
 
 
+def runs_episodes(name: str) -> bool:
+    """Whether sampler ``name`` produces multi-turn episodes (its registry tag ``episodes``).
+
+    Such a sampler subclasses :class:`rlpost.samplers.episode.EpisodeSampler` (environments, turn
+    limits, ``attach``), so the run evaluates with episodes and checks episode rewards for it.
+    Raises:
+        ConfigError: unknown sampler.
+    """
+    return bool(SAMPLERS.tag(str(name), "episodes", False))
+
+
 def build_sampler(cfg: Any, n_samples: int) -> Sampler:
     """Instantiate ``cfg.name`` with ``cfg.params`` and the algorithm's group size.
 

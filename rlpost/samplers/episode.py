@@ -154,6 +154,7 @@ class EpisodeSamplerParams:
     "episode",
     description="Multi-turn episodes with an environment (tools, sandboxed Python, Gymnasium games); one row per episode.",
     params=EpisodeSamplerParams,
+    episodes=True,
 )
 class EpisodeSampler(Sampler):
     """Multi-turn episodes: generate a turn for every live episode (one engine call per turn),
