@@ -31,6 +31,7 @@ import torch
 from rlpost.core.registry import Choice, param
 from rlpost.rollout.base import GenerationResult
 from rlpost.samplers.base import SAMPLERS, SampleResult, Sampler, pad_id_of, score_rows, step_params
+from rlpost.samplers.turn_tree import TurnTree, expand as expand_tree
 from rlpost.tasks.chat import _PLAIN, _PLAIN_RE, _special_strings, encode_framed, encode_plain, template_parts  # noqa: F401
 from rlpost.envs import make_env
 from rlpost.envs.base import timed_step
@@ -104,6 +105,7 @@ class _Episode:
     resumed: bool = False  # partial rollouts: continued in a later step than it began
     turn_lens: List[int] = dataclasses.field(default_factory=list)  # model tokens of each turn (overlong shaping)
     calls_skipped: int = 0  # tool calls of a turn at the turn cap, never executed
+    node_path: List[int] = dataclasses.field(default_factory=list)  # branching=at2po: turn-tree node of each turn
 
     def add(self, ids, mask: float, lps=None, temps=None) -> None:
         self.ids.extend(int(x) for x in ids)
@@ -125,6 +127,7 @@ class Branching(Choice):
     none = "none"
     arpo = "arpo"
     aepo = "aepo"
+    at2po = "at2po"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +143,16 @@ class EpisodeSamplerParams:
     env_reward_at: RewardAt = param(RewardAt.episode, "episode: summed into the row reward (component reward_env); turn: token rewards on each turn's last model token (estimators tagged uses_token_rewards: turn_grpo, sao, gae, reinforce_pp)")
     void_turn_filter: bool = param(False, "SimpleTIR's void-turn filter (arXiv:2509.02479): a void episode keeps its reward, gets no loss")
     transcripts: bool = param(True, "write one episode's transcript per step to RUN_DIR/transcripts/")
-    branching: Branching = param(Branching.none, "none | arpo (arXiv:2507.19849: entropy-triggered branching after tool responses) | aepo (arXiv:2510.14545: entropy-balanced budget and consecutive-branch penalty)")
-    initial_rollouts: int = param(0, "arpo: global episodes per prompt started from the prompt (0 = half the group); the rest of the group is the branch budget")
+    branching: Branching = param(Branching.none, "none | arpo (arXiv:2507.19849: entropy-triggered branching after tool responses) | aepo (arXiv:2510.14545: entropy-balanced budget and consecutive-branch penalty) | at2po (arXiv:2601.04767: entropy-guided turn-tree expansion after whole episodes, rlpost/samplers/turn_tree.py)")
+    initial_rollouts: int = param(0, "arpo, at2po: global episodes per prompt started from the prompt (0 = half the group); the rest of the group is the branch budget")
     branch_width: int = param(2, "branches (Z) spawned at one branching step")
     branch_probability: float = param(0.5, "alpha of P = alpha + beta * dH, the branching probability at a step after a tool response")
     entropy_weight: float = param(0.2, "beta of P = alpha + beta * dH (dH in nats)")
     entropy_window: int = param(20, "k: tokens at the start of a turn whose mean surprisal is the step's entropy")
     aepo_sensitivity: float = param(1.0, "aepo: beta of m = group * sigmoid(beta * (H_root - H_tool)) global episodes per prompt")
     aepo_penalty: float = param(0.5, "aepo: P is multiplied by (1 - penalty)^l after l consecutive branching steps on the path")
+    expansion_iterations: int = param(2, "at2po: expansion rounds sharing the branch budget (authors' script: 2)")
+    branch_penalty: float = param(0.05, "at2po: alpha of the node score H - alpha * (siblings - 1) (authors' code: 0.05)")
 
 
 @SAMPLERS.register(
@@ -221,6 +226,11 @@ class EpisodeSampler(Sampler):
         transcripts: write one episode's transcript per step to ``RUN_DIR/transcripts/``.
         branching, initial_rollouts, branch_width, branch_probability, entropy_weight,
         entropy_window, aepo_sensitivity, aepo_penalty: see above.
+        expansion_iterations, branch_penalty: ``branching=at2po``, AT²PO's Entropy-Guided Tree Expansion
+            ("AT²PO: Agentic Turn-based Policy Optimization via Tree Search", arXiv:2601.04767): the
+            ``N`` global episodes run to their end, then ``expansion_iterations`` rounds each re-sample
+            the top-scored turns of every prompt's turn tree (score ``H - branch_penalty * (siblings - 1)``)
+            from the state before them; :mod:`rlpost.samplers.turn_tree`.
 
     Raises:
         ValueError / TypeError / ConfigError: bad values, unknown environment or tool.
@@ -232,7 +242,7 @@ class EpisodeSampler(Sampler):
                  max_total_tokens: int, stop_at_tool_call: bool, env_reward_weight: float, env_reward_at: str,
                  void_turn_filter: bool, transcripts: bool, branching: str, initial_rollouts: int, branch_width: int,
                  branch_probability: float, entropy_weight: float, entropy_window: int, aepo_sensitivity: float,
-                 aepo_penalty: float) -> None:
+                 aepo_penalty: float, expansion_iterations: int = 2, branch_penalty: float = 0.05) -> None:
         super().__init__(n_samples)
 
         if int(max_turns) < 1:
@@ -250,8 +260,13 @@ class EpisodeSampler(Sampler):
         self.void_turn_filter = bool(void_turn_filter)
         self.transcripts = bool(transcripts)
         self.branching = str(getattr(branching, "value", branching))
-        if self.branching not in ("none", "arpo", "aepo"):
-            raise ValueError(f"branching={self.branching!r}: valid choices are none, arpo, aepo")
+        if self.branching not in ("none", "arpo", "aepo", "at2po"):
+            raise ValueError(f"branching={self.branching!r}: valid choices are none, arpo, aepo, at2po")
+        if int(expansion_iterations) < 1 or float(branch_penalty) < 0:
+            raise ValueError(f"expansion_iterations must be >= 1 and branch_penalty >= 0, got {expansion_iterations}, "
+                             f"{branch_penalty} (sampler.params.expansion_iterations / branch_penalty)")
+        self.expansion_iterations, self.branch_penalty = int(expansion_iterations), float(branch_penalty)
+        self._tree: Any = None  # branching=at2po: the step's turn trees (rlpost.samplers.turn_tree.TurnTree)
         if int(initial_rollouts) < 0 or int(branch_width) < 1 or int(entropy_window) < 1:
             raise ValueError("initial_rollouts must be >= 0, branch_width and entropy_window >= 1")
         if not 0.0 <= float(aepo_penalty) <= 1.0:
@@ -281,7 +296,7 @@ class EpisodeSampler(Sampler):
         """Global episodes started per prompt for a group of ``group`` rows (all of them without branching)."""
         if self.branching == "none" or group <= 1:
             return group
-        if self.branching == "arpo":
+        if self.branching in ("arpo", "at2po"):
             n = self.initial_rollouts or group // 2
         elif self._h_root is None or self._h_tool is None:
             n = group // 2  # AEPO, first step: sigmoid(0) = 1/2
@@ -321,8 +336,16 @@ class EpisodeSampler(Sampler):
         rng = random.Random(0 if params.seed is None else int(params.seed) * 7919 + int(getattr(ctx, "step", 0) or 0))
         stats = {"root": [], "tool": [], "branches": 0}
         session = getattr(engine, "session", None)
+        self._tree = TurnTree() if self.branching == "at2po" and any(budget) else None
         with (session() if session is not None else contextlib.nullcontext()):  # vLLM: prefix cache kept across turns
-            call = self._run(engine, eps, params, ctx, tok, eos_ids, budget, rng, stats, 0)
+            if self._tree is not None:  # AT²PO: whole episodes first, then the entropy-guided expansion rounds
+                call = self._run(engine, eps, params, ctx, tok, eos_ids, [0] * len(counts), rng, stats, 0)
+                call = expand_tree(self, engine, eps, prompts, counts, params, ctx, tok, eos_ids, stats, call,
+                                   self._tree, rng)
+                budget = [0] * len(counts)
+                self._tree = None  # the snapshots (episode copies) are not kept past the step
+            else:
+                call = self._run(engine, eps, params, ctx, tok, eos_ids, budget, rng, stats, 0)
             fill = [pos for pos, b in enumerate(budget) for _ in range(b)]  # unspent branch budget: fresh global episodes
             if fill:
                 more = [self._new_episode(ctx, pos, prompts[pos], tok) for pos in fill]
@@ -398,10 +421,14 @@ class EpisodeSampler(Sampler):
                                  max_new_tokens=max(1, min(int(params.max_new_tokens), max(room))))
         # branching candidates: the state before a turn that follows a tool response (copied lazily)
         snaps = {}
-        if self.branching != "none" and eps is not None:
+        if self.branching in ("arpo", "aepo") and eps is not None:
             for e in live:
                 if e.after_tool and e.can_branch and budget[e.pos] > 0:
                     snaps[id(e)] = copy.deepcopy(e)
+        tree = self._tree if self.branching == "at2po" else None
+        if tree is not None:
+            for e in live:  # AT²PO: the node of this turn, and the state before it (rlpost/samplers/turn_tree.py)
+                tree.before_turn(e)
         gen = engine.generate([e.prompt + e.ids for e in live], sp)
         cached = getattr(engine, "last_cached_tokens", None)  # rollout=vllm: prompt tokens served from its prefix cache
         if cached is not None:
@@ -419,7 +446,9 @@ class EpisodeSampler(Sampler):
             e.turns += 1
             e.final_text = text
             e.transcript.append({"role": "assistant", "content": text, "tokens": len(ids)})
-            if self.branching != "none":
+            if tree is not None:
+                tree.after_turn(e, lps.tolist())
+            if self.branching in ("arpo", "aepo"):
                 h = self._entropy(lps.tolist())
                 if e.turns == 1:
                     e.h_first = h
