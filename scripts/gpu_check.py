@@ -8,6 +8,7 @@
     python scripts/gpu_check.py --part dp          # N-way data-parallel rollouts, a vLLM engine per GPU (--dry-run: 2 CPU ranks)
     python scripts/gpu_check.py --part lora        # LoRA: update, push to vLLM's LoRA path, parity (--dry-run: hf, CPU)
     python scripts/gpu_check.py --part spec        # vLLM speculative rollouts (ngram, fp8 self-draft; mtp refused)
+    python scripts/gpu_check.py --part fp8         # FP8-RL stack: vLLM fp8_per_block + fp8 KV cache (--dry-run: hf sim, CPU)
 
 Part ``hf`` needs only PyTorch, transformers, safetensors, tokenizers and the small
 wheels rlpost's config needs (hydra-core, omegaconf, antlr4-python3-runtime;
@@ -1034,9 +1035,104 @@ def vllm_prompt_logprobs(eng, batch, lora: bool = False) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- part fp8
+def part_fp8(device: torch.device, shape: str, layers: Optional[int], dry: bool, tmp: Path) -> None:
+    """FP8-RL's rollout stack (arXiv:2601.18150): the vLLM settings of precision=rollout_fp8_blockwise on CUDA
+    (blockwise fp8 weights, fp8 KV cache with calibrated scales), push parity, and the simulated stack beside it.
+
+    GPU: the engine is built with :func:`rlpost.rollout.fp8_stack.vllm_fp8_kwargs`' settings; checks that vLLM
+    holds fp8 linear weights and the fp8 KV cache dtype asked for, that a push moves vLLM's teacher-forced
+    log-probs to within 0.3 nats/token of the updated trainer's (stale >= 3 x after), and, with
+    calculate_kv_scales, that a push re-arms the Q/K/V scale calibration (the scales change with the weights).
+    ``dry`` (CPU): the simulated stack (precision=rollout_fp8_blockwise_sim, hf engine) on the toy shape:
+    a mismatch against the trainer, and the key scales recalibrated after a push; the vLLM settings printed.
+    """
+    from rlpost.rollout.base import EngineConfig
+    from rlpost.rollout.fp8_stack import kv_kwargs_for, vllm_fp8_kwargs
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    tok, prompts, sp = vllm_workload(shape)
+    if dry:
+        prompts, sp = prompts[:8], dataclasses_replace(sp, max_new_tokens=16)
+    base = ["trainer.lr=1e-3", "trainer.grad_clip=0", "trainer.micro_batch_size=8", f"rollout.batch_size={len(prompts)}"]
+    # the simulated stack on the hf engine (CPU and GPU alike): mismatch and per-step recalibration
+    with guard("fp8_sim_stack"):
+        from rlpost.rollout import build_engine
+
+        cfg = rl_config(base + ["precision=rollout_fp8_blockwise_sim"])
+        policy = build_model(shape, layers, torch.float32, device, seed=1)
+        trainer = TorchTrainer.from_config(policy, cfg, device)
+        eng = build_engine(EngineConfig.of(cfg), trainer.policy, tok, device)
+        sim = eng.convert.kv_sim
+        gen = eng.generate(prompts, sp)
+        batch = batch_from(gen)
+        lp0, _ = trainer.compute_logprobs(batch)
+        gap = masked_abs_mean(gen.rollout_logprobs, lp0, gen.response_mask)
+        k0 = [s[1] for _, s in sorted(sim.scales.items())]
+        trainer.policy_update(batch, torch.Generator().manual_seed(0))
+        eng.sync_weights(trainer.policy)
+        eng.generate(prompts[:2], sp)
+        k1 = [s[1] for _, s in sorted(sim.scales.items())]
+        report("fp8_sim_stack", gap > 0 and sim.calibrations == 2 and k1 != k0,
+               f"simulated W8A8 + fp8 KV: |rollout - trainer| {gap:.4f} nats/token (> 0), calibrations {sim.calibrations} "
+               f"(2 after one push), layer-0 key scale {k0[0]:.4g} -> {k1[0]:.4g} (changes with the weights)",
+               gap=gap, calibrations=sim.calibrations)
+        del eng, trainer, policy
+        reset_peak(device)
+    cfg = rl_config(base + ["precision=rollout_fp8_blockwise", "rollout=vllm", "rollout.gpu_memory_utilization=0.35",
+                            f"model.cache_dir={tmp / 'fp8'}"])
+    if dry:
+        old = (["fp8_per_block"], ["calculate_kv_scales"], ["fp8"])
+        new = (["fp8_per_block"], [], ["fp8", "fp8_per_token_head"])
+        print(f"vLLM settings on CUDA: with calculate_kv_scales {vllm_fp8_kwargs(cfg.precision, 'cuda', *old)}; "
+              f"without (vLLM >= 0.12) {vllm_fp8_kwargs(cfg.precision, 'cuda', *new)}")
+        return
+    with guard("vllm_fp8_blockwise_push"):
+        from rlpost.rollout.vllm import VLLMRolloutEngine
+
+        kw = kv_kwargs_for(cfg.precision, "cuda")
+        print(f"\n== vLLM FP8-RL stack: {kw} on {shape} with {layers} layers")
+        policy = build_model(shape, layers, torch.float32, device, seed=1)
+        trainer = TorchTrainer.from_config(policy, cfg, device)
+        eng = VLLMRolloutEngine(EngineConfig.of(cfg), trainer.policy, tok)
+        dtypes = eng.llm.apply_model(lambda m: sorted({str(p.dtype) for n, p in m.named_parameters() if "proj" in n}))[0]
+        cache = str(eng.llm.llm_engine.vllm_config.cache_config.cache_dtype)
+
+        def k_scales(m):
+            return [float(x._k_scale) for x in m.modules() if hasattr(x, "_k_scale")][:4]
+
+        ks0 = eng.llm.apply_model(k_scales)[0]
+        t0 = time.perf_counter()
+        gen = eng.generate(prompts, sp)
+        dt = time.perf_counter() - t0
+        ks1 = eng.llm.apply_model(k_scales)[0]
+        batch = batch_from(gen)
+        trainer.policy_update(batch, torch.Generator().manual_seed(0))
+        lp1, _ = trainer.compute_logprobs(batch)
+        eng.sync_weights(trainer.policy)
+        after = vllm_teacher_forced_gap(eng, batch, lp1)
+        ks2 = eng.llm.apply_model(k_scales)[0]
+        stale = masked_abs_mean(gen.rollout_logprobs, lp1, gen.response_mask)
+        report("vllm_fp8_blockwise_weights", any("float8" in d for d in dtypes),
+               f"vLLM linear parameter dtypes {dtypes} (an fp8 one expected)", dtypes=dtypes)
+        report("vllm_fp8_kv_cache", cache.startswith("fp8"), f"cache_dtype={cache} (fp8* expected)", cache=cache)
+        report("vllm_fp8_blockwise_push", after <= 0.3 and stale >= 3 * after,
+               f"generate {gen.num_tokens / dt:,.0f} tokens/s; |vLLM - trainer| stale {stale:.4f}, after push {after:.4f} "
+               "(threshold: after <= 0.3, stale >= 3 x after)", tokens_per_s=gen.num_tokens / dt, stale=stale, after=after)
+        if kw.get("calculate_kv_scales"):
+            report("vllm_fp8_kv_recalibrated", ks1 != ks0 and ks2 != ks1,
+                   f"layer k_scales at build {ks0}, after the first generate {ks1}, after push + scoring {ks2}", ks=[ks0, ks1, ks2])
+        else:
+            print(f"(kv_cache_dtype={kw.get('kv_cache_dtype')}: per-token-head scales, no calibration to re-arm; "
+                  f"k_scales {ks0} -> {ks2})")
+        eng.close()
+        del eng, trainer, policy
+        reset_peak(device)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray", "dp", "lora", "spec"], default="hf")
+    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray", "dp", "lora", "spec", "fp8"], default="hf")
     ap.add_argument("--world", type=int, default=None, help="part dp: at most this many ranks (default: every GPU)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: plan, memory estimates, every hf check on a toy Qwen3")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -1078,6 +1174,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_dp(shape, None, True, a.world, Path(tempfile.mkdtemp(prefix="rlpost_dp_")))
+        elif a.part == "fp8":
+            print("Plan (GPU part fp8): FP8-RL's stack: the simulated hf stack (mismatch, per-step KV scale "
+                  "recalibration), then vLLM with fp8_per_block weights + fp8 KV cache: dtypes, push parity, scales.")
+            import tempfile
+
+            part_fp8(device, shape, None, True, Path(tempfile.mkdtemp(prefix="rlpost_fp8_")))
         elif a.part == "lora":
             print("Plan (GPU part lora): PEFT adapters, one update (base frozen), push to vLLM's LoRA path, vLLM "
                   "log-probs vs the trainer's merged weights, KL reference = base model.")
@@ -1113,6 +1215,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_lora(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_lora_")))
+        elif a.part == "fp8":
+            import tempfile
+
+            part_fp8(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_fp8_")))
         elif a.part == "spec":
             import tempfile
 
