@@ -25,8 +25,10 @@ MICRO = (1, 3, B)
 WITH_ESTIMATOR = {"a2tgpo_clip": "a2tgpo", "osw_ft": "osw_ft"}
 
 
-def _run(compose, loss: str, agg: str, mb: int):
-    """One policy_update on a fixed batch; returns (logged metrics, flat gradient before the step)."""
+def _run(compose, loss: str, agg: str, mb: int, multi_turn: bool = False):
+    """One policy_update on a fixed batch; returns (logged metrics, flat gradient before the step).
+
+    ``multi_turn``: the masks get holes (environment tokens), so most rows hold two or three turns."""
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.trainer.torch_engine import TorchTrainer
@@ -40,6 +42,9 @@ def _run(compose, loss: str, agg: str, mb: int):
     b = make_batch(B=B)
     # ragged masks including an empty response (its row counts in no denominator)
     b.response_mask[5] = 0
+    if multi_turn:  # turn 1 | environment token | turn 2 (| environment token | turn 3)
+        b.response_mask[:, 2] = 0
+        b.response_mask[::2, 4] = 0
     lp, _ = t.compute_logprobs(b)
     g = torch.Generator().manual_seed(1)
     b.extras["old_logprobs"] = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * b.response_mask
@@ -87,3 +92,19 @@ def test_gradient_and_logged_loss_do_not_depend_on_micro_batch_size(compose, los
             if k == "actor/lr":
                 continue
             assert m[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (mb, k, m[k], v)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_turn_level_ratio_loss_on_multi_turn_rows(compose, agg):
+    """ATPO's per-turn ratio (rlpost/algos/at2po.py) on rows of two and three turns: the same gradient and
+    logged loss with micro-batches of 1, 3 and 8 rows."""
+    runs = {mb: _run(compose, "atpo", agg, mb, multi_turn=True) for mb in MICRO}
+    m_full, g_full = runs[B]
+    assert g_full.norm() > 0
+    for mb in MICRO[:-1]:
+        m, g = runs[mb]
+        atol = 1e-4 * max(1.0, float(g_full.abs().max()))
+        assert torch.allclose(g, g_full, rtol=1e-4, atol=atol), (mb, (g - g_full).abs().max())
+        for k, v in m_full.items():
+            if k != "actor/lr":
+                assert m[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (mb, k, m[k], v)
