@@ -264,7 +264,7 @@ def test_vllm_kwargs_mapping():
     from omegaconf import OmegaConf
 
     from rlpost.core.errors import RlpostError
-    from rlpost.rollout.fp8_stack import vllm_fp8_kwargs
+    from rlpost.rollout.fp8_stack import online_fp8_name, vllm_fp8_kwargs
 
     def prec(rd, kv="none"):
         return OmegaConf.create({"rollout_dtype": rd, "kv_cache": kv, "rollout_params": {}, "kv_cache_params": {}})
@@ -279,6 +279,9 @@ def test_vllm_kwargs_mapping():
         "quantization": "fp8_per_block", "kv_cache_dtype": "fp8_per_token_head"}
     assert vllm_fp8_kwargs(prec("fp8", "fp8"), "cuda", *old) == {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}
     assert vllm_fp8_kwargs(prec("fp8_blockwise"), "cuda", *new) == {"quantization": "fp8_per_block"}
+    # per-tensor fp8 quantised online from the bf16 checkpoint: vLLM 0.32's shorthand, else the old name
+    assert online_fp8_name(new[0]) == "fp8_per_tensor" and online_fp8_name(old[0]) == "fp8"
+    assert online_fp8_name([]) == "fp8"
     with pytest.raises(RlpostError, match="CUDA GPU"):
         vllm_fp8_kwargs(prec("bf16", "fp8"), "cpu", *old)
     with pytest.raises(RlpostError, match="fp8_per_block"):

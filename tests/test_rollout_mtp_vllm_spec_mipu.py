@@ -51,6 +51,7 @@ def test_vllm_spec_settings_and_config():
 
 def test_vllm_engine_kwargs_speculative(compose, tmp_path):
     """rollout=vllm_mtp on the tiny model (no MTP heads) stops with a ConfigError; with heads it is passed on."""
+    from rlpost.rollout.fp8_stack import online_fp8_name, vllm_features
     from rlpost.rollout.self_spec import check_speculative
     from rlpost.rollout.vllm import engine_kwargs
     from rlpost.rollout.base import EngineConfig
@@ -66,8 +67,9 @@ def test_vllm_engine_kwargs_speculative(compose, tmp_path):
     assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2, "model": "/ckpt/deepseek"}
     cfg = compose(tiny_overrides("rollout=vllm_self_spec", "precision=bf16"))
     kw = engine_kwargs(EngineConfig.of(cfg), str(tmp_path))
+    online = online_fp8_name(vllm_features()[0])  # the drafter is the bf16 checkpoint: vLLM's online fp8
     assert kw["speculative_config"] == {"method": "draft_model", "num_speculative_tokens": 3,
-                                        "model": str(tmp_path), "quantization": "fp8"}
+                                        "model": str(tmp_path), "quantization": online}
     assert "speculative_config" not in engine_kwargs(compose(tiny_overrides("rollout=vllm", "precision=bf16")),
                                                      str(tmp_path))
     bad = compose(tiny_overrides("rollout=hf_self_spec", "rollout.engine=vllm", "precision=bf16"))
@@ -169,6 +171,7 @@ def test_fp8_gpu_recipe_names_vllm_fp8_and_fits_its_node(compose, tmp_path):
 
     from rlpost.run.memory import check, shape_from_config
     from rlpost.experiments.recipes import parse_card
+    from rlpost.rollout.fp8_stack import online_fp8_name, vllm_features
     from rlpost.rollout.vllm import engine_kwargs
     from rlpost.rollout.base import EngineConfig
 
@@ -177,7 +180,8 @@ def test_fp8_gpu_recipe_names_vllm_fp8_and_fits_its_node(compose, tmp_path):
             cfg.precision.correction) == ("qwen3-8b", "vllm", "bf16", "fp8", "tis")
     (tmp_path / "config.json").write_text("{}")
     kw = engine_kwargs(EngineConfig.of(cfg), str(tmp_path))
-    assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"
+    online = online_fp8_name(vllm_features()[0])
+    assert online in ("fp8", "fp8_per_tensor") and kw["quantization"] == online and kw["dtype"] == "bfloat16"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from gpu_check import hf_config
 
@@ -190,7 +194,7 @@ def test_fp8_gpu_recipe_names_vllm_fp8_and_fits_its_node(compose, tmp_path):
     toy = compose(["model=tiny", "logger=none", "algo=grpo", "algo.kl.coef=0", "+recipe=fp8_rollout_qwen3_8b",
                    "model=tiny", "trainer=torch", "model.gradient_checkpointing=false", "precision=rollout_fp8",
                    "rollout=vllm"])
-    assert toy.model.name == "tiny" and engine_kwargs(EngineConfig.of(toy), str(tmp_path))["quantization"] == "fp8"
+    assert toy.model.name == "tiny" and engine_kwargs(EngineConfig.of(toy), str(tmp_path))["quantization"] == online
 
 
 # --------------------------------------------------------------------------- MIPU

@@ -199,7 +199,7 @@ def test_engine_drives_vllm_api_with_fakes(compose, monkeypatch, tmp_path):
 
 
 def test_fp8_push_goes_through_worker_reload(compose, monkeypatch, tmp_path):
-    """fp8: quantization=fp8 and every push is collective_rpc('reload_weights', is_checkpoint_format=True),
+    """fp8: vLLM's online fp8 (fp8_per_tensor, or fp8 on older vLLMs) and every push is collective_rpc('reload_weights', is_checkpoint_format=True),
     never model.load_weights on the processed fp8 model; a vLLM without that API is refused up front."""
     from rlpost.config.schema import ModelConfig
     from rlpost.core.errors import RlpostError
@@ -212,7 +212,9 @@ def test_fp8_push_goes_through_worker_reload(compose, monkeypatch, tmp_path):
     cfg = compose(tiny_overrides("rollout=vllm", "precision=rollout_fp8", f"model.cache_dir={tmp_path}"))
     model, tok = load_policy(ModelConfig(source="tiny"), seed=0)
     eng = build_engine(EngineConfig.of(cfg), model, tok, torch.device("cpu"))
-    assert calls[0][1]["quantization"] == "fp8" and calls[0][1]["dtype"] == "bfloat16"
+    from rlpost.rollout.fp8_stack import online_fp8_name, vllm_features
+
+    assert calls[0][1]["quantization"] == online_fp8_name(vllm_features()[0]) and calls[0][1]["dtype"] == "bfloat16"
     eng.generate([[1]], SamplingParams(max_new_tokens=2))
     eng.sync_weights(model)
     assert eng.push_method == "reload_weights"

@@ -423,6 +423,23 @@ def vllm_features() -> Tuple[List[str], List[str], List[str]]:
     return list(QUANTIZATION_METHODS), fields, list(typing.get_args(CacheDType))
 
 
+def online_fp8_name(quant_methods: Collection[str]) -> str:
+    """vLLM's ``--quantization`` name for per-tensor fp8 quantised online from a bf16 checkpoint (pure).
+
+    vLLM 0.32 moved online quantisation to shorthand names: ``quantization="fp8"`` now means an
+    fp8-serialised checkpoint and refuses a bf16 one ("no longer supports online quantization"),
+    and ``fp8_per_tensor`` is the online per-tensor method (static per-tensor weight scales computed
+    at load and at every ``reload_weights``, dynamic activation scales). Older vLLMs have no
+    shorthand and quantise online under ``fp8``.
+
+    Args:
+        quant_methods: this vLLM's ``QUANTIZATION_METHODS`` (:func:`vllm_features`; empty without vLLM).
+    Returns:
+        ``"fp8_per_tensor"`` where this vLLM offers it, else ``"fp8"``.
+    """
+    return "fp8_per_tensor" if "fp8_per_tensor" in quant_methods else "fp8"
+
+
 def kv_kwargs_for(precision: Any, device: str) -> Dict[str, Any]:
     """:func:`vllm_fp8_kwargs` with the installed vLLM's features (vLLM is imported only when the stack is asked for)."""
     _, kv, _ = rollout_settings(precision)

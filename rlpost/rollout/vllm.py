@@ -96,7 +96,7 @@ import torch
 from rlpost.core.errors import RlpostError
 from rlpost.models.lora import is_lora, lora_rank, save_adapter
 from rlpost.rollout.base import EngineConfig, GenerationResult, RolloutEngine, SamplingParams
-from rlpost.rollout.fp8_stack import kv_kwargs_for
+from rlpost.rollout.fp8_stack import kv_kwargs_for, online_fp8_name, vllm_features
 from rlpost.rollout.hf import left_pad
 from rlpost.rollout.vllm_spec import read_hf_config, vllm_spec_settings, vllm_speculative_config
 
@@ -483,8 +483,9 @@ def engine_kwargs(ec: Any, model_dir: str, world_size: int = 1, device: str = "c
     ``VLLM_CPU_KVCACHE_SPACE`` sets; without it vLLM reserves ``gpu_memory_utilization`` of
     the machine's memory); ``gpu_memory_utilization`` is left out there.
 
-    ``dtype`` from ``precision.rollout_dtype`` (fp8 = bf16 activations with
-    ``quantization="fp8"``, dynamic scales); ``max_model_len`` from
+    ``dtype`` from ``precision.rollout_dtype`` (fp8 = bf16 activations with vLLM's online
+    per-tensor fp8, ``quantization="fp8_per_tensor"`` on vLLM >= 0.32, ``"fp8"`` before:
+    :func:`rlpost.rollout.fp8_stack.online_fp8_name`); ``max_model_len`` from
     ``rollout.max_model_len``, capped at the model's ``max_position_embeddings`` (null: the model's own limit, which for an 8B model's
     40k-token context makes vLLM reserve KV cache for one such sequence);
     ``gpu_memory_utilization`` and ``enforce_eager`` from ``rollout`` (``enforce_eager`` null:
@@ -534,8 +535,8 @@ def engine_kwargs(ec: Any, model_dir: str, world_size: int = 1, device: str = "c
         # prompt + response, so a smaller model context is used as it is
         ctx = hf.get("max_position_embeddings")
         kw["max_model_len"] = min(int(mml), int(ctx)) if ctx else int(mml)
-    if rd == "fp8":
-        kw["quantization"] = "fp8"
+    if rd == "fp8":  # online per-tensor fp8 from the bf16 checkpoint, under this vLLM's name for it
+        kw["quantization"] = online_fp8_name(vllm_features()[0])
     # FP8-RL's stack (arXiv:2601.18150): blockwise fp8 weights, fp8 KV cache with calibrated scales
     kw.update(kv_kwargs_for(ec.precision, device))
 
@@ -551,6 +552,9 @@ def engine_kwargs(ec: Any, model_dir: str, world_size: int = 1, device: str = "c
     sc = vllm_speculative_config(vllm_spec_settings(spec), hf, str(model_dir),
                                  checkpoint=getattr(ec.model, "path", None))
     if sc is not None:
+        if _get(spec, "method") == "self" and sc.get("quantization") == "fp8":
+            # the drafter is the policy's own bf16 checkpoint, so its fp8 is quantised online too
+            sc["quantization"] = online_fp8_name(vllm_features()[0])
         kw["speculative_config"] = sc
     return kw
 
