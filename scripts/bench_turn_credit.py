@@ -17,7 +17,11 @@ and problems, :func:`rlpost.eval.compare.compare_methods`).
         --arms turn_grpo hgpo rtmc g2po a2tgpo seeupo spear --steps 3
     python scripts/bench_turn_credit.py --out RUNS --report-only          # the table of finished runs
 
-Run directories are ``RUNS/<arm>-s<seed>``; an arm/seed whose ``eval.json`` exists is not rerun.
+An arm is a preset name (``algo=NAME``) or ``LABEL=OVERRIDE[,OVERRIDE...]`` for an arm that is
+more than a preset, e.g. ``trace_tree=algo=turn_grpo,sampler.name=trace_tree`` (TRACE's tree rollouts under
+turn_grpo's credit) or ``at2po=algo=at2po,sampler.params.branching=at2po`` (AT²PO with its turn tree).
+
+Run directories are ``RUNS/<label>-s<seed>``; an arm/seed whose ``eval.json`` exists is not rerun.
 Checkpoints and ``final/`` weights are deleted after each run (2 GB each). Runs one training
 process at a time.
 """
@@ -36,12 +40,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 BASELINE = "turn_grpo"
 
 
-def run_arm(arm: str, seed: int, args) -> Path:
+def parse_arm(spec: str) -> tuple:
+    """``(label, overrides)`` of an arm: ``"hgpo"`` -> ``("hgpo", ["algo=hgpo"])``;
+    ``"tt=algo=turn_grpo,sampler.name=trace_tree"`` -> ``("tt", ["algo=turn_grpo", "sampler.name=trace_tree"])``.
+
+    Raises:
+        SystemExit: a labelled arm with no override, or one without ``algo=`` (every arm names its preset).
+    """
+    if "=" not in spec:
+        return spec, [f"algo={spec}"]
+    label, rest = spec.split("=", 1)
+    ovs = [o for o in rest.split(",") if o]
+    if not label or not any(o.startswith("algo=") for o in ovs):
+        raise SystemExit(f"arm {spec!r}: write LABEL=algo=NAME[,OVERRIDE...] (the arm's preset must be named)")
+    return label, ovs
+
+
+def run_arm(spec: str, seed: int, args) -> Path:
     """Train one arm for one seed (``rlpost train`` in a subprocess); returns its run directory."""
+    arm, ovs = parse_arm(spec)
     d = Path(args.out) / f"{arm}-s{seed}"
     if (d / "eval.json").exists():
         return d
-    cmd = [sys.executable, "-m", "rlpost.cli", "train", "+recipe=agent_multiply_grpo", f"algo={arm}", f"seed={seed}",
+    cmd = [sys.executable, "-m", "rlpost.cli", "train", "+recipe=agent_multiply_grpo", *ovs, f"seed={seed}",
            "model.source=hf", f"model.path={args.warm_start}", f"rollout.temperature={args.temperature}",
            f"steps={args.steps}", f"hydra.run.dir={d}", *args.extra]
     if arm != BASELINE:
@@ -70,6 +91,7 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="only print the table of the finished runs")
     args = ap.parse_args()
     arms = [BASELINE] + [a for a in args.arms if a != BASELINE]
+    labels = [parse_arm(a)[0] for a in arms]
     if not args.report_only:
         if not args.warm_start:
             raise SystemExit("--warm-start DIR is needed to train (python -m rlpost.experiments.warmstart --out DIR "
@@ -80,7 +102,7 @@ def main() -> None:
     from rlpost.eval.protocol import protocol_report
 
     found = {a: [Path(args.out) / f"{a}-s{s}" for s in args.seeds if (Path(args.out) / f"{a}-s{s}" / "eval.json").exists()]
-             for a in arms}
+             for a in labels}
     found = {a: v for a, v in found.items() if v}
     if BASELINE not in found:
         raise SystemExit(f"no finished {BASELINE} run under {args.out}: train it first")
