@@ -103,7 +103,7 @@ def test_only_prompts_whose_probes_all_failed_are_seeded_with_k_exemplars(tmp_pa
     assert eng.calls[0] == [[100, 7]] * 2 + [[101, 7]] * 2 + [[102, 7]] * 2
     assert eng.calls[1] == [[300, 7, MARK, MARK]] * 2 + [[101, 7]] * 2 + [[302, 7, MARK, MARK]] * 2
     # the seeded question of prompt 0 ("Calculate 1 + 3."): its two nearest exemplars, the nearest last
-    q0 = next(q for q in task.rendered if q.endswith("Calculate 1 + 3."))
+    q0 = next(q for q in task.rendered if q.startswith(HEADER) and q.endswith("Calculate 1 + 3."))
     assert q0 == seeded_question("Calculate 1 + 3.", [BANK[1], BANK[0]], 800)
     assert out.group_index.tolist() == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2] and out.rollouts_spent == 12
     assert out.extras["icl_seeded"].tolist() == [0] * 6 + [1, 1, 0, 0, 1, 1]
@@ -249,3 +249,10 @@ def test_xrpo_full_recipe_seeds_failed_prompts_on_tiny(compose, tmp_path):
     assert torch.equal(b.response_mask.sum(-1) > 0, torch.ones(len(b.rewards), dtype=torch.bool))
     losses = [v for k, v in m.items() if k.startswith("loss/")]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+def test_ids_after_the_rendered_prompt_such_as_a_hint_stay_after_the_seeded_prompt(tmp_path):
+    eng = FakeEngine({100: 0.0, 300: 1.0})
+    out = make(tmp_path, 2, grow_corpus=False).sample(eng, [[100, 7, 5, 6]], PARAMS,  # [100, 7] rendered, [5, 6] a hint
+                                                      SamplerContext(score=scorer(), prompt_indices=[0]))
+    assert eng.calls[1] == [[300, 7, MARK, MARK, 5, 6]] and out.rewards.tolist() == [0.0, 1.0]

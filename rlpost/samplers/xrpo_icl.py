@@ -292,10 +292,15 @@ class XRPOICLSampler(Sampler):
     def seeded_prompt(self, engine: Any, prompt: List[int], question: str, example: Any,
                       exemplars: Sequence[Dict[str, str]]) -> List[int]:
         """Token ids of the seeded prompt: the task renders the example with :func:`seeded_question` as its
-        question; without a task, the exemplar block's ids go in front of the prompt's ids."""
+        question, and ids the driver put after the plain rendering (a hint of ``selector=seele`` / ``pope``)
+        follow it; without a task, the exemplar block's ids go in front of the prompt's ids."""
         text = seeded_question(question, exemplars, self.max_chars)
         if self.task is not None and example is not None:
-            return list(self.task.render_prompt(dataclasses.replace(example, question=text), engine.tokenizer))
+            ids = list(self.task.render_prompt(dataclasses.replace(example, question=text), engine.tokenizer))
+            plain = list(self.task.render_prompt(example, engine.tokenizer))
+            # ids the driver appended after the rendered prompt (a hinting selector's hint) stay at its end
+            tail = list(prompt)[len(plain):] if list(prompt)[: len(plain)] == plain else []
+            return ids + tail
         block = text[: len(text) - len(question)]
         return list(engine.tokenizer.encode(block, add_special_tokens=False)) + list(prompt)
 
