@@ -56,6 +56,7 @@ def examples():
 
 
 def make(tmp_path, n=4, task=None, **kw):
+    kw.setdefault("template", "user_turn")  # the fake task has no user message: exemplars in the user turn
     s = SAMPLERS.get("xrpo_icl")(n, exemplar_file=write_bank(tmp_path, BANK), **kw)
     s.attach(task=task or FakeTask(), examples=examples())
     return s
@@ -204,7 +205,7 @@ def test_missing_or_malformed_exemplar_files_name_the_file_and_the_fix(tmp_path)
 @pytest.mark.parametrize("params,match", [
     ({"num_exemplars": 0}, "num_exemplars=0 must be >= 1"), ({"probe_fraction": 1.0}, "probe_fraction=1.0"),
     ({"max_solve_rate": 1.0}, "max_solve_rate=1.0"), ({"max_corpus": -1}, "max_corpus=-1"),
-    ({"train_on": "both"}, "seeded or original"), ({"num_exemplar": 2}, "num_exemplar"),
+    ({"train_on": "both"}, "seeded or original"), ({"template": "system"}, "chat_turns or user_turn"), ({"num_exemplar": 2}, "num_exemplar"),
 ])
 def test_bad_params_are_config_errors(params, match):
     with pytest.raises(ConfigError, match=match):
@@ -244,8 +245,15 @@ def test_xrpo_full_recipe_seeds_failed_prompts_on_tiny(compose, tmp_path):
     for g in set(b.group_index[seeded].tolist()):
         probes = (b.group_index == g) & ~seeded
         assert float(b.rewards[probes].max()) < 1.0
-    text = run.tokenizer.decode(b.prompt_ids[seeded][0][b.prompt_mask[seeded][0] > 0])
-    assert HEADER.strip() in text and text.count("Problem: ") == 2 and FOOTER.strip() in text
+    # template=chat_turns: system prompt, two exemplar user/assistant turns from the packaged file, then the problem
+    i = int(torch.nonzero(seeded)[0])
+    text = run.tokenizer.decode(b.prompt_ids[i][b.prompt_mask[i] > 0])
+    _, bank = load_exemplars("arithmetic")
+    solutions = {e["solution"] for e in bank}
+    turns = text.split("<|im_start|>")
+    assert [t.split("\n", 1)[0] for t in turns[1:]] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    assert all(t.split("\n", 1)[1].split("<|im_end|>")[0] in solutions for t in (turns[3], turns[5]))
+    assert turns[6].split("\n", 1)[1].split("<|im_end|>")[0] == run.train_examples[int(b.prompt_index[i])].question
     assert torch.equal(b.response_mask.sum(-1) > 0, torch.ones(len(b.rewards), dtype=torch.bool))
     losses = [v for k, v in m.items() if k.startswith("loss/")]
     assert losses and all(math.isfinite(v) for v in losses)

@@ -62,6 +62,7 @@ import torch
 from rlpost.core.errors import ConfigError
 from rlpost.core.registry import Choice, param
 from rlpost.core.batch import left_pad
+from rlpost.tasks.chat import encode_framed, template_parts
 from rlpost.samplers.base import SAMPLERS, SampleResult, Sampler, generate_groups, merge_results, pad_id_of, score_rows, step_params
 
 PAPER = "XRPO: Pushing the limits of GRPO with Targeted Exploration and Exploitation (arXiv:2510.06672)"
@@ -71,6 +72,13 @@ EXEMPLAR_DIR = Path(__file__).resolve().parent / "exemplars"
 
 HEADER = "Here are solved examples of similar problems.\n\n"
 FOOTER = "Now solve this problem.\n"
+
+
+class Template(Choice):
+    """Where a seeded prompt's exemplars go."""
+
+    chat_turns = "chat_turns"
+    user_turn = "user_turn"
 
 
 class TrainOn(Choice):
@@ -93,6 +101,8 @@ class XRPOICLParams:
     grow_corpus: bool = param(True, "add each prompt's first solved unseeded rollout to the corpus (an evolving corpus)")
     max_corpus: int = param(2048, "grown exemplars kept at most, oldest dropped first (the file's are always kept)")
     max_solution_chars: int = param(800, "an exemplar's solution is cut to this many characters (long ones are truncated)")
+    template: Template = param(Template.chat_turns, "chat_turns: each exemplar a user turn and an assistant turn before "
+                               "the problem's; user_turn: all in the problem's user turn (seeded_question)")
     train_on: TrainOn = param(TrainOn.seeded, "seeded: the loss sees the prompt with its exemplars; original: without them")
 
 
@@ -201,8 +211,9 @@ class XRPOICLSampler(Sampler):
     0), scored; a prompt whose probes' solve rate (share of rewards
     ``>= solved_at``) is at most ``max_solve_rate`` is *seeded*: its question
     gets the ``num_exemplars`` most similar exemplars of the corpus
-    (:func:`retrieve`, :func:`seeded_question`) and is rendered again by the
-    task (chat template, system prompt); its remaining ``c - probes`` rollouts
+    (:func:`retrieve`), written as few-shot chat turns or into its user turn
+    (``template``) with the task's system prompt and chat template; its
+    remaining ``c - probes`` rollouts
     are drawn from that prompt, the other prompts' from their own (engine call
     1), and scored against the original example. A seeded prompt without a
     usable exemplar stays zero-shot. Every row keeps its prompt's group.
@@ -224,7 +235,7 @@ class XRPOICLSampler(Sampler):
 
     def __init__(self, n_samples: int, *, exemplar_file: str, num_exemplars: int, probe_fraction: float,
                  solved_at: float, max_solve_rate: float, grow_corpus: bool, max_corpus: int,
-                 max_solution_chars: int, train_on: str) -> None:
+                 max_solution_chars: int, template: str, train_on: str) -> None:
         super().__init__(n_samples)
         if int(num_exemplars) < 1:
             raise ValueError(f"num_exemplars={num_exemplars} must be >= 1")
@@ -234,13 +245,15 @@ class XRPOICLSampler(Sampler):
             raise ValueError(f"max_solve_rate={max_solve_rate} must be in [0, 1)")
         if int(max_corpus) < 0 or int(max_solution_chars) < 1:
             raise ValueError(f"max_corpus={max_corpus} must be >= 0 and max_solution_chars={max_solution_chars} >= 1")
+        if str(template) not in ("chat_turns", "user_turn"):
+            raise ValueError(f"template={template!r} must be chat_turns or user_turn")
         if str(train_on) not in ("seeded", "original"):
             raise ValueError(f"train_on={train_on!r} must be seeded or original")
         self.path, self.file_exemplars = load_exemplars(exemplar_file)
         self.num_exemplars, self.probe_fraction = int(num_exemplars), float(probe_fraction)
         self.solved_at, self.max_solve_rate = float(solved_at), float(max_solve_rate)
         self.grow, self.max_corpus, self.max_chars = bool(grow_corpus), int(max_corpus), int(max_solution_chars)
-        self.train_on = str(train_on)
+        self.train_on, self.template = str(train_on), str(template)
         self.grown: List[Dict[str, str]] = []
         self._grams: List[Counter] = [trigrams(e["question"]) for e in self.file_exemplars]
         self._grown_grams: List[Counter] = []
@@ -296,13 +309,32 @@ class XRPOICLSampler(Sampler):
         follow it; without a task, the exemplar block's ids go in front of the prompt's ids."""
         text = seeded_question(question, exemplars, self.max_chars)
         if self.task is not None and example is not None:
-            ids = list(self.task.render_prompt(dataclasses.replace(example, question=text), engine.tokenizer))
+            ids = self._chat_turns(engine.tokenizer, example, exemplars) if self.template == "chat_turns" else None
+            if ids is None:
+                ids = list(self.task.render_prompt(dataclasses.replace(example, question=text), engine.tokenizer))
             plain = list(self.task.render_prompt(example, engine.tokenizer))
             # ids the driver appended after the rendered prompt (a hinting selector's hint) stay at its end
             tail = list(prompt)[len(plain):] if list(prompt)[: len(plain)] == plain else []
             return ids + tail
         block = text[: len(text) - len(question)]
         return list(engine.tokenizer.encode(block, add_special_tokens=False)) + list(prompt)
+
+    def _chat_turns(self, tokenizer: Any, example: Any, exemplars: Sequence[Dict[str, str]]) -> Optional[List[int]]:
+        """``template=chat_turns``: the task's system prompt, then per exemplar a user turn (the task's user
+        message of its question) and an assistant turn (its solution, cut to ``max_solution_chars``), then the
+        problem's user turn, through the chat template; None when the tokenizer has no chat template or the
+        task no ``user_message`` (the caller then uses ``user_turn``)."""
+        task = self.task
+        if not getattr(tokenizer, "chat_template", None) or not hasattr(task, "user_message"):
+            return None
+        system = getattr(getattr(task, "cfg", None), "system_prompt", None)
+        msgs = [{"role": "system", "content": system}] if system else []
+        for e in exemplars:
+            shown = dataclasses.replace(example, index=-1, question=e["question"].strip())
+            msgs += [{"role": "user", "content": task.user_message(shown)},
+                     {"role": "assistant", "content": e["solution"].strip()[: self.max_chars]}]
+        msgs.append({"role": "user", "content": task.user_message(example)})
+        return list(encode_framed(tokenizer, *template_parts(tokenizer, msgs, True)))
 
     # ------------------------------------------------------------ sampling
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
