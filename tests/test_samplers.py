@@ -305,3 +305,38 @@ def test_sampler_metrics_of_several_rounds_average_means_and_sum_counts():
     m = _merge_round_metrics({"sampler/mean_fork_pos": [20.0, 10.0], "sampler/branches_pruned": [1.0, 2.0],
                               "sampler/temperature_mean": [1.0, 0.5]})
     assert m == {"sampler/mean_fork_pos": 15.0, "sampler/branches_pruned": 3.0, "sampler/temperature_mean": 0.75}
+
+
+def test_xrpo_icl_seeds_failed_prompts_and_scores_each_row_once_through_the_driver(tmp_path):
+    # XRPO's in-context seeding: probes first; the prompts whose probes all failed are rendered again with
+    # exemplars (here the fake task renders a seeded example i as [200 + i, 7]) for the rest of their rollouts
+    import json
+    from types import SimpleNamespace
+
+    from rlpost.run.collect import collect_rollouts
+    from rlpost.samplers.xrpo_icl import HEADER
+    from rlpost.selectors import SELECTORS
+    from rlpost.tasks.base import Example
+
+    bank = tmp_path / "bank.jsonl"
+    bank.write_text("".join(json.dumps({"question": f"Add {k} and {k}.", "solution": f"{2 * k}"}) + "\n" for k in range(3)))
+
+    class Task:
+        cfg = SimpleNamespace(name="fake")
+
+        def render_prompt(self, ex, tok):
+            return [(200 if ex.question.startswith(HEADER) else 100) + ex.index, 7]
+
+    s = make("xrpo_icl", 4, exemplar_file=str(bank))
+    s.attach(task=Task(), examples=[Example(index=i, question=f"Add {i} and 9.", answer="") for i in range(4)])
+    eng = FakeEngine({100: 0.0, 101: 1.0, 102: 0.0, 103: 1.0, 200: 1.0, 202: 1.0})
+    scored = []
+    out = collect_rollouts(SELECTORS.get("uniform")(4, 4, seed=0), s, eng, PARAMS, step=0,
+                           encode=lambda i: [100 + i, 7], score=scorer(calls=scored))
+    g = out.result.generation
+    assert sum(scored) == out.metrics["rollout/spent"] == 16 and out.rewards.tolist() == [correct(t) for t in g.texts]
+    seeded = out.result.extras["icl_seeded"] > 0
+    assert sorted(set(out.row_prompt_index[seeded].tolist())) == [0, 2] and int(seeded.sum()) == 4
+    first = g.prompt_ids[torch.arange(len(g.texts)), (g.prompt_mask == 0).sum(-1)]  # each row's first prompt token
+    assert torch.equal(first, torch.where(seeded, 200, 100) + out.row_prompt_index)
+    assert out.metrics["sampler/icl_prompts_revived"] == 2.0

@@ -6,8 +6,8 @@ reachable here). XRPO's exploitation half: a correct response that the policy
 found unlikely relative to its group carries more information than a likely
 one, so its advantage is raised. Its exploration half, the uncertainty-reduction
 rollout allocator, is ``selector=xrpo`` (:mod:`rlpost.selectors.xrpo_allocator`); its
-in-context seeding of zero-reward prompts is not implemented (it needs a bank of
-curated exemplars per task).
+in-context seeding of zero-reward prompts is ``sampler=xrpo_icl``
+(:mod:`rlpost.samplers.xrpo_icl`); ``recipes/xrpo_full.yaml`` runs all three.
 
 The formula follows the grpo-composer port (github.com/Wodlfvllf/grpo-composer,
 ``core/advantages/novelty_sharpening.py``), since the paper's text was not

@@ -16,7 +16,9 @@ before generation, so ``s_q`` is the std of the rewards the prompt earned in
 earlier steps (a never-seen prompt, or one seen once, has the prior ``s_q =
 prior_std``, the largest std of a 0/1 reward); (2) the exploration bonus is
 ``explore_coef sqrt(ln(1 + N) / (1 + N_q))`` (``N_q`` rewards seen for the
-prompt, ``N`` for all), UCB's form; (3) in-context seeding is not implemented.
+prompt, ``N`` for all), UCB's form. In-context seeding is ``sampler=xrpo_icl``
+(:mod:`rlpost.samplers.xrpo_icl`), which splits each prompt's allocated rollouts
+into probes and a seeded rest.
 """
 
 from __future__ import annotations
