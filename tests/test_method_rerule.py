@@ -39,7 +39,7 @@ def _step(groups, prompts, lp=-0.5, resp_len=3):
     )
     rw = torch.tensor([r for _, r in rows], dtype=torch.float32)
     res = SampleResult(generation=gen, group_index=torch.tensor([j for j, _ in rows]), rollouts_spent=B,
-                       extras={"reward_correct": rw.clone()}, rewards=rw)
+                       extras={"reward_correct": rw.clone(), "token_values": resp.float()}, rewards=rw)
     return StepRollouts(res, list(prompts), rw)
 
 
@@ -65,8 +65,10 @@ def test_buffer_keeps_the_hardest_one_entry_per_prompt():
     sel.postprocess(_step([[0, 1, 1, 1], [0, 1, 0, 1]], [1, 2]), step=1)  # means 0.75, 0.5
     sel.postprocess(_step([[0, 0, 0, 1]], [3]), step=2)  # 0.25: the 0.75 entry is evicted
     assert [(e["prompt"], e["mean"]) for e in sel.buffer] == [(3, 0.25), (2, 0.5)]
-    sel.postprocess(_step([[1, 0, 1, 1]], [2]), step=2)  # prompt 2 again (0.75): replaces its entry, then evicted
-    assert [(e["prompt"], e["mean"]) for e in sel.buffer] == [(3, 0.25)]
+    sel.postprocess(_step([[1, 0, 1, 1]], [2]), step=2)  # prompt 2 again (0.75): replaces its 0.5 entry
+    assert [(e["prompt"], e["mean"], e["step"]) for e in sel.buffer] == [(3, 0.25, 2), (2, 0.75, 2)]
+    sel.postprocess(_step([[0, 1, 1, 0]], [4]), step=2)  # 0.5 evicts the 0.75 entry
+    assert [(e["prompt"], e["mean"]) for e in sel.buffer] == [(3, 0.25), (4, 0.5)]
 
 
 def test_replay_starts_at_replay_start_appends_ceil_ratio_groups_and_stores_no_more():
@@ -76,7 +78,8 @@ def test_replay_starts_at_replay_start_appends_ceil_ratio_groups_and_stores_no_m
     assert [e["prompt"] for e in sel.buffer] == [5, 3]  # equal means: the newer first
     # step 3 = replay_start: 4 fresh groups -> ceil(0.3 * 4) = 2 replayed groups; the hard fresh group
     # of prompt 9 is not stored any more
-    out = sel.postprocess(_step([[1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 0], [0, 0, 1, 0]], [6, 7, 8, 9]), step=3)
+    out = sel.postprocess(_step([[1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 0], [0, 0, 1, 0]], [6, 7, 8, 9], resp_len=2),
+                          step=3)
     assert sel.replayed == 2 and [e["prompt"] for e in sel.buffer] == [5, 3]
     res = out.result
     assert res.group_index.shape[0] == 16 + 8 and out.prompt_indices == [6, 7, 8, 9, 3, 5]
@@ -89,6 +92,10 @@ def test_replay_starts_at_replay_start_appends_ceil_ratio_groups_and_stores_no_m
     assert res.extras["replay_age"].tolist() == [0.0] * 16 + [2.0] * 4 + [1.0] * 4
     assert res.extras["reward_correct"][16:].tolist() == [0, 0, 1, 0, 0, 1, 0, 0]
     assert res.rollouts_spent == 16  # no rollouts spent on replay
+    # a [B, R] extra travels with its rows; the fresh rows' (2 tokens wide) are right-padded with 0
+    tv = res.extras["token_values"]
+    assert tv.shape == (24, 3) and tv[16:, 0].tolist() == [30, 31, 32, 33, 50, 51, 52, 53]
+    assert tv[:16, 2].tolist() == [0.0] * 16 and res.generation.response_mask[:16, 2].tolist() == [0.0] * 16
 
 
 def test_before_replay_start_nothing_is_replayed_and_ratio_zero_never_replays():
@@ -106,12 +113,12 @@ def test_replay_order_spreads_uses_skips_prompts_in_the_batch_and_caps_replays()
     sel = _sel(reward_threshold=0.8, max_replays=2)
     sel.postprocess(_step([[0, 0, 0, 1], [0, 1, 0, 1], [1, 1, 0, 1]], [1, 2, 3]), step=1)  # means .25 .5 .75
     picks = []
-    for s in range(3, 9):
+    for s in range(3, 10):
         out = sel.postprocess(_step([[1, 1, 1, 0]], [2 if s == 4 else 9]), step=s)  # 1 group -> ceil(.25) = 1
         picks.append(out.prompt_indices[1:])
     # fewest uses first, then lowest mean; at step 4 prompt 2 is in the batch (prompt 3 is taken);
     # each entry at most twice, then nothing is left
-    assert picks == [[1], [3], [2], [1], [2], []]
+    assert picks == [[1], [3], [2], [1], [2], [3], []]
     assert [e["uses"] for e in sorted(sel.buffer, key=lambda e: e["prompt"])] == [2, 2, 2]
 
 
@@ -121,7 +128,7 @@ def test_tis_weight_of_replayed_tokens_by_hand():
     old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.3, -0.3]])
     beh = torch.tensor([[-1.0 - math.log(3.0), -2.0 - math.log(0.5), -0.4], [-0.3, -0.3, -0.3]])
     w, m = compute_correction("tis", old, beh, torch.ones(2, 3), cap=2.0)
-    assert w.tolist() == pytest.approx([[2.0, 0.5, math.exp(-0.1)], [1.0, 1.0, 1.0]], rel=1e-6)
+    assert w.flatten().tolist() == pytest.approx([2.0, 0.5, math.exp(-0.1), 1.0, 1.0, 1.0], rel=1e-6)
     assert float(m["frac_modified"]) == pytest.approx(1 / 6)  # only the capped token
 
 
@@ -138,7 +145,7 @@ def test_loss_of_a_fresh_and_a_replayed_row_by_hand():
     inp = PolicyLossInput(logprobs=lp, old_logprobs=old, advantages=A, response_mask=mask, rollout_logprobs=beh)
     loss_mat, _ = compute_policy_loss("ppo_clip", inp)
     w, _ = compute_correction("tis", old, beh, mask, cap=2.0)
-    assert (loss_mat * w).tolist() == pytest.approx([[-1.0, -1.2], [0.8, 0.25]], rel=1e-6)
+    assert (loss_mat * w).flatten().tolist() == pytest.approx([-1.0, -1.2, 0.8, 0.25], rel=1e-6)
     assert float(aggregate("seq-mean-token-mean", loss_mat * w, mask)) == pytest.approx(-0.2875, rel=1e-6)
 
 

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from rlpost.core.batch import pad_cat
 from rlpost.core.registry import param
 from rlpost.samplers.base import SampleResult, concat_generations, select_rows
 from rlpost.selectors.base import Role, SELECTORS, UniformSelector, is_zero_variance
@@ -213,7 +214,8 @@ class ReruleSelector(UniformSelector):
     on fresh rows); the importance weight against the behaviour policy is the
     loss side's: ``precision.correction=tis`` multiplies each token's loss by
     ``min(pi_old / pi_behaviour, cap)`` (recipes/rerule.yaml sets it).
-    Only the batch's 1-D per-row extras travel with replayed rows (as ``popo``).
+    The batch's per-row extras (``[B]`` and ``[B, R]``; wider ones are dropped on a replay step) travel
+    with replayed rows, ``[B, R]`` ones right-padded with 0 to the widest.
 
     Args:
         reward_threshold: mean group reward below which a group is a hard case.
@@ -292,7 +294,9 @@ class ReruleSelector(UniformSelector):
         for r, g in enumerate(res.group_index.tolist()):
             groups.setdefault(g, []).append(r)
         pos = res.positions()
-        row_keys = sorted(k for k, v in res.extras.items() if v.dim() == 1 and k != "replay_age")
+        # per-row extras ([B] and [B, R]: reward components, token-level values) travel with stored groups
+        row_keys = sorted(k for k, v in res.extras.items()
+                          if k != "replay_age" and v.dim() in (1, 2) and v.shape[0] == n_rows)
         if step < self.replay_start:
             for g, rows in sorted(groups.items()):
                 r = rw[rows].tolist()
@@ -321,9 +325,10 @@ class ReruleSelector(UniformSelector):
             age.append(torch.full((n,), float(step - e["step"])))
             for k in row_keys:  # a key the entry lacks (stored before it existed) reads 0
                 like = res.extras[k]
-                extras[k].append(e["extras"][k] if k in e["extras"] else torch.zeros(n, dtype=like.dtype))
+                extras[k].append(e["extras"][k] if k in e["extras"]
+                                 else torch.zeros((n, *like.shape[1:]), dtype=like.dtype))
         pad = int(getattr(res.generation, "pad_id", 0) or 0)
-        ex = {k: torch.cat(v) for k, v in extras.items()}
+        ex = {k: torch.cat(v) if v[0].dim() == 1 else pad_cat(v, 0) for k, v in extras.items()}
         ex["replay_age"] = torch.cat(age)
         out.result = SampleResult(
             generation=concat_generations(pieces, pad),
