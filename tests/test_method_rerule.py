@@ -197,3 +197,34 @@ def test_buffer_survives_state_dict_round_trip():
     other = _sel()
     other.load_state_dict(sel.state_dict())
     assert [(e["prompt"], e["uses"], e["rewards"]) for e in other.buffer] == [(3, 1, [0, 0, 1, 0])]
+
+
+def test_driver_run_buffers_early_and_appends_replayed_rows_to_the_batch():
+    """Through the rollout driver (a fake engine answering prompt k right with probability p[k]): the replayed
+    rows reach the learner's batch with their prompt, stored rewards, behaviour log-probs and age."""
+    from fake_engine import FakeEngine, scorer
+
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.run.collect import collect_rollouts
+    from rlpost.samplers import SAMPLERS
+
+    eng = FakeEngine({i + 100: (0.3 if i < 4 else 1.0) for i in range(8)})
+    sel = SELECTORS.get("rerule")(8, 4, seed=0, **{**PARAMS, "replay_start": 3, "replay_ratio": 0.5})
+    sam = SAMPLERS.get("group")(6)
+    replayed = 0
+    for step in range(1, 6):
+        out = collect_rollouts(sel, sam, eng, SamplingParams(max_new_tokens=6, seed=3), step=step,
+                               encode=lambda i: [i + 100, 7], score=scorer())
+        B = out.result.group_index.shape[0]
+        batch = out.to_batch(["1"] * B, 0, step - 1)
+        age = batch.extras["replay_age"]
+        assert out.metrics["rollout/spent"] == 24 and age.shape[0] == B == len(batch.rewards)
+        if step < 3:
+            assert B == 24 and float(age.sum()) == 0.0
+        else:
+            replayed += sel.replayed
+            assert B == 24 + 6 * sel.replayed and bool((age[24:] >= 1).all()) and float(age[:24].sum()) == 0.0
+        # every row answers the prompt it is labelled with
+        assert [int(x) - 100 for x in batch.prompt_ids[:, -2]] == batch.prompt_index.tolist()
+        out.update_selector(sel)
+    assert replayed > 0 and all(e["step"] < 3 for e in sel.buffer)

@@ -173,8 +173,8 @@ class ReruleSelectorParams:
 
     reward_threshold: float = param(0.5, "a group is a hard case when its mean reward is below this (our choice: 0.5)")
     buffer_size: int = param(64, "hard-case groups kept, the least hard evicted first (our choice: 64)")
-    replay_start: int = param(21, "first RL step that replays; groups are buffered only before it "
-                                  "(our choice: 21, a third of the default 60 steps)")
+    replay_start: int = param(11, "first RL step that replays; groups are buffered only before it "
+                                  "(our choice: 11, the second half of a 20-step recipe)")
     replay_ratio: float = param(0.25, "replayed groups per fresh group of a replay step, rounded up "
                                       "(our choice: 0.25)")
     max_replays: int = param(0, "times one buffered group may be replayed, 0 for no limit (our choice: 0)")
