@@ -180,6 +180,36 @@ def test_trainer_update_weights_replayed_rows_by_the_capped_ratio(compose):
     assert metrics["loss/policy"] == pytest.approx(want, rel=1e-4)
 
 
+def test_replayed_rows_gradient_does_not_depend_on_micro_batch_size(compose):
+    """The recipe's update (GRPO loss, TIS on replayed rows) gives one gradient with micro-batches of 1 and 8 rows."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import tiny_overrides, update_with_gradient
+    from ds_worker import make_batch
+
+    from rlpost.config.schema import ModelConfig
+    from rlpost.models.loader import load_policy
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    model = load_policy(ModelConfig(source="tiny"), seed=3)[0]
+    grads = []
+    for mb in (1, 8):
+        cfg = compose(tiny_overrides("+recipe=rerule", "model=tiny", "precision=fp32", f"trainer.micro_batch_size={mb}"))
+        assert cfg.selector.name == "rerule" and cfg.precision.correction == "tis"
+        import copy
+
+        t = TorchTrainer.from_config(copy.deepcopy(model), cfg, "cpu")
+        b = make_batch(B=8)
+        lp, _ = t.compute_logprobs(b)
+        g = torch.Generator().manual_seed(1)
+        b.rollout_logprobs = (lp + 0.5 * torch.randn(lp.shape, generator=g)) * b.response_mask
+        b.extras["replay_age"] = torch.tensor([2.0] * 4 + [0.0] * 4)
+        grads.append(update_with_gradient(t, b)[1])
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
 def test_bad_params_are_errors():
     from types import SimpleNamespace
 
