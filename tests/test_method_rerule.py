@@ -207,7 +207,10 @@ def test_replayed_rows_gradient_does_not_depend_on_micro_batch_size(compose):
         b.rollout_logprobs = (lp + 0.5 * torch.randn(lp.shape, generator=g)) * b.response_mask
         b.extras["replay_age"] = torch.tensor([2.0] * 4 + [0.0] * 4)
         grads.append(update_with_gradient(t, b)[1])
-    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+    assert grads[1].norm() > 0
+    # the same criterion as tests/test_preset_microbatch_invariance.py: fp32 summation order alone gives ~2e-6
+    rel = float((grads[0] - grads[1]).norm() / grads[1].norm())
+    assert rel < 1e-4, f"micro_batch_size 1 vs 8 gradients differ by {rel:.2e} relative"
 
 
 def test_bad_params_are_errors():
