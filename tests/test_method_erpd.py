@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlpost.algos.advantages import AdvantageInput, compute_advantages
+from rlpost.algos.aggregation import aggregate
 from rlpost.algos.erpd import erpd_log_ratio, extreme_region_keep
 from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
 from rlpost.core.errors import ConfigError
@@ -90,9 +91,9 @@ def test_trust_region_loss_value_by_hand():
     lp[0, 0] += math.log(1.5)
     lp[1, 0] += math.log(0.9)
     lp.requires_grad_(True)
-    loss, _ = compute_policy_loss("ppo_clip", PolicyLossInput(logprobs=lp, old_logprobs=old,
-                                                              advantages=out.advantages, response_mask=mask),
-                                  loss_agg="token-mean")
+    loss_mat, _ = compute_policy_loss("ppo_clip", PolicyLossInput(logprobs=lp, old_logprobs=old,
+                                                                  advantages=out.advantages, response_mask=mask))
+    loss = aggregate("token-mean", loss_mat, mask)
     # per token: -min(1.5 * 0.8, 1.2 * 0.8) = -0.96; -min(0.9 * -0.5, 0.9 * -0.5) = 0.45; 0; mean over 3 kept
     assert math.isclose(float(loss), (-0.96 + 0.45 + 0.0) / 3, rel_tol=1e-5)
     loss.backward()
