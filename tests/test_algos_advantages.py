@@ -334,6 +334,7 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "dare": "label-free: the reward is the group's answer distribution and entropy, not the verifier's reward",
     "drift": "an importance weight exp(R / beta) / group mean, not a baseline: equal returns weigh 1 each",
     "osw_ft": "an SFT weight 1 - p_hat (the probes' success rate), not a baseline: 0.9 success weighs 0.1",
+    "erpd": "not a reward baseline: the stage-1 teacher's minus the student's log-prob of each token (ERPD)",
 }
 
 LENGTHS8 = [15, 24, 6, 32, 2, 6, 7, 13]
