@@ -169,3 +169,12 @@ def test_one_stage_two_step_on_the_tiny_model(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     r = [r for r in rows if "reward/mean" in r][0]
     assert r["step"] == 1 and math.isfinite(r["loss/policy"])
+    assert r["adv/loss_mask_dropped_frac"] == 0.0  # no extreme region at max_log_ratio=inf
+    # a region bound below every |delta| drops every token the teacher disagrees on: the runner logs the share
+    cfg = compose_config(["model=tiny", "model.teacher=tiny", "algo=erpd", "steps=1", "logger=jsonl",
+                          "selector.prompts_per_step=2", "algo.n_samples_per_prompt=2", "rollout.max_new_tokens=6",
+                          "eval.at_end=false", "checkpoint.every=0", "+algo.adv_params.max_log_ratio=1e-12"])
+    train(cfg, tmp_path / "tight")
+    rows = [json.loads(x) for x in (tmp_path / "tight" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    r = [r for r in rows if "reward/mean" in r][0]
+    assert 0.0 < r["adv/loss_mask_dropped_frac"] <= 1.0

@@ -707,7 +707,9 @@ class Run:
         )
         batch.extras["advantages"] = out.advantages
         if out.loss_mask is not None:  # tokens the estimator takes out of the update (e.g. a group's pivot)
+            n_before = batch.response_mask.sum().clamp(min=1)
             batch.response_mask = batch.response_mask * out.loss_mask
+            ctx.metrics["adv/loss_mask_dropped_frac"] = float(1 - batch.response_mask.sum() / n_before)
         if getattr(self.sampler, "token_level", False):  # a sampler that selects loss tokens from |A| and entropy
             from rlpost.samplers.prune import apply_loss_token_mask
 
