@@ -187,10 +187,10 @@ def test_missing_or_malformed_exemplar_files_name_the_file_and_the_fix(tmp_path)
         build_sampler(SimpleNamespace(name="xrpo_icl", params={"exemplar_file": "gsm8k"}), 4)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "solution": "s"}\n{"question": "q2", \n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl line 2 is not JSON.*" + fix):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2 is not JSON.*" + fix):
         load_exemplars(str(bad))
     bad.write_text('{"question": "q", "answer": "3"}\n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl line 1 needs non-empty string fields 'question' and 'solution'"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:1 needs non-empty string fields 'question' and 'solution'"):
         load_exemplars(str(bad))
     bad.write_text("\n")
     with pytest.raises(ConfigError, match=r"bad\.jsonl holds no exemplar"):

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlpost.core.errors import ConfigError, DataError
+from rlpost.core.jsonl import iter_jsonl
 from rlpost.models.loader import load_model, load_tokenizer
 from rlpost.rewards.models import render_chat, score_head, sequence_scores
 
@@ -43,13 +44,7 @@ def read_pairs(path: str) -> List[Dict[str, str]]:
         raise DataError(f"pairs file {path} does not exist. Fix: --pairs FILE (JSONL rows with prompt, chosen, "
                         f"rejected), e.g. one written by `rlpost rm-pairs`.")
     rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not JSON ({e.msg})") from None
+    for n, row in iter_jsonl(p, DataError, "pairs file"):
         miss = [k for k in PAIR_KEYS if not isinstance(row.get(k), str)]
         if miss:
             raise DataError(f"{path}:{n}: missing string field(s) {', '.join(miss)}; a pair row needs prompt, chosen, rejected")

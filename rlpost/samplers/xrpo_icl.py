@@ -60,6 +60,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlpost.core.errors import ConfigError
+from rlpost.core.jsonl import iter_jsonl
 from rlpost.core.registry import Choice, param
 from rlpost.core.batch import left_pad
 from rlpost.tasks.chat import encode_framed, template_parts
@@ -131,16 +132,10 @@ def load_exemplars(spec: str) -> Tuple[Path, List[Dict[str, str]]]:
         raise ConfigError(f"sampler=xrpo_icl: exemplar file {path} (sampler.params.exemplar_file={spec!r}) does not "
                           f"exist. Packaged names: {packaged}. {fix}")
     rows: List[Dict[str, str]] = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"sampler=xrpo_icl: exemplar file {path} line {n} is not JSON ({e.msg}). {fix}") from None
-        if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) and rec[k].strip() for k in ("question", "solution")):
-            raise ConfigError(f"sampler=xrpo_icl: exemplar file {path} line {n} needs non-empty string fields "
-                              f"'question' and 'solution', got {str(line)[:80]!r}. {fix}")
+    for n, rec in iter_jsonl(path, ConfigError, "sampler=xrpo_icl: exemplar file", fix):
+        if not all(isinstance(rec.get(k), str) and rec[k].strip() for k in ("question", "solution")):
+            raise ConfigError(f"sampler=xrpo_icl: exemplar file {path}:{n} needs non-empty string fields "
+                              f"'question' and 'solution', got {json.dumps(rec)[:80]!r}. {fix}")
         rows.append({k: str(v) for k, v in rec.items() if k in ("question", "solution", "task")})
     if not rows:
         raise ConfigError(f"sampler=xrpo_icl: exemplar file {path} holds no exemplar. {fix}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from rlpost.core.errors import ConfigError, DataError
+from rlpost.core.jsonl import iter_jsonl
 from rlpost.tasks.answer_tags import EXTRACTORS, extract_answer, extract_auto, extract_boxed, parse_gsm8k_gold
 from rlpost.tasks.base import TASKS, Example, Task
 from rlpost.tasks.verifiers import VERIFIERS, verify
@@ -55,19 +56,7 @@ def read_rows(path: str | Path) -> List[Dict[str, Any]]:
         return data
     if suffix not in (".jsonl", ".ndjson"):
         raise DataError(f"task.path={str(path)!r}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
-    rows: List[Dict[str, Any]] = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno} is not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{p}:{lineno} is a JSON {type(row).__name__}, expected an object")
-            rows.append(row)
-    return rows
+    return [row for _, row in iter_jsonl(p, DataError, "task file")]
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
