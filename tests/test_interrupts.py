@@ -11,6 +11,16 @@ from conftest import tiny_overrides
 
 def test_in_process_interrupt_reaches_the_caller_and_the_handler_does_not_outlive_the_run(compose, tmp_path,
                                                                                           monkeypatch):
+    # start from Python's own Ctrl-C handler: an earlier test or library in the same pytest process may have
+    # left another one (the full CI run of 2c68e4f did), and the last check below needs the default
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_round_trip(compose, tmp_path, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, found)
+
+
+def _interrupt_round_trip(compose, tmp_path, monkeypatch):
     from rlpost.run import runner
     from rlpost.core.errors import Interrupted
 
