@@ -330,7 +330,13 @@ class TraceTreeSampler(EpisodeSampler):
         stats = {"root": [], "tool": [], "branches": 0}
         return self._run(engine, eps, params, ctx, tok, eos_ids, [0] * (1 + max(e.pos for e in eps)), rng, stats, call)
 
-    def sample(self, engine, prompts, params, ctx):  # noqa: C901 - the two stages, in order
+    def _succ(self, e: _Episode) -> bool:
+        return e.trace_reward >= self.success_threshold
+
+    def _feat(self, e: _Episode, rates: List[float], counters: Optional[Tuple[int, int, int, int]] = None) -> List[float]:
+        return self.feature_vector(counters or self._counters(e), rates[e.pos])
+
+    def sample(self, engine, prompts, params, ctx):
         """Run TRACE's two stages and return ``B`` scored rows; see the class docstring.
 
         Raises:
@@ -353,83 +359,24 @@ class TraceTreeSampler(EpisodeSampler):
                              f"Fix: more rollouts per prompt or sampler.params.min_roots=1.")
         keys = [self._prompt_key(ctx, i) for i in range(P)]
         rates = [self.prompt_rate_logit(k) for k in keys]
-        feat = lambda e, c=None: self.feature_vector(c or self._counters(e), rates[e.pos])  # noqa: E731
         root_x = torch.tensor([self.feature_vector((0, 0, 0, 0), r) for r in rates], dtype=torch.float64)
         p_root = self.predictor.predict(root_x).tolist()
-        # stage 1: global root allocation
         R = min(B, max(P * self.min_roots, int(round(self.root_share * B))))
-        n_root = [self.min_roots + a for a in allocate(p_root, R - P * self.min_roots, start=[self.min_roots] * P)]
+        run = (engine, prompts, params, ctx, tok, eos_ids)
         session = getattr(engine, "session", None)
         self._collect, self._snap = True, []
         try:
             with (session() if session is not None else contextlib.nullcontext()):
-                eps1 = [self._new_episode(ctx, pos, prompts[pos], tok) for pos in range(P) for _ in range(n_root[pos])]
-                for e in eps1:
-                    e.can_branch, e.trace_p = False, p_root[e.pos]
-                call = self._run_all(engine, eps1, params, ctx, tok, eos_ids, 0)
-                self._mark_void(eps1)
-                self._score_part(ctx, eps1, engine, prompts)
-                snaps, self._snap = self._snap, None
-                # stage 2: local prefix expansion over the roots and the stage-1 prefixes
-                succ = lambda e: e.trace_reward >= self.success_threshold  # noqa: E731
-                anchors_p = list(p_root)
-                s_known = [sum(succ(e) for e in eps1 if e.pos == i) for i in range(P)]
-                f_known = [n_root[i] - s_known[i] for i in range(P)]
-                if snaps:
-                    px = torch.tensor([feat(src, self._counters(snap)) for src, snap in snaps], dtype=torch.float64)
-                    anchors_p += self.predictor.predict(px).tolist()
-                    s_known += [int(succ(src)) for src, _ in snaps]
-                    f_known += [1 - int(succ(src)) for src, _ in snaps]
-                new = allocate(anchors_p, B - R, s_known, f_known, fallback=list(range(P)))
-                eps2: List[_Episode] = []
-                for i in range(P):
-                    for _ in range(new[i]):
-                        e = self._new_episode(ctx, i, prompts[i], tok)
-                        e.can_branch, e.trace_p, e.trace_src = False, anchors_p[i], None
-                        eps2.append(e)
-                for j, (src, snap) in enumerate(snaps):
-                    for _ in range(new[P + j]):
-                        e = copy.deepcopy(snap)
-                        e.can_branch, e.trace_p, e.trace_src, e.prefix_len = False, anchors_p[P + j], src, len(snap.ids)
-                        eps2.append(e)
-                if eps2:
-                    self._run_all(engine, eps2, params, ctx, tok, eos_ids, call)
-                    self._mark_void(eps2)
-                    self._score_part(ctx, eps2, engine, prompts)
+                eps1, snaps, call = self._stage_roots(run, p_root, R)
+                eps2, anchors_p = self._stage_prefixes(run, eps1, snaps, p_root, rates, B - R, call)
         finally:
             self._collect, self._snap = False, None
         for e in eps1:
             e.trace_src = None
-        eps = eps1 + eps2
-        order = sorted(range(len(eps)), key=lambda i: eps[i].pos)  # rows grouped by prompt
-        eps = [eps[i] for i in order]
-        row_of = {id(e): r for r, e in enumerate(eps)}
-        for e in eps:
-            e.parent = row_of[id(e.trace_src)] if e.trace_src is not None else -1
+        eps = sorted(eps1 + eps2, key=lambda e: e.pos)  # rows grouped by prompt (stable: stage order kept)
         assert len(eps) == B, "trace_tree budget accounting"
-        res = self._assemble(eps, [e.pos for e in eps], engine, prompts, left_pad)
-        res.rewards = torch.tensor([e.trace_reward for e in eps], dtype=torch.float32)
-        for k in sorted(set().union(*(e.trace_parts.keys() for e in eps))):
-            res.extras[k] = torch.tensor([e.trace_parts.get(k, 0.0) for e in eps], dtype=torch.float32)
-        if self.void_turn_filter:
-            void = torch.tensor([e.void for e in eps], dtype=torch.bool)
-            res.generation.response_mask[void] = 0.0
-            res.metrics["episode/void_filtered_frac"] = float(void.float().mean())
-        res.extras["branch_parent"] = torch.tensor([e.parent for e in eps], dtype=torch.long)
-        res.extras["branch_prefix_len"] = torch.tensor([e.prefix_len for e in eps], dtype=torch.long)
-        res.extras["trace_p"] = torch.tensor([e.trace_p for e in eps], dtype=torch.float32)
-        # the predictor learns from every prefix of every episode; prompt rates from root episodes
-        X, y = [], []
-        for e in eps:
-            for c in getattr(e, "trace_prefixes", []):
-                X.append(feat(e, c))
-                y.append(float(succ(e)))
-        loss = self.predictor.update(torch.tensor(X, dtype=torch.float64).reshape(len(X), len(self.predictor.features)), torch.tensor(y))
-        for e in eps:
-            if e.trace_src is None and e.prefix_len == 0:
-                st = self.prompt_stats.setdefault(keys[e.pos], [0, 0])
-                st[0] += int(succ(e))
-                st[1] += 1
+        res = self._rows(eps, engine, prompts)
+        loss = self._learn(eps, keys, rates)
         r = res.rewards
         mixed = [bool((r[res.group_index == i] >= self.success_threshold).any()
                       and (r[res.group_index == i] < self.success_threshold).any()) for i in range(P)]
@@ -441,6 +388,90 @@ class TraceTreeSampler(EpisodeSampler):
         })
         self._write_transcript(ctx, eps, res)
         return res
+
+    def _stage_roots(self, run: Tuple[Any, ...], p_root: List[float], R: int):
+        """Stage 1: ``R`` root episodes allocated globally over the prompts' predicted success ``p_root``
+        (``min_roots`` each first), run and scored. Returns ``(episodes, snapshots, call)``: the turn
+        prefixes recorded while sampling (the anchors of stage 2) and the engine call counter."""
+        engine, prompts, params, ctx, tok, eos_ids = run
+        P = len(prompts)
+        n_root = [self.min_roots + a for a in allocate(p_root, R - P * self.min_roots, start=[self.min_roots] * P)]
+        eps1 = [self._new_episode(ctx, pos, prompts[pos], tok) for pos in range(P) for _ in range(n_root[pos])]
+        for e in eps1:
+            e.can_branch, e.trace_p = False, p_root[e.pos]
+        call = self._run_all(engine, eps1, params, ctx, tok, eos_ids, 0)
+        self._mark_void(eps1)
+        self._score_part(ctx, eps1, engine, prompts)
+        snaps, self._snap = self._snap, None
+        return eps1, snaps, call
+
+    def _stage_prefixes(self, run: Tuple[Any, ...], eps1: List[_Episode], snaps: List[Tuple[_Episode, _Episode]],
+                        p_root: List[float], rates: List[float], budget: int, call: int):
+        """Stage 2: ``budget`` more rollouts, fresh roots or continuations of stage-1 turn prefixes,
+        allocated by :func:`allocate` over the anchors' predicted success with the known stage-1
+        outcomes. Returns ``(episodes, anchor probabilities)`` (the ``P`` roots, then the prefixes)."""
+        engine, prompts, params, ctx, tok, eos_ids = run
+        P = len(prompts)
+        anchors_p = list(p_root)
+        s_known = [sum(self._succ(e) for e in eps1 if e.pos == i) for i in range(P)]
+        f_known = [sum(1 for e in eps1 if e.pos == i) - s_known[i] for i in range(P)]
+        if snaps:
+            px = torch.tensor([self._feat(src, rates, self._counters(snap)) for src, snap in snaps], dtype=torch.float64)
+            anchors_p += self.predictor.predict(px).tolist()
+            s_known += [int(self._succ(src)) for src, _ in snaps]
+            f_known += [1 - int(self._succ(src)) for src, _ in snaps]
+        new = allocate(anchors_p, budget, s_known, f_known, fallback=list(range(P)))
+        eps2: List[_Episode] = []
+        for i in range(P):
+            for _ in range(new[i]):
+                e = self._new_episode(ctx, i, prompts[i], tok)
+                e.can_branch, e.trace_p, e.trace_src = False, anchors_p[i], None
+                eps2.append(e)
+        for j, (src, snap) in enumerate(snaps):
+            for _ in range(new[P + j]):
+                e = copy.deepcopy(snap)
+                e.can_branch, e.trace_p, e.trace_src, e.prefix_len = False, anchors_p[P + j], src, len(snap.ids)
+                eps2.append(e)
+        if eps2:
+            self._run_all(engine, eps2, params, ctx, tok, eos_ids, call)
+            self._mark_void(eps2)
+            self._score_part(ctx, eps2, engine, prompts)
+        return eps2, anchors_p
+
+    def _rows(self, eps: List[_Episode], engine: Any, prompts: Any):
+        """The ``B`` rows of the step from the scored episodes (rewards, reward parts, tree extras)."""
+        row_of = {id(e): r for r, e in enumerate(eps)}
+        for e in eps:
+            e.parent = row_of[id(e.trace_src)] if e.trace_src is not None else -1
+        res = self._assemble(eps, [e.pos for e in eps], engine, prompts, left_pad)
+        res.rewards = torch.tensor([e.trace_reward for e in eps], dtype=torch.float32)
+        for k in sorted(set().union(*(e.trace_parts.keys() for e in eps))):
+            res.extras[k] = torch.tensor([e.trace_parts.get(k, 0.0) for e in eps], dtype=torch.float32)
+        if self.void_turn_filter:
+            void = torch.tensor([e.void for e in eps], dtype=torch.bool)
+            res.generation.response_mask[void] = 0.0
+            res.metrics["episode/void_filtered_frac"] = float(void.float().mean())
+        res.extras["branch_parent"] = torch.tensor([e.parent for e in eps], dtype=torch.long)
+        res.extras["branch_prefix_len"] = torch.tensor([e.prefix_len for e in eps], dtype=torch.long)
+        res.extras["trace_p"] = torch.tensor([e.trace_p for e in eps], dtype=torch.float32)
+        return res
+
+    def _learn(self, eps: List[_Episode], keys: List[int], rates: List[float]) -> float:
+        """The predictor's gradient steps on every ``(prefix, success)`` pair of the step; the prompts'
+        root success counts from root episodes. Returns the predictor loss."""
+        X, y = [], []
+        for e in eps:
+            for c in getattr(e, "trace_prefixes", []):
+                X.append(self._feat(e, rates, c))
+                y.append(float(self._succ(e)))
+        loss = self.predictor.update(torch.tensor(X, dtype=torch.float64).reshape(len(X), len(self.predictor.features)),
+                                     torch.tensor(y))
+        for e in eps:
+            if e.trace_src is None and e.prefix_len == 0:
+                st = self.prompt_stats.setdefault(keys[e.pos], [0, 0])
+                st[0] += int(self._succ(e))
+                st[1] += 1
+        return loss
 
     def _mark_void(self, eps: List[_Episode]) -> None:
         if self.void_turn_filter and self.task is not None:
