@@ -101,6 +101,9 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
         rew = [r.get("reward/mean", 0.0) for r in rows]
         row["reward_first5"] = sum(rew[:5]) / len(rew[:5])
         row["reward_last5"] = sum(rew[-5:]) / len(rew[-5:])
+        # the rows sampled this step (every scored group, before a filter drops or a replay selector adds rows)
+        scored = [r["rollout/reward_scored"] for r in rows if "rollout/reward_scored" in r]
+        row["reward_scored_last5"] = sum(scored[-5:]) / len(scored[-5:]) if scored else None
         row["entropy"] = last.get("actor/entropy")
         row["clip_frac"] = last.get("actor/clip_frac")
         row["s_per_step"] = sum(r.get("time/step_s", 0.0) for r in rows) / len(rows)
@@ -128,13 +131,13 @@ def fmt(x: Any, nd: int = 3) -> str:
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    head = ["preset", "rollouts/step", "passes", "steps", "reward (steps 1-5)", "reward (last 5)", "final reward", "entropy",
-            "clip_frac", "s/step", "max|loss|", "max grad norm", "steps with grad > 0", "status"]
+    head = ["preset", "rollouts/step", "passes", "steps", "reward (steps 1-5)", "reward (last 5)", "scored (last 5)", "final reward",
+            "entropy", "clip_frac", "s/step", "max|loss|", "max grad norm", "steps with grad > 0", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["preset"], str(r.get("rollouts_per_step", "-")), r.get("passes", "-"), str(r["steps"]), fmt(r.get("reward_first5")),
-            fmt(r.get("reward_last5")), fmt(r.get("reward")), fmt(r.get("entropy")), fmt(r.get("clip_frac")),
+            fmt(r.get("reward_last5")), fmt(r.get("reward_scored_last5")), fmt(r.get("reward")), fmt(r.get("entropy")), fmt(r.get("clip_frac")),
             fmt(r.get("s_per_step"), 1), fmt(r.get("max_abs_loss")), fmt(r.get("max_grad_norm")), str(r.get("grad_steps", "-")), r["status"],
         ]) + " |")
     return "\n".join(lines)
