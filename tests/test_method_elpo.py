@@ -159,14 +159,14 @@ def test_sampler_builds_the_tree_by_hand():
 def test_sampler_spends_an_unused_budget_on_plain_rollouts():
     # nothing fails: the 4 reserved rollouts are drawn as plain ones (2 engine calls), every group keeps 6 rows
     eng = ToyEngine(["X"])
-    res = elpo_sampler(6).sample(eng, [[1], [2]], SamplingParams(max_new_tokens=8),
+    res = elpo_sampler(6, budget=4).sample(eng, [[1], [2]], SamplingParams(max_new_tokens=8),
                                  SamplerContext(score=scorer([]), prompt_indices=[0, 1]))
     assert len(eng.calls) == 2 and len(eng.calls[1][0]) == 8
     assert res.group_index.tolist() == [0, 0, 1, 1] + [0] * 4 + [1] * 4 and res.rollouts_spent == 12
     assert res.extras["elpo_role"].sum() == 0 and res.metrics["sampler/elpo_topup"] == 8.0
     # max_depth 1: one probe (2 continuations), the other 2 reserved rollouts are plain; the step is not resolved
     eng = ToyEngine([FAILED])
-    res = elpo_sampler(6, max_depth=1).sample(eng, [[1]], SamplingParams(max_new_tokens=16),
+    res = elpo_sampler(6, budget=4, max_depth=1).sample(eng, [[1]], SamplingParams(max_new_tokens=16),
                                               SamplerContext(score=scorer([]), prompt_indices=[0]))
     assert res.extras["elpo_role"].tolist() == [1, 0, 2, 2, 0, 0]
     assert res.metrics["sampler/elpo_resolved"] == 0.0 and res.metrics["sampler/elpo_error_step_mean"] == 1.0
@@ -176,7 +176,7 @@ def test_sampler_spends_an_unused_budget_on_plain_rollouts():
 def test_entropy_gap_selects_the_row_with_the_widest_step_spread():
     from rlpost.samplers.elpo import ElpoSampler
 
-    s = elpo_sampler(6)
+    s = elpo_sampler(6, budget=4)
     assert isinstance(s, ElpoSampler) and s.max_probes == 2
     cuts = {0: [0, 2, 4], 1: [0, 2, 4], 2: [0, 4]}
     sur = {0: [0.1, 0.1, 0.2, 0.2], 1: [0.1, 0.1, 0.9, 0.9], 2: [5.0, 0.0, 0.0, 0.0]}
@@ -262,10 +262,14 @@ def test_error_localized_clip_on_one_row_by_hand():
 
 # --------------------------------------------------------------------------- parameters and presets
 def test_bad_sampler_params_are_errors_naming_the_fix():
-    with pytest.raises(ConfigError, match=r"budget=6 must be in \[0, algo.n_samples_per_prompt=6\)"):
+    with pytest.raises(ConfigError, match="budget=6 must be below algo.n_samples_per_prompt=6"):
         elpo_sampler(6, budget=6)
     with pytest.raises(ConfigError, match="budget >= 2"):
         elpo_sampler(6, budget=1)
+    with pytest.raises(ConfigError, match="budget=1 is less than one probe"):  # half of a group of 2
+        elpo_sampler(2)
+    with pytest.raises(ConfigError, match="budget=-1"):
+        elpo_sampler(6, budget=-1)
     with pytest.raises(ConfigError, match="max_dept"):
         elpo_sampler(6, max_dept=2)
     with pytest.raises(ConfigError, match="segment='lines'"):
@@ -274,7 +278,8 @@ def test_bad_sampler_params_are_errors_naming_the_fix():
         elpo_sampler(6, select="entropy")
     with pytest.raises(ConfigError, match="branch=0"):
         elpo_sampler(6, branch=0)
-    assert elpo_sampler(6, budget=0).max_probes == 0  # budget 0: plain groups
+    assert elpo_sampler(8).budget == 4 and elpo_sampler(6).budget == 3  # budget 0: half the group
+    assert elpo_sampler(6).max_probes == 1 and elpo_sampler(8).max_probes == 2 and elpo_sampler(2, branch=1).max_probes == 1
 
 
 def test_bad_estimator_params():

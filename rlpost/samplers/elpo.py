@@ -15,7 +15,7 @@ constants). Followed from them:
 Our reading, where the summary stops (declared in :class:`ElpoSamplerParams` as well):
 
 * the budget is part of the group: ``algo.n_samples_per_prompt = n`` rollouts per prompt in all,
-  ``n - budget`` sampled first, up to ``budget`` spent on probes (``branch`` continuations per probe,
+  ``n - budget`` sampled first (``budget`` 0, the default: half the group), up to ``budget`` spent on probes (``branch`` continuations per probe,
   at most ``max_depth`` probes), and whatever the search leaves unspent drawn as plain rollouts, so a
   group always has ``n`` rows and the rollouts per step equal GRPO's;
 * steps are the shared step segmentation's spans (:func:`rlpost.tasks.steps.segment_steps`; lines or
@@ -80,8 +80,9 @@ class Select(Choice):
 class ElpoSamplerParams:
     """ELPO's binary-search tree; the paper gives no constant here, so every default is our choice."""
 
-    budget: int = param(4, "rollouts of each group reserved for the search, out of algo.n_samples_per_prompt "
-                        "(n - budget sampled first; what the search leaves unspent is drawn as plain rollouts)")
+    budget: int = param(0, "rollouts of each group reserved for the search, out of algo.n_samples_per_prompt = n "
+                        "(0: half the group, n // 2; n - budget sampled first; what the search leaves unspent is "
+                        "drawn as plain rollouts)")
     branch: int = param(2, "continuations sampled from each probed prefix; the prefix is recoverable when any "
                         "reaches fail_below")
     max_depth: int = param(3, "most probes (binary-search levels) per localized rollout")
@@ -206,7 +207,7 @@ class ElpoSampler(Sampler):
     rollouts), ``elpo_recoverable_frac`` (probes found recoverable), ``elpo_topup`` (plain top-ups).
 
     Raises:
-        ValueError: (construction) ``budget`` not in ``[0, n)``, ``0 < budget < branch``, ``branch`` or
+        ValueError: (construction) ``budget`` negative or not below ``n``, a budget below ``branch``, ``branch`` or
             ``max_depth`` below 1, an unknown segmentation rule; the build wraps it in a ConfigError
             naming ``sampler.params``. (``sample``) no scorer in the context.
     """
@@ -217,15 +218,19 @@ class ElpoSampler(Sampler):
                  fail_below: float, select: str) -> None:
         super().__init__(n_samples)
         budget, branch, max_depth = int(budget), int(branch), int(max_depth)
-        if not 0 <= budget < n_samples:
-            raise ValueError(f"budget={budget} must be in [0, algo.n_samples_per_prompt={n_samples}) (the search's "
-                             f"rollouts come out of the group; at least one rollout is sampled first). Fix: "
-                             f"sampler.params.budget={max(0, n_samples // 2)} or a larger algo.n_samples_per_prompt")
         if branch < 1 or max_depth < 1:
             raise ValueError(f"branch={branch} and max_depth={max_depth} must be >= 1")
-        if 0 < budget < branch:
+        if budget < 0:
+            raise ValueError(f"budget={budget} must be >= 0 (0: half the group)")
+        budget = budget or n_samples // 2
+        if budget >= n_samples:
+            raise ValueError(f"budget={budget} must be below algo.n_samples_per_prompt={n_samples} (the search's "
+                             f"rollouts come out of the group; at least one rollout is sampled first). Fix: "
+                             f"sampler.params.budget=0 (half the group) or a larger algo.n_samples_per_prompt")
+        if budget < branch:
             raise ValueError(f"budget={budget} is less than one probe of branch={branch} continuations. Fix: "
-                             f"sampler.params.budget >= {branch} (or budget=0 for plain groups)")
+                             f"sampler.params.budget >= {branch}, sampler.params.branch={budget}, or a larger "
+                             f"algo.n_samples_per_prompt (budget 0 takes half of it)")
         if str(segment) not in SEGMENTERS:
             raise ValueError(f"segment={segment!r} is not a step segmentation rule (choices: {sorted(SEGMENTERS.names())})")
         self.budget, self.branch, self.max_depth = budget, branch, max_depth
