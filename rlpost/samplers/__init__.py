@@ -3,6 +3,7 @@
 from rlpost.samplers.base import SAMPLERS, Sampler, SamplerContext, SampleResult, build_sampler, runs_episodes  # noqa: F401
 from rlpost.samplers import adaptive, bandit, episode, hdl, perturb, prune, speculative, temperature, tree  # noqa: F401,E402
 from rlpost.samplers import scope  # noqa: F401,E402  (SCOPE: PRM-located repair of failed rollouts)
+from rlpost.samplers import elpo  # noqa: F401,E402  (ELPO: binary-search tree to the first irrecoverable step)
 from rlpost.samplers import shuffle_r1  # noqa: F401,E402  (Shuffle-R1: PTS + ABS)
 from rlpost.samplers import trace  # noqa: F401,E402  (TRACE: tree rollout allocation over turn prefixes)
 from rlpost.core.registry import as_dict
