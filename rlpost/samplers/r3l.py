@@ -207,7 +207,7 @@ class R3LSampler(Sampler):
                                              last=max(0, len(spans) - 1))
         if getattr(tokenizer, "chat_template", None):
             return list(encode_framed(tokenizer, *template_parts(tokenizer, [{"role": "user", "content": body}], True)))
-        return list(tokenizer.encode(body, add_special_tokens=False))
+        return list(tokenizer(body, add_special_tokens=False)["input_ids"])
 
     def guided_prompt(self, engine: Any, prompt: List[int], question: str, example: Any, reflection: str) -> List[int]:
         """Token ids the retry continues under: the task renders the example with ``guidance_template`` as its
@@ -220,7 +220,7 @@ class R3LSampler(Sampler):
             tail = list(prompt)[len(plain):] if list(prompt)[: len(plain)] == plain else []
             return ids + tail
         block = self.guidance_template.format(question="", reflection=reflection.strip())
-        return list(engine.tokenizer.encode(block, add_special_tokens=False)) + list(prompt)
+        return list(engine.tokenizer(block, add_special_tokens=False)["input_ids"]) + list(prompt)
 
     # ------------------------------------------------------------ sampling
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
