@@ -28,3 +28,4 @@ from rlpost.algos import spear  # noqa: F401  (SPEAR's tool-call bonus, self-imi
 from rlpost.algos import at2po  # noqa: F401  (AT²PO's turn-tree credit and the ATPO turn-ratio loss)
 from rlpost.algos import erpd  # noqa: F401  (ERPD stage 2: the stage-1 teacher's filtered token log-ratio)
 from rlpost.algos import elpo  # noqa: F401  (ELPO: hierarchical advantage over the binary-search tree, error-localized clip)
+from rlpost.algos import r3l  # noqa: F401  (R^3L: Positive Amplification, shared-prefix mask of retries)

@@ -106,6 +106,34 @@ def splice(gen: GenerationResult, rows: Sequence[int], keep: Sequence[int], cont
                             finished=cont.finished.clone(), texts=list(texts))
 
 
+def regenerate_suffix(engine: Any, bases: Sequence[List[int]], gen: GenerationResult, rows: Sequence[int],
+                      keep: Sequence[int], params: Any, limit: int, pad_id: int = 0) -> GenerationResult:
+    """Rows ``rows`` of ``gen`` kept for ``keep[j]`` response tokens and continued by the policy (one engine call).
+
+    Continuation ``j`` is sampled from ``bases[j] + gen.response_ids[rows[j], :keep[j]]`` (``bases[j]``: the
+    prompt to continue under, the row's own prompt for SCOPE, a prompt with a reflection in it for R^3L)
+    with ``max_new_tokens = max(1, params.max_new_tokens - min(keep))``, each continuation cut so that
+    prefix + continuation stays within ``limit`` tokens (``finished`` False when cut). Returns
+    :func:`splice` of the rows: the row's own prompt (``gen.prompt_ids``), the kept prefix and the
+    continuation, with the decoded whole response as its text.
+    """
+    cont_prompts = [list(b) + gen.response_ids[i, :n].tolist() for b, i, n in zip(bases, rows, keep)]
+    budget = max(1, int(params.max_new_tokens) - min(keep))
+    cont = engine.generate(cont_prompts, replace(params, max_new_tokens=budget))
+    # a continuation may not push the response past the step's token limit
+    for j, n in enumerate(keep):
+        room = int(limit) - int(n)
+        if int(cont.response_mask[j].sum()) > room:
+            cont.response_mask[j, room:] = 0
+            cont.finished[j] = False
+    texts = []
+    for j, (i, n) in enumerate(zip(rows, keep)):
+        m = int(cont.response_mask[j].sum())
+        ids = gen.response_ids[i, :n].tolist() + cont.response_ids[j, :m].tolist()
+        texts.append(engine.tokenizer.decode(ids, skip_special_tokens=True))
+    return splice(gen, rows, keep, cont, texts, pad_id)
+
+
 def take_rows(res: SampleResult, rows: Sequence[int]) -> SampleResult:
     """The sample result made of ``rows`` of ``res`` (in that order): generation, groups, extras, rewards."""
     idx = torch.as_tensor(list(rows), dtype=torch.long)
@@ -234,22 +262,10 @@ class ScopeSampler(Sampler):
             return res
         rows = sorted(keep)
         gen = res.generation
-        cont_prompts = [list(prompts[int(pos[i])]) + gen.response_ids[i, :keep[i]].tolist() for i in rows]
-        budget = max(1, int(params.max_new_tokens) - min(keep.values()))
-        cont = engine.generate(cont_prompts, replace(step_params(params, ctx, 1), max_new_tokens=budget))
-        limit = int(params.max_new_tokens)
-        # a continuation may not push the response past the step's token limit
-        for j, i in enumerate(rows):
-            room = limit - keep[i]
-            if int(cont.response_mask[j].sum()) > room:
-                cont.response_mask[j, room:] = 0
-                cont.finished[j] = False
-        texts = []
-        for j, i in enumerate(rows):
-            m = int(cont.response_mask[j].sum())
-            ids = gen.response_ids[i, :keep[i]].tolist() + cont.response_ids[j, :m].tolist()
-            texts.append(engine.tokenizer.decode(ids, skip_special_tokens=True))
-        fixed = SampleResult(generation=splice(gen, rows, [keep[i] for i in rows], cont, texts, pad_id_of(engine)),
+        spliced = regenerate_suffix(engine, [list(prompts[int(pos[i])]) for i in rows], gen, rows,
+                                    [keep[i] for i in rows], step_params(params, ctx, 1), int(params.max_new_tokens),
+                                    pad_id_of(engine))
+        fixed = SampleResult(generation=spliced,
                              group_index=res.group_index[torch.tensor(rows)], rollouts_spent=len(rows),
                              prompt_position=None if res.prompt_position is None else res.prompt_position[torch.tensor(rows)])
         score_rows(ctx, fixed)
