@@ -240,7 +240,7 @@ class RCGRPOSampler(RewardTokenSampler):
 
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
         counts = self.counts(len(prompts), ctx)
-        g = torch.Generator().manual_seed(int(ctx.seed) * 1_000_003 + int(ctx.step))
+        g = torch.Generator().manual_seed((int(ctx.seed) * 1_000_003 + int(ctx.step)) % (2 ** 63 - 1))
         per_group = assign_group_tokens(counts, self.mix, self.assign, g)
         rows, cnt, pos, labels = [], [], [], []
         for i, toks in enumerate(per_group):
