@@ -368,6 +368,10 @@ def eval_cmd(ctx: typer.Context) -> None:
         from rlpost.tasks.base import task_prompts
 
         t = build_task(cfg.task)
+        from rlpost.samplers import SAMPLERS, Sampler, build_sampler
+
+        if SAMPLERS.get(cfg.sampler.name).eval_task is not Sampler.eval_task:  # a prompt-conditioning sampler (RC-GRPO)
+            t = build_sampler(cfg.sampler, int(cfg.algo.n_samples_per_prompt)).eval_task(t)
         # rollout.speculative.drafter=mtp_head without a head file fits one on the task's training prompts
         engine = build_engine(EngineConfig.of(cfg), policy, tok, device, run_dir=run_dir, prompts=task_prompts(t, tok, cfg.seed))
         res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout,

@@ -802,6 +802,8 @@ class Run:
         """
 
         name = self.cfg.task.name
+        # a sampler that conditions its prompts renders the held-out prompts too (Sampler.eval_task; default: the task)
+        cond = getattr(self.sampler, "eval_task", lambda t: t)
         if runs_episodes(self.cfg.sampler.name):  # multi-turn: evaluate episodes with the training environment
             from rlpost.eval.episodes import evaluate_episodes
 
@@ -810,13 +812,14 @@ class Run:
             out = {"eval/accuracy": res["accuracy"],
                    **{f"eval/{name}/{k}": res[k] for k in ("tool_call_frac", "turns_mean", "truncated_frac")}}
         else:
-            res = evaluate(self.local_engine, self.tokenizer, self.task, self.cfg.eval, seed=self.cfg.seed,
+            res = evaluate(self.local_engine, self.tokenizer, cond(self.task), self.cfg.eval, seed=self.cfg.seed,
                            rollout_cfg=self.cfg.rollout, progress=progress, leave=leave)
             out = {"eval/accuracy": res["accuracy"], **scalar_metrics(res, f"eval/{name}")}
         if self.cfg.eval.get("tasks"):
             if self._eval_tasks is None:
                 self._eval_tasks = build_eval_tasks(list(self.cfg.eval.tasks))
-            out.update(evaluate_tasks(self.local_engine, self.tokenizer, self._eval_tasks, self.cfg.eval, seed=self.cfg.seed)["metrics"])
+            out.update(evaluate_tasks(self.local_engine, self.tokenizer, {k: cond(t) for k, t in self._eval_tasks.items()},
+                                      self.cfg.eval, seed=self.cfg.seed)["metrics"])
         return out, res
 
     def close(self) -> None:

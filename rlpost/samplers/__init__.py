@@ -19,3 +19,4 @@ def check_config(cfg) -> None:
     SAMPLERS.resolve(cfg.sampler.name, as_dict(cfg.sampler.params), "sampler.params")
 from rlpost.samplers import xrpo_icl  # noqa: F401,E402  (XRPO: in-context seeding of prompts whose probes all failed)
 from rlpost.samplers import r3l  # noqa: F401,E402  (R^3L: reflect on failed attempts, retry from the failure step)
+from rlpost.samplers import rc_grpo  # noqa: F401,E402  (RC-GRPO: reward tokens in the prompt, stage 1 rctp and stage 2 rc_grpo)

@@ -305,6 +305,15 @@ class Sampler:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
 
+    def eval_task(self, task: Any) -> Any:
+        """The task held-out evaluation renders its prompts with (default: ``task`` itself).
+
+        A sampler that conditions its prompts (RC-GRPO's reward tokens, :mod:`rlpost.samplers.rc_grpo`)
+        returns a wrapper whose ``render_prompt`` adds the evaluation-time condition; everything else
+        (examples, scoring) must stay the task's.
+        """
+        return task
+
 
 @SAMPLERS.register("group", description="n rollouts per prompt in one engine call (GRPO-style groups).")
 class GroupSampler(Sampler):
