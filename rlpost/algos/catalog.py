@@ -27,3 +27,4 @@ from rlpost.algos import drift  # noqa: F401  (DRIFT's return-based importance w
 from rlpost.algos import spear  # noqa: F401  (SPEAR's tool-call bonus, self-imitation replay loss)
 from rlpost.algos import at2po  # noqa: F401  (AT²PO's turn-tree credit and the ATPO turn-ratio loss)
 from rlpost.algos import erpd  # noqa: F401  (ERPD stage 2: the stage-1 teacher's filtered token log-ratio)
+from rlpost.algos import echo  # noqa: F401  (ECHO: entropy-confidence advantage shaping, confidence-adaptive clip)

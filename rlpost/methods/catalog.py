@@ -12,3 +12,4 @@ from rlpost.methods import episode_match  # noqa: F401  (hgpo / rtmc / g2po need
 from rlpost.methods import osw_ft  # noqa: F401  (OSW-FT: the probe rollouts swapped for the expert trajectories)
 from rlpost.methods import drift  # noqa: F401  (DRIFT: rollouts from the frozen reference policy)
 from rlpost.methods import spear  # noqa: F401  (SPEAR: self-imitation replay buffer and tool-call bonus)
+from rlpost.methods import echo  # noqa: F401  (ECHO: old-policy token entropy and top-k confidence)

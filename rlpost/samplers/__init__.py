@@ -17,3 +17,4 @@ def check_config(cfg) -> None:
 
     SAMPLERS.resolve(cfg.sampler.name, as_dict(cfg.sampler.params), "sampler.params")
 from rlpost.samplers import xrpo_icl  # noqa: F401,E402  (XRPO: in-context seeding of prompts whose probes all failed)
+from rlpost.samplers import echo  # noqa: F401,E402  (ECHO: entropy-confidence branch width, low-confidence pruning)
