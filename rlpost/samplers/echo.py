@@ -180,8 +180,9 @@ class EchoSampler(TreeSampler):
         ConfigError: (in :meth:`sample`) an engine without a torch model (``rollout=vllm``).
     """
 
-    def __init__(self, n_samples: int, **kw: Any) -> None:
-        self.p = EchoSamplerParams(**kw)
+    def __init__(self, n_samples: int, *, n_roots: Any, min_depth: Any, entropy_high: Any, entropy_low: Any, entropy_window: Any, entropy_delta_threshold: Any, group_window: Any, tail_window: Any, branch_threshold: Any, alpha: Any, beta: Any, min_branches: Any, max_branches: Any, prune_threshold: Any, tail_decline_steps: Any, tail_threshold: Any, delta_rise_steps: Any, delta_upper: Any, confidence_top_k: Any) -> None:
+        given = {k: v for k, v in dict(n_roots=n_roots, min_depth=min_depth, entropy_high=entropy_high, entropy_low=entropy_low, entropy_window=entropy_window, entropy_delta_threshold=entropy_delta_threshold, group_window=group_window, tail_window=tail_window, branch_threshold=branch_threshold, alpha=alpha, beta=beta, min_branches=min_branches, max_branches=max_branches, prune_threshold=prune_threshold, tail_decline_steps=tail_decline_steps, tail_threshold=tail_threshold, delta_rise_steps=delta_rise_steps, delta_upper=delta_upper, confidence_top_k=confidence_top_k).items() if v is not None}
+        self.p = EchoSamplerParams(**given)
         p = self.p
         super().__init__(n_samples, n_roots=p.n_roots, fork_unit="token", min_prefix=max(1, p.min_depth),
                          prune_lookahead=0, entropy="model")
