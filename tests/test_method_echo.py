@@ -87,8 +87,9 @@ def test_adaptive_clip_and_loss_by_hand():
     want = torch.tensor([[-1.125, -1.0], [-(1.05 + 0.15 / (1 + math.exp(-4))), -1.0]])
     assert torch.allclose(loss, want, atol=1e-5)
     assert math.isclose(float(met["clip_frac"]), 0.5)
-    with pytest.raises(ValueError, match="echo_confidence"):
-        compute_policy_loss("echo", PolicyLossInput(logprobs=lp, old_logprobs=old, advantages=A, response_mask=m))
+    # without the extra: C = exp(old log-prob) = 1 on every token -> eps 0.125 on both rows
+    loss2, _ = compute_policy_loss("echo", PolicyLossInput(logprobs=lp, old_logprobs=old, advantages=A, response_mask=m))
+    assert torch.allclose(loss2, torch.tensor([[-1.125, -1.0], [-1.125, -1.0]]), atol=1e-5)
 
 
 def _adv_inp():
@@ -111,9 +112,9 @@ def test_shaped_advantages_by_hand():
     # s_max clips S at 0.5
     cl = compute_advantages("echo", _adv_inp(), s_max=0.5)
     assert torch.allclose(cl.advantages[0], torch.tensor([a * 0.95, a * 1.05]), atol=1e-5)
-    with pytest.raises(ValueError, match="echo_entropy"):
-        compute_advantages("echo", AdvantageInput(rewards=torch.tensor([1.0]), response_mask=torch.ones(1, 2),
-                                                  group_index=torch.tensor([0])))
+    # no extras, no entropy, no log-probs: S = 0, plain GRPO
+    bare = AdvantageInput(rewards=torch.tensor([1.0, 0.0]), response_mask=torch.ones(2, 2), group_index=torch.tensor([0, 0]))
+    assert torch.allclose(compute_advantages("echo", bare).advantages, torch.tensor([[a, a], [-a, -a]]), atol=1e-5)
     with pytest.raises(ConfigError):
         compute_advantages("echo", _adv_inp(), mult_coef=0.1)
 

@@ -199,12 +199,19 @@ class EchoAdvParams:
     eps: float = param(1e-6, "GRPO's std floor (verl's 1e-6)")
 
 
-def _require(inp: AdvantageInput, key: str) -> torch.Tensor:
-    v = (inp.extras or {}).get(key)
-    if v is None:
-        raise ValueError(f"echo needs extras['{key}'] from the pre-update policy's pass (rlpost/methods/echo.py runs "
-                         "it with algo.adv_estimator=echo); compute_advantages was called without it")
-    return v
+def _stats(inp: AdvantageInput) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(H, C)`` ``[B, R]``: the ECHO pass's extras, else stand-ins (see :func:`echo_advantage`)."""
+    ex = inp.extras or {}
+    m = inp.response_mask
+    H = ex.get(ENTROPY_KEY)
+    if H is None:
+        H = inp.entropy if inp.entropy is not None else torch.zeros_like(m)
+    C = ex.get(CONFIDENCE_KEY)
+    if C is None:
+        lp = inp.old_logprobs if inp.old_logprobs is not None else inp.rollout_logprobs
+        C = lp.detach().float().exp() * m if lp is not None else torch.zeros_like(m)
+    R = m.shape[1]
+    return H[:, :R].to(m.device), C[:, :R].to(m.device)
 
 
 @ADV_ESTIMATORS.register("echo", paper=PAPER, params=EchoAdvParams, needs_group=True)
@@ -215,20 +222,19 @@ def echo_advantage(inp: AdvantageInput, *, alpha: float, beta: float, s_max: Opt
     Reads ``rewards`` ``[B]``, ``group_index`` ``[B]``, ``response_mask`` ``[B, R]`` and
     ``extras['echo_entropy']`` / ``extras['echo_confidence']`` ``[B, R]`` (the pre-update
     policy's ``H_t`` in nats and ``C_t``; ``confidence_top_k`` is the ``k`` that pass uses).
-    Returns ``advantages`` ``[B, R]`` (see the module docstring), no returns.
+    Returns ``advantages`` ``[B, R]`` (see the module docstring), no returns. Without the extras
+    (called outside a run with ``adv_estimator=echo``) ``inp.entropy`` (else 0) and the sampled
+    token's ``exp(old_logprobs)`` (the release's fused-kernel stand-in; else 0) are used.
 
     Raises:
-        ValueError: the two extras are missing, ``s_max <= 0``, ``confidence_top_k < 1``.
+        ValueError: ``s_max <= 0``, ``confidence_top_k < 1``.
     """
     if s_max is not None and not s_max > 0:
         raise ValueError(f"echo: s_max must be > 0 (or null), got {s_max}")
     if int(confidence_top_k) < 1:
         raise ValueError(f"echo: confidence_top_k must be >= 1, got {confidence_top_k}")
-    H = _require(inp, ENTROPY_KEY)
-    C = _require(inp, CONFIDENCE_KEY)
+    H, C = _stats(inp)
     m = inp.response_mask
-    R = m.shape[1]
-    H, C = H[:, :R].to(m.device), C[:, :R].to(m.device)
     base = grpo_advantage(inp, norm_by_std=True, eps=eps, baseline="mean", unbiased_std=True, std_scope="group")
     S = hybrid_score(H, C, m, alpha=alpha, beta=beta, s_max=s_max)
     A = shape_advantages(base.advantages, S, m, inp.group_index, mult_coeff=mult_coeff, add_coeff=add_coeff)
@@ -249,7 +255,8 @@ class EchoLossParams:
     dual_clip: Optional[float] = param(3.0, "dual clip c on A < 0 tokens (verl's clip_ratio_c 3.0, on in the release's loss), or null")
 
 
-@POLICY_LOSSES.register("echo", paper=PAPER, params=EchoLossParams, extras=(CONFIDENCE_KEY,))
+@POLICY_LOSSES.register("echo", paper=PAPER, params=EchoLossParams, extras=(CONFIDENCE_KEY,),
+                       optional_extras=(CONFIDENCE_KEY,))
 def echo_loss(inp: PolicyLossInput, *, eps_min: float, eps_max: float, kappa: float, tail_window: int,
               dual_clip: Optional[float]) -> Tuple[torch.Tensor, Metrics]:
     """PPO clip with ECHO's per-response clip range ``eps_i`` from its tail confidence.
@@ -258,19 +265,21 @@ def echo_loss(inp: PolicyLossInput, *, eps_min: float, eps_max: float, kappa: fl
     mean of ``extras['echo_confidence']`` ``[B, R]`` over the last ``tail_window`` tokens of
     ``response_mask`` (:func:`tail_confidence`); ``1 - eps_i <= r <= 1 + eps_i`` on every token
     of response ``i``, dual clip ``c`` on negative advantages. Per row, so micro-batches do not
-    change it. Returns ``(loss [B, R], metrics)``; metrics add ``echo_clip_eps_mean`` and
+    change it. Without the extra (a loss run with another estimator and no ECHO pass) the sampled
+    token's old probability ``exp(old_logprobs)`` stands in for ``C_t``, as on the release's
+    fused-kernel path. Returns ``(loss [B, R], metrics)``; metrics add ``echo_clip_eps_mean`` and
     ``echo_tail_confidence_mean``.
 
     Raises:
-        ValueError: no confidence extra, ``not 0 <= eps_min <= eps_max < 1``, ``dual_clip <= 1``.
+        ValueError: ``not 0 <= eps_min <= eps_max < 1``, ``dual_clip <= 1``.
     """
     if not 0.0 <= eps_min <= eps_max < 1.0:
         raise ValueError(f"echo: need 0 <= eps_min <= eps_max < 1, got {eps_min}, {eps_max}")
     C = (inp.extras or {}).get(CONFIDENCE_KEY)
-    if C is None:
-        raise ValueError("echo loss needs extras['echo_confidence'] (rlpost/methods/echo.py writes it with the old log-probs)")
     m = inp.response_mask
     R = m.shape[1]
+    if C is None:  # the release's fused-kernel path: the sampled token's old probability stands in
+        C = inp.old_logprobs.detach().float().exp() * m
     C = C[:, :R].to(m.device).float()
     with torch.no_grad():
         tail = tail_confidence(C, m, tail_window)
