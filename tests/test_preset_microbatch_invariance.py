@@ -66,6 +66,9 @@ def _update(compose, preset: str, mb: int, off_policy: bool):
         b.extras["teacher_logprobs"] = -torch.rand(lp.shape, generator=g) * b.response_mask
     if predictive_topk(cfg.algo):  # the anchor's top-K support, recorded with the old log-probs in a run
         b.extras.update(anchor_topk_record(t.forward_pass(), b, predictive_topk(cfg.algo)))
+    if str(cfg.algo.adv_estimator) == "echo" or str(cfg.algo.loss) == "echo":  # ECHO's old-policy H_t / C_t
+        from rlpost.methods.echo import confidence_top_k, entropy_confidence_record
+        b.extras.update(entropy_confidence_record(t.forward_pass(), b, confidence_top_k(cfg.algo)))
     torch.manual_seed(0)  # losses that draw tokens at random draw the same ones
     return update_with_gradient(t, b)
 

@@ -20,3 +20,4 @@ def check_config(cfg) -> None:
 from rlpost.samplers import xrpo_icl  # noqa: F401,E402  (XRPO: in-context seeding of prompts whose probes all failed)
 from rlpost.samplers import r3l  # noqa: F401,E402  (R^3L: reflect on failed attempts, retry from the failure step)
 from rlpost.samplers import rc_grpo  # noqa: F401,E402  (RC-GRPO: reward tokens in the prompt, stage 1 rctp and stage 2 rc_grpo)
+from rlpost.samplers import echo  # noqa: F401,E402  (ECHO: entropy-confidence branch width, low-confidence pruning)
