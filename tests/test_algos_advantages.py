@@ -336,6 +336,7 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "osw_ft": "an SFT weight 1 - p_hat (the probes' success rate), not a baseline: 0.9 success weighs 0.1",
     "erpd": "not a reward baseline: the stage-1 teacher's minus the student's log-prob of each token (ERPD)",
     "rctp": "an SFT weight 1 on every relabelled trajectory (RC-GRPO stage 1): the reward only chose the prompt's token",
+    "r3l": "Positive Amplification: a success gets A = 1 even in an all-success group (the authors' opmd_reweight_adv)",
 }
 
 LENGTHS8 = [15, 24, 6, 32, 2, 6, 7, 13]
@@ -382,7 +383,7 @@ def test_batch_of_equal_rewards_gives_zero_or_the_papers_value(name):
     assert torch.isfinite(a).all()
     if name in ("gae", "egae", "sao", "reinforce", "a_star"):
         return  # critic baseline (values 0 here) / no baseline / V* of reference rewards 0: the advantage is the return
-    if name in ("dare", "drift", "osw_ft", "rctp"):
+    if name in ("dare", "drift", "osw_ft", "rctp", "r3l"):
         return  # not a baseline on the verifier's reward (ZERO_VARIANCE_EXCEPTIONS); each has its hand-computed test
     assert torch.equal(a, torch.zeros_like(a)), (name, a.abs().max())
 

@@ -100,7 +100,7 @@ class R3LSamplerParams:
     guidance_template: str = param(GUIDANCE_TEMPLATE, "the retry's question (our wording): {question}, "
                                    "{reflection}")
     step_pattern: str = param(STEP_PATTERN, "regex whose group 1 is the failure step in a reflection (last match)")
-    max_reflection_tokens: int = param(96, "new tokens of a reflection (release: 4096)")
+    max_reflection_tokens: int = param(96, "new tokens of a reflection (our CPU budget; the release allows 4096)")
     mask_source: bool = param(True, "also mark the source attempt's shared prefix (release: masked, for fair "
                               "comparison)")
 
