@@ -268,7 +268,7 @@ def echo_loss(inp: PolicyLossInput, *, eps_min: float, eps_max: float, kappa: fl
     change it. Without the extra (a loss run with another estimator and no ECHO pass) the sampled
     token's old probability ``exp(old_logprobs)`` stands in for ``C_t``, as on the release's
     fused-kernel path. Returns ``(loss [B, R], metrics)``; metrics add ``echo_clip_eps_mean`` and
-    ``echo_tail_confidence_mean``.
+    ``echo_tail_confidence_mean`` (token-weighted means over the response tokens).
 
     Raises:
         ValueError: ``not 0 <= eps_min <= eps_max < 1``, ``dual_clip <= 1``.
@@ -289,6 +289,7 @@ def echo_loss(inp: PolicyLossInput, *, eps_min: float, eps_max: float, kappa: fl
     metrics = _clip_metrics(ratio, log_ratio, low, high, m)
     metrics.update(extra)
     with torch.no_grad():
-        metrics["echo_clip_eps_mean"] = eps[:, 0].mean() if eps.numel() else torch.tensor(0.0)
-        metrics["echo_tail_confidence_mean"] = tail.mean() if tail.numel() else torch.tensor(0.0)
+        # token-weighted, as every loss metric: the trainer's token-weighted merge keeps them micro-batch invariant
+        metrics["echo_clip_eps_mean"] = masked_mean(eps, m)
+        metrics["echo_tail_confidence_mean"] = masked_mean(tail.unsqueeze(1).expand_as(m).to(m.dtype), m)
     return loss, metrics
