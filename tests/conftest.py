@@ -37,6 +37,27 @@ def tiny_overrides(*extra: str) -> List[str]:
     return TINY + list(extra)
 
 
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """Undo what an in-process CLI run (``CliRunner().invoke(app, ["train"|"eval", ...])``) does to logging.
+
+    Hydra's ``job_logging`` puts a console handler on the root logger, bound to the runner's captured
+    stdout, and a ``FileHandler`` on the run's ``cli.log``. Left in place, later tests log into a closed
+    stream and a file under another test's deleted directory (the CI failure of stop 39). Handlers a
+    test adds are closed and removed, and the root and ``rlpost`` levels are restored.
+    """
+    import logging
+
+    root, pkg = logging.getLogger(), logging.getLogger("rlpost")
+    before, levels = list(root.handlers), (root.level, pkg.level)
+    yield
+    for h in [h for h in root.handlers if h not in before]:
+        root.removeHandler(h)
+        h.close()
+    root.setLevel(levels[0])
+    pkg.setLevel(levels[1])
+
+
 @pytest.fixture
 def compose():
     """``compose(overrides) -> DictConfig`` through the real Hydra config tree."""
