@@ -591,8 +591,9 @@ def reproduce_cmd(
             if not isinstance(card, R.Card):
                 raise ConfigError(R.link_card_note(name, card) + f"; reproduce that one: rlpost reproduce {card.recipe_of}"
                                   if isinstance(card, R.LinkCard) else f"recipe {name} has no claim card to reproduce")
+            root = Path(out) if out else Path("outputs") / "reproduce" / name
             for s in range(first_seed, first_seed + seeds):
-                for arm, ov in R.arm_overrides(name, card, s, extra, metric).items():
+                for arm, ov in R.arm_overrides(name, card, s, extra, metric, stage_dir=root / "stage" / f"seed{s}").items():
                     typer.echo(f"seed {s} {arm}: " + (" ".join(ov) if ov else "(the method run's eval_start.json)"))
             return
         import logging

@@ -245,6 +245,56 @@ def test_reproduce_the_default_recipe_on_tiny(tmp_path):
     assert again["diff"] == res["diff"] and again["acc_method"] == res["acc_method"]
 
 
+def test_reproduce_trains_the_cards_stage_first_and_both_arms_start_from_it(tmp_path):
+    """ERPD's card has ``cpu.after: erpd_teacher``: the stage trains per seed, the method arm distils its final/."""
+    from omegaconf import OmegaConf
+
+    seen = []
+    res = R.reproduce("erpd", seeds=1, extra=TINY_RUN + ["steps=1"], out=tmp_path / "runs", record=False,
+                      log=seen.append)
+    stage, method = tmp_path / "runs" / "stage" / "seed0", tmp_path / "runs" / "method" / "seed0"
+    assert [m.split(":")[0] for m in seen] == ["[erpd] stage seed 0", "[erpd] method seed 0"]
+    assert (stage / "DONE").is_file() and (method / "DONE").is_file()
+    assert OmegaConf.load(stage / "config.yaml").algo.name == "erpd_teacher"
+    assert OmegaConf.load(method / "config.yaml").model.teacher == str(stage / "final")
+    assert not (stage / "final").exists() and not (method / "final").exists()  # both used: weights deleted
+    assert not (stage / "eval.json").exists()  # the stage only trains
+    assert res["seeds"] == [0] and res["verdict"] in R.VERDICTS
+    seen.clear()  # a second call reuses all three runs
+    again = R.reproduce("erpd", seeds=1, extra=TINY_RUN + ["steps=1"], out=tmp_path / "runs", record=False,
+                        log=seen.append)
+    assert all("reusing" in m for m in seen) and again["diff"] == res["diff"]
+
+
+def test_stage_overrides_need_final_and_a_known_recipe():
+    base = _card_dict(R.load_recipe("erpd").card)
+    ok = R.parse_card(base)
+    assert ok.cpu.after == R.Stage("erpd_teacher", ["model.teacher={final}"])
+    assert R.stage_overrides(ok.cpu.after, Path("/r/stage/seed3")) == ["model.teacher=/r/stage/seed3/final"]
+    for after, words in (({"recipe": "erpd_teacher", "overrides": ["model.teacher=x"]}, "none mentions {final}"),
+                         ({"recipe": "erpd_techer", "overrides": ["model.teacher={final}"]}, "no such recipe"),
+                         ({"recipe": "erpd_teacher", "overrides": "model.teacher={final}"}, "list of Hydra overrides"),
+                         ({"recipe": "erpd_teacher", "override": ["model.teacher={final}"]}, "unknown field")):
+        bad = {**base, "cpu": {**base["cpu"], "after": after}}
+        with pytest.raises(ConfigError, match=words):
+            R.parse_card(bad)
+    r = CliRunner().invoke(__import__("rlpost.cli", fromlist=["app"]).app,
+                           ["reproduce", "rc_grpo", "--seeds", "1", "--dry-run", "--out", "/r"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith("seed 0 stage: +recipe=rctp seed=0")
+    assert all("model.source=hf model.path=/r/stage/seed0/final" in x for x in lines[1:3])
+
+
+def _card_dict(card):
+    """A parsed card back to the plain mapping ``parse_card`` reads (dataclasses to dicts)."""
+    from dataclasses import asdict
+
+    d = asdict(card)
+    d["cpu"] = {k: v for k, v in d["cpu"].items() if v is not None}
+    return d
+
+
 # one CPU variant per kind of component, plus the single-rollout and off-policy bodies
 SUBSET = ["vade", "vigor", "tis", "areal_async", "sao", "dppo"]
 

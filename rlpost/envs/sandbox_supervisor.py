@@ -105,6 +105,13 @@ def sweep(deadline_s=5.0):
 
 
 def main(cfg):
+    """Supervise one run of the code (steps 1-4 of the module docstring); return the exit code.
+
+    ``cfg`` is the JSON dict :func:`rlpost.envs.sandbox.run_python` passes: ``status_fd``, the
+    limits (``cpu_s`` seconds, ``memory_mb``, ``fsize`` bytes, ``nproc``, ``wall_s`` seconds),
+    ``seccomp``, ``isolate`` (empty network namespace), ``drop`` (uid, gid or empty), ``exe`` and
+    ``env``. Returns 2 when the subreaper cannot be set (the error goes to the status pipe), else 0.
+    """
     status_fd = int(cfg["status_fd"])
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:

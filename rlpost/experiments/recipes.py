@@ -74,6 +74,7 @@ KINDS = ("algo", "selector", "sampler", "correction", "precision", "executor", "
 EXPECTS = ("higher", "no_worse")
 VERDICTS = ("reproduced direction", "not resolved", "contradicted")
 UNTRAINED = "untrained"
+FINAL = "{final}"  #: in ``cpu.after.overrides``: the stage run's ``final/`` weights directory
 
 Value = Union[str, int, float, List[Any], None]
 
@@ -138,6 +139,21 @@ class Claim:
 
 
 @dataclass
+class Stage:
+    """A run that must come before both arms: a method's first stage (ERPD's teacher, RC-GRPO's RCTP fine-tune).
+
+    Attributes:
+        recipe: the recipe the stage trains (one run per seed, same seed as the arms).
+        overrides: Hydra overrides both arms get, where ``{final}`` stands for the stage run's
+            ``final/`` weights directory (e.g. ``[model.teacher={final}]`` or
+            ``[model.source=hf, model.path={final}]``); at least one must contain ``{final}``.
+    """
+
+    recipe: str
+    overrides: List[str]
+
+
+@dataclass
 class CpuVariant:
     """How the CPU variant is checked against its baseline.
 
@@ -149,12 +165,14 @@ class CpuVariant:
             (efficiency claims: accuracy within ``margin`` of the baseline).
         margin: non-inferiority margin for ``no_worse``, in accuracy units (0.05 = 5 points).
         note: what differs from the paper's setting and why.
+        after: a :class:`Stage` both arms start from (``rlpost reproduce`` trains it first), or none.
     """
 
     baseline: Union[str, List[str]]
     expect: str = "higher"
     margin: float = 0.0
     note: str = ""
+    after: Optional[Stage] = None
 
 
 @dataclass
@@ -205,6 +223,30 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**data)
 
 
+def _stage(data: Any, where: str) -> Stage:
+    """Build a card's ``cpu.after`` (:class:`Stage`), checking that its recipe exists and that it uses ``{final}``.
+
+    Raises:
+        ConfigError: unknown / missing fields, an unknown recipe, overrides that are not a list of
+            ``key=value`` strings, or none that mentions ``{final}``.
+    """
+    st = _build(Stage, data, where)
+    if st.recipe not in recipe_names():
+        raise ConfigError(f"{where}.recipe={st.recipe!r}: no such recipe in {recipes_dir()} (rlpost recipes lists them)")
+    ov = st.overrides
+    if not (isinstance(ov, list) and ov and all(isinstance(o, str) and "=" in o for o in ov)):
+        raise ConfigError(f"{where}.overrides={ov!r}: give a list of Hydra overrides, e.g. [model.teacher={{final}}]")
+    if not any(FINAL in o for o in ov):
+        raise ConfigError(f"{where}.overrides={ov!r}: none mentions {FINAL}, the stage run's weights; "
+                          f"e.g. model.teacher={FINAL} or model.path={FINAL}")
+    return st
+
+
+def stage_overrides(stage: Stage, stage_dir: Path) -> List[str]:
+    """``stage.overrides`` with ``{final}`` replaced by ``stage_dir/final`` (the stage run's weights)."""
+    return [o.replace(FINAL, str(Path(stage_dir) / "final")) for o in stage.overrides]
+
+
 def _required(f: Any) -> bool:
     from dataclasses import MISSING
 
@@ -231,6 +273,8 @@ def parse_card(data: Any, where: str = "card") -> Union[Card, LinkCard]:
     for key, cls in (("paper_setting", PaperSetting), ("claim", Claim), ("cpu", CpuVariant)):
         if key in d:
             d[key] = _build(cls, d[key], f"{where}.{key}")
+    if isinstance(d.get("cpu"), CpuVariant) and d["cpu"].after is not None:
+        d["cpu"].after = _stage(d["cpu"].after, f"{where}.cpu.after")
     card = _build(Card, d, where)
     if card.kind not in KINDS:
         raise ConfigError(f"{where}.kind={card.kind!r}: expected one of {', '.join(KINDS)}")
@@ -531,24 +575,35 @@ def metric_overrides(metric: str, extra: Sequence[str] = ()) -> List[str]:
     return out
 
 
-def arm_overrides(name: str, card: Card, seed: int, extra: Sequence[str], metric: str = "correct") -> Dict[str, List[str]]:
-    """Hydra overrides of the two arms of ``name`` for one seed: ``{"method": [...], "baseline": [...] or []}``.
+def arm_overrides(name: str, card: Card, seed: int, extra: Sequence[str], metric: str = "correct",
+                  stage_dir: Optional[Path] = None) -> Dict[str, List[str]]:
+    """Hydra overrides of the runs of ``name`` for one seed: ``{"method": [...], "baseline": [...] or []}``,
+    plus ``"stage": [...]`` when the card has ``cpu.after``.
 
     ``extra`` (the command line's budget overrides, e.g. ``steps=10 eval.limit=50``)
-    goes to both arms, after the recipe and the evaluation settings ``metric``
+    goes to every run, after the recipe and the evaluation settings ``metric``
     needs (:func:`metric_overrides`); the baseline's own overrides come last.
     The untrained baseline needs no run (``[]``): the method run evaluates before
-    its first step.
+    its first step. With ``cpu.after`` (a :class:`Stage`) both arms also get the
+    stage's overrides, ``{final}`` replaced by ``stage_dir/final``; the stage run
+    itself only trains (no evaluation).
 
     Raises:
-        ConfigError: from :func:`metric_overrides`.
+        ConfigError: from :func:`metric_overrides`; ``cpu.after`` without ``stage_dir``.
     """
     common = [f"+recipe={name}", f"seed={seed}", "logger=jsonl", "checkpoint.every=0", "eval.at_end=true"]
     common += metric_overrides(metric, extra)
+    stage: List[str] = []
+    if card.cpu.after is not None:
+        if stage_dir is None:
+            raise ConfigError(f"recipe {name} starts from the stage {card.cpu.after.recipe}: give its run directory")
+        common += stage_overrides(card.cpu.after, stage_dir)
+        stage = [f"+recipe={card.cpu.after.recipe}", f"seed={seed}", "logger=jsonl", "checkpoint.every=0",
+                 "eval.at_start=false", "eval.at_end=false", *extra]
     untrained = card.cpu.baseline == UNTRAINED
     method = common + [f"eval.at_start={'true' if untrained else 'false'}"] + list(extra)
     base = [] if untrained else common + ["eval.at_start=false"] + list(extra) + list(card.cpu.baseline)
-    return {"method": method, "baseline": base}
+    return {"stage": stage, "method": method, "baseline": base} if stage else {"method": method, "baseline": base}
 
 
 def _git_commit() -> Optional[str]:
@@ -649,7 +704,9 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
     interrupted reproduction continues. Trained weights are deleted afterwards
     unless ``keep_weights`` (the evaluations stay). ``metric`` is the compared
     per-problem figure (``correct``, ``pass@k``, ``maj@k``, ``mean@n``); both arms
-    evaluate with the samples it needs (:func:`metric_overrides`).
+    evaluate with the samples it needs (:func:`metric_overrides`). A card with
+    ``cpu.after`` (:class:`Stage`) first trains that stage recipe per seed under
+    ``out/stage/seedS``; both arms start from its ``final/`` (kept until both have run).
 
     Raises:
         ConfigError: unknown recipe, no card, a variant recipe (``recipe_of``: reproduce
@@ -666,16 +723,17 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
         raise ConfigError(f"--seeds {seeds}: give at least 1 (2 or more for a CI that covers seed variance)")
     root = Path(out) if out else Path("outputs") / "reproduce" / name
     seed_list = [first_seed + i for i in range(seeds)]
-    plan = {s: arm_overrides(name, card, s, extra, metric) for s in seed_list}
+    plan = {s: arm_overrides(name, card, s, extra, metric, stage_dir=root / "stage" / f"seed{s}") for s in seed_list}
     for s in seed_list:  # fail before any training on a bad override
-        for ov in plan[s].values():
+        later = set(stage_overrides(card.cpu.after, root / "stage" / f"seed{s}")) if card.cpu.after else set()
+        for ov in plan[s].values():  # the stage's weights do not exist yet: the arms are checked without them
             if ov:
-                validate_config(compose_config(ov))
+                validate_config(compose_config([o for o in ov if o not in later]))
     t0 = time.perf_counter()
     method_runs, base_evals = [], []
     for s in seed_list:
-        for arm in ("method", "baseline"):
-            ov = plan[s][arm]
+        for arm in ("stage", "method", "baseline"):  # the stage (cpu.after) first: both arms start from its weights
+            ov = plan[s].get(arm)
             if not ov:
                 continue
             d = root / arm / f"seed{s}"
@@ -687,10 +745,13 @@ def reproduce(name: str, seeds: int = 3, extra: Sequence[str] = (), out: Optiona
                 train(compose_config(ov), d)
                 (d / "wall_s.txt").write_text(f"{time.perf_counter() - t:.1f}\n")
                 if not keep_weights:
-                    for sub in ("final", "checkpoints"):
+                    for sub in ("final", "checkpoints") if arm != "stage" else ("checkpoints",):
                         shutil.rmtree(d / sub, ignore_errors=True)
             else:
                 log(f"[{name}] {arm} seed {s}: reusing the finished run in {d}")
+        if "stage" in plan[s] and not keep_weights and all(
+                (root / a / f"seed{s}" / DONE_MARKER).exists() for a in ("method", "baseline") if plan[s][a]):
+            shutil.rmtree(root / "stage" / f"seed{s}" / "final", ignore_errors=True)  # both arms have used it
         method_runs.append(root / "method" / f"seed{s}")
         base_evals.append(root / "method" / f"seed{s}" / "eval_start.json" if card.cpu.baseline == UNTRAINED
                           else root / "baseline" / f"seed{s}")
