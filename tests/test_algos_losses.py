@@ -85,6 +85,17 @@ def test_dispo_four_regimes():
     assert torch.isclose(met["clip_frac_pos"], torch.tensor(0.5))
 
 
+def test_gspo_clamps_the_log_sequence_ratio_at_10_like_verl():
+    # A = -1: the unclipped branch -A s binds. Row 0: log s = 12 -> clamped to e^10, no gradient;
+    # row 1: log s = 1 -> loss e, gradient -A s = e per token (token mean of the sequence ratio, 1 token)
+    lr = torch.tensor([[12.0], [1.0]])
+    x = PolicyLossInput(logprobs=lr.clone().requires_grad_(True), old_logprobs=torch.zeros(2, 1),
+                        advantages=-torch.ones(2, 1), response_mask=torch.ones(2, 1))
+    loss, g, _ = grad_of("gspo", x, eps_low=3e-4, eps_high=4e-4)
+    assert torch.allclose(loss, torch.tensor([[math.exp(10.0)], [math.e]]), rtol=1e-6)
+    assert torch.allclose(g, torch.tensor([[0.0], [math.e]]), rtol=1e-6)
+
+
 def test_gspo_sequence_ratio_clips_whole_sequence():
     # seq 0: token ratios e^0.1, e^-0.1 -> s = 1 (inside); seq 1: e^0.2, e^0.2 -> s = e^0.2 > 1 + eps, A > 0 -> clipped
     lr = torch.tensor([[0.1, -0.1], [0.2, 0.2]])

@@ -339,6 +339,8 @@ def gspo_loss(
     per sequence and ``seq-mean-token-mean`` aggregation this is exactly GSPO's
     objective; a whole sequence is clipped together. The paper's ranges are
     tiny because the ratio is per sequence: ``eps_low=3e-4, eps_high=4e-4``.
+    ``log s_it`` is clamped at 10 before ``exp`` (as verl's ``compute_policy_loss_gspo``
+    does): a row that far off-policy gets no gradient instead of an overflow.
 
     Returns:
         ``(loss_mat [B, R], metrics)``; clip fractions count tokens of clipped
@@ -348,7 +350,7 @@ def gspo_loss(
     ratio, log_ratio = _ratio(inp)
     log_s = _seq_mean(log_ratio, m)
     log_st = log_s.detach()[:, None] + inp.logprobs - inp.logprobs.detach()
-    s_t = torch.exp(log_st.clamp(max=20.0))
+    s_t = torch.exp(log_st.clamp(max=10.0))  # verl's GSPO clamps the log sequence ratio at 10 for stability
     A = inp.advantages
     loss = torch.maximum(-A * s_t, -A * torch.clamp(s_t, 1.0 - eps_low, 1.0 + eps_high))
     with torch.no_grad():
