@@ -89,3 +89,24 @@ def scorer(fn=None, calls=None):
         return Rewards(total, {"correct": total, "format": z, "overlong": z, "length": z}, {}, z)
 
     return score
+
+
+class EntropyModel(torch.nn.Module):
+    """Fake causal LM whose next-token distribution is peaked except after token 7."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **_):
+        B, T = input_ids.shape
+        logits = torch.full((B, T, 12), -10.0)
+        logits[..., 5] = 10.0
+        logits[input_ids == 7] = 0.0  # uniform after a 7
+
+        class O:
+            pass
+
+        o = O()
+        o.logits = logits
+        return o

@@ -1,5 +1,5 @@
 """ECHO (arXiv:2602.02150): token confidence and its smoothings, the branch width, the pruning rules, the
-confidence-adaptive clip and the hybrid advantage shaping, by hand; presets, recipe and one tiny run."""
+confidence-adaptive clip and the hybrid advantage shaping, by hand; presets, recipe and one tiny run; the sampler against a fake engine whose model is uncertain only after token 7."""
 
 import math
 
@@ -149,3 +149,71 @@ def test_recipe_one_step_on_the_tiny_model(tmp_path):
     r = [r for r in rows if "reward/mean" in r][0]
     assert math.isfinite(r["loss/policy"])
     assert r["sampler/echo_branched_roots"] >= 1.0  # thresholds opened: every root forks
+
+
+# ---------------------------------------------------------------- the sampler against its engine
+
+# EntropyModel: next-token distribution uniform over its 12 tokens right after a 7 (H = ln 12, C = top-5 mean
+# = 1/12), peaked elsewhere (H ~ 0, C ~ 1/5). FakeEngine's first root for prompt [1, 9] at seed 1 is
+# [4, 9, 7, 4, 8, 1]: the 7 at index 2 makes position 3 the one uncertain position.
+ROOT = [4, 9, 7, 4, 8, 1]
+OPEN = dict(n_roots=1, min_depth=1, entropy_high=2.0, entropy_low=0.5, group_window=1, branch_threshold=0.15,
+            prune_threshold=0.0, tail_threshold=0.0, delta_upper=100.0)
+
+
+def _echo_sample(**kw):
+    import dataclasses
+
+    from fake_engine import EntropyModel, FakeEngine, scorer
+    from rlpost.rollout.base import SamplingParams
+    from rlpost.samplers import SAMPLERS, SamplerContext
+
+    eng = FakeEngine({1: 0.5}, resp_len=6, model=EntropyModel())
+    s = SAMPLERS.get("echo")(4, **{**OPEN, **kw})
+    r = s.sample(eng, [[1, 9]], dataclasses.replace(SamplingParams(max_new_tokens=6), seed=1),
+                 SamplerContext(score=scorer(), step=0, seed=0))
+    return eng, r
+
+
+def test_sampler_forks_where_the_engines_model_is_uncertain_with_the_width_rule():
+    """Root stats by hand at t = 3: H = ln 12 = 2.4849, C^G = C = 1/12. Width
+    b = round(1 + 2 (2.4849 - 0.5)/1.5 - (1/12 - 0.15)/0.15) = round(4.091) = 4: three branches, all prompted
+    with [1, 9] + ROOT[:3], no fresh sample; nothing pruned at prune_threshold 0."""
+    from rlpost.samplers.echo import generation_stats
+
+    eng, r = _echo_sample()
+    g = r.generation
+    assert g.response_ids[0].tolist() == ROOT
+    (H, C), = generation_stats(eng.model, _rows(g, [0]), 5)
+    assert H[3].item() == pytest.approx(math.log(12), abs=1e-6) and C[3].item() == pytest.approx(1 / 12, abs=1e-6)
+    assert H[0].item() < 1e-6 and C[0].item() == pytest.approx(0.2, abs=1e-6)
+    assert r.extras["shared_prefix_len"].tolist() == [0, 3, 3, 3]
+    for b in (1, 2, 3):
+        assert g.prompt_ids[b][g.prompt_mask[b] > 0].tolist() == [1, 9] + ROOT[:3]
+        suffix = g.response_ids[b][g.response_mask[b] > 0].tolist()
+        assert g.texts[b] == eng.tokenizer.decode(ROOT[:3] + suffix)
+    assert r.metrics["sampler/echo_branched_roots"] == 1.0 and r.metrics["sampler/echo_mean_width"] == 4.0
+    assert r.metrics["sampler/echo_pruned"] == 0.0 and g.response_mask.sum(-1).tolist()[0] == 6.0
+
+
+def test_sampler_prunes_rows_online_at_the_first_low_confidence_position():
+    """prune_threshold 0.1 > 1/12: the root is cut after t = 3 (keeps 4 of 6 tokens); each branch is cut at
+    its fork, position 0, where C = 1/12 (keeps 1 of 3). Rows cut 4, tokens removed 2 + 3 x 2 = 8."""
+    eng, r = _echo_sample(prune_threshold=0.1)
+    g = r.generation
+    assert g.response_mask.sum(-1).tolist() == [4.0, 1.0, 1.0, 1.0]
+    assert g.response_ids[0].tolist() == ROOT[:4] + [0, 0] and g.texts[0] == eng.tokenizer.decode(ROOT[:4])
+    for b in (1, 2, 3):
+        assert g.response_ids[b, 1:].tolist() == [0] * (g.response_ids.shape[1] - 1)
+        assert g.texts[b] == eng.tokenizer.decode(ROOT[:3] + g.response_ids[b, :1].tolist())
+        assert g.rollout_logprobs[b, 1:].abs().sum() == 0 and not bool(g.finished[b])
+    assert r.metrics["sampler/echo_pruned"] == 4.0 and r.metrics["sampler/echo_pruned_tokens"] == 8.0
+
+
+def _rows(g, idx):
+    """Rows ``idx`` of a GenerationResult (tensors sliced, texts picked)."""
+    import dataclasses
+
+    return dataclasses.replace(g, **{f.name: (getattr(g, f.name)[idx] if torch.is_tensor(getattr(g, f.name))
+                                              else [getattr(g, f.name)[i] for i in idx] if isinstance(getattr(g, f.name), list)
+                                              else getattr(g, f.name)) for f in dataclasses.fields(g)})

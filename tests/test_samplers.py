@@ -5,7 +5,7 @@ import dataclasses
 import torch
 import pytest
 
-from fake_engine import FakeEngine, correct, scorer
+from fake_engine import EntropyModel, FakeEngine, correct, scorer
 from rlpost.rollout.base import SamplingParams
 from rlpost.samplers import SAMPLERS, SamplerContext
 from rlpost.core.apportion import apportion
@@ -107,27 +107,6 @@ def test_ar3po_stops_early_and_reuses_cached_correct_response():
     s2 = make("ar3po", 8)
     s2.load_state_dict(st)
     assert s2.cache.keys() == s.cache.keys()
-
-
-class EntropyModel(torch.nn.Module):
-    """Fake causal LM whose next-token distribution is peaked except after token 7."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **_):
-        B, T = input_ids.shape
-        logits = torch.full((B, T, 12), -10.0)
-        logits[..., 5] = 10.0
-        logits[input_ids == 7] = 0.0  # uniform after a 7
-
-        class O:
-            pass
-
-        o = O()
-        o.logits = logits
-        return o
 
 
 def test_tree_branches_share_prefix_and_carry_loss_only_on_suffix():
