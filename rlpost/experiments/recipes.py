@@ -281,9 +281,9 @@ def parse_card(data: Any, where: str = "card") -> Union[Card, LinkCard]:
     if card.cpu.expect not in EXPECTS:
         raise ConfigError(f"{where}.cpu.expect={card.cpu.expect!r}: expected one of {', '.join(EXPECTS)}")
     b = card.cpu.baseline
-    if not (b == UNTRAINED or (isinstance(b, list) and b and all(isinstance(o, str) and "=" in o for o in b))):
+    if not (b == UNTRAINED or (isinstance(b, list) and b and all(isinstance(o, str) and ("=" in o or o.startswith("~")) for o in b))):
         raise ConfigError(f"{where}.cpu.baseline={b!r}: give Hydra overrides for the baseline arm "
-                          f"(e.g. [selector=uniform]) or {UNTRAINED!r}")
+                          f"(e.g. [selector=uniform], or ~key to drop a method-only setting) or {UNTRAINED!r}")
     if not 0.0 <= float(card.cpu.margin) < 1.0:
         raise ConfigError(f"{where}.cpu.margin={card.cpu.margin!r}: an accuracy difference in [0, 1) (0.05 = 5 points)")
     problems = unsourced_numbers(card)

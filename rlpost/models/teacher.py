@@ -32,11 +32,13 @@ from rlpost.models.logprobs import TRUNCATED_LOGPROB, packed_response_states
 
 
 # ----------------------------------------------------------------- config
-def teacher_model_config(spec: str) -> Any:
+def teacher_model_config(spec: str, setting: str = "model.teacher") -> Any:
     """The model config named by ``model.teacher``: a ``conf/model/NAME.yaml`` preset or a local HF directory.
 
     Returns an OmegaConf node with the :class:`rlpost.config.schema.ModelConfig`
     fields. A preset's own ``teacher`` is ignored (no teacher of a teacher).
+    ``setting`` is the option named in errors (another frozen model, such as
+    ``sampler.params.explorer_model``, is resolved the same way).
 
     Raises:
         ConfigError: ``spec`` is neither a preset name nor an existing directory.
@@ -51,12 +53,15 @@ def teacher_model_config(spec: str) -> Any:
         return OmegaConf.merge(base, node)
     if Path(str(spec)).expanduser().is_dir():
         return OmegaConf.merge(base, {"name": Path(str(spec)).name, "source": "hf", "path": str(spec)})
-    raise ConfigError(f"model.teacher={spec!r} is neither a model preset ({', '.join(group_choices('model'))}) nor a "
-                      f"local model directory. Fix: model.teacher=<preset name> or model.teacher=/path/to/hf_dir.")
+    raise ConfigError(f"{setting}={spec!r} is neither a model preset ({', '.join(group_choices('model'))}) nor a "
+                      f"local model directory. Fix: {setting}=<preset name> or {setting}=/path/to/hf_dir.")
 
 
-def check_tokenizers(student_tok: Any, teacher_tok: Any, teacher_name: str = "teacher") -> None:
+def check_tokenizers(student_tok: Any, teacher_tok: Any, teacher_name: str = "teacher",
+                     setting: str = "model.teacher") -> None:
     """Teacher and student must share one vocabulary: token ids index both models' distributions.
+
+    ``setting`` is the option named in the error (``sampler.params.explorer_model`` for S2L-PO's explorer).
 
     Raises:
         ConfigError: the vocabularies differ (size, or any token's id).
@@ -64,10 +69,10 @@ def check_tokenizers(student_tok: Any, teacher_tok: Any, teacher_name: str = "te
     sv, tv = student_tok.get_vocab(), teacher_tok.get_vocab()
     if sv != tv:
         diff = len(set(sv.items()) ^ set(tv.items()))
-        raise ConfigError(f"model.teacher={teacher_name}: its tokenizer differs from the student's ({len(tv)} vs "
-                          f"{len(sv)} tokens, {diff} (token, id) pairs differ); per-token distillation compares the "
-                          f"two models' distributions over the same token ids. Fix: a teacher of the student's "
-                          f"family (same tokenizer).")
+        raise ConfigError(f"{setting}={teacher_name}: its tokenizer differs from the student's ({len(tv)} vs "
+                          f"{len(sv)} tokens, {diff} (token, id) pairs differ); token ids must index both models' "
+                          f"distributions (per-token distillation, importance ratios). Fix: a model of the "
+                          f"student's family (same tokenizer).")
 
 
 # ----------------------------------------------------------------- kernel
@@ -249,8 +254,11 @@ class Teacher:
         return out
 
 
-def load_teacher(spec: str, student_tokenizer: Any, dtype: torch.dtype, device: Any, seed: int = 0) -> Teacher:
+def load_teacher(spec: str, student_tokenizer: Any, dtype: torch.dtype, device: Any, seed: int = 0,
+                 setting: str = "model.teacher") -> Teacher:
     """Load ``model.teacher`` frozen, in ``dtype`` (the trainer's precision), on ``device``.
+
+    ``setting`` is the option named in errors (S2L-PO's explorer loads through here too).
 
     ``model.teacher=tiny`` builds the random tiny model from ``seed`` (the run
     seed), so a tiny student and a tiny teacher of one run start identical.
@@ -262,10 +270,10 @@ def load_teacher(spec: str, student_tokenizer: Any, dtype: torch.dtype, device: 
     """
     from omegaconf import OmegaConf
 
-    mcfg = teacher_model_config(spec)
+    mcfg = teacher_model_config(spec, setting)
     OmegaConf.update(mcfg, "lora.rank", 0)
     OmegaConf.update(mcfg, "gradient_checkpointing", False)
-    check_tokenizers(student_tokenizer, load_tokenizer(mcfg), spec)
+    check_tokenizers(student_tokenizer, load_tokenizer(mcfg), spec, setting)
     module = load_model(mcfg, dtype, seed=seed).to(device)
     return Teacher(module, spec)
 
