@@ -34,7 +34,8 @@ _CITED = re.compile(r"(?:paper|authors|authors' release|release|REINFORCE\+\+|LL
 
 
 #: components that cannot be built without a model directory rlpost does not ship (tested with one in their own files)
-NEEDS_A_MODEL_DIR = {("sampler", "scope"): "tests/test_method_scope.py (a tiny PRM)"}
+NEEDS_A_MODEL_DIR = {("sampler", "scope"): "tests/test_method_scope.py (a tiny PRM)",
+                     ("sampler", "s2l"): "tests/test_method_s2l.py (an explorer model)"}
 
 
 def _construct(kind: str, name: str):

@@ -255,6 +255,7 @@ GROUP_CHECKS = (
     ("precision", "rlpost.rollout.fp8_stack:check_precision_rollout"),  # FP8-RL stack: block sizes, fp8 KV cache
     ("selector", "rlpost.selectors:check_config"),
     ("sampler", "rlpost.samplers:check_config"),
+    ("sampler", "rlpost.samplers.s2l:check_config"),  # S2L-PO's explorer model named and resolvable
     ("task", "rlpost.tasks:check_config"),
     ("ranges", "rlpost.config.compose:check_ranges"),
     ("executor", "rlpost.run.executor:check_partial"),
