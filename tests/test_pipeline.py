@@ -52,6 +52,8 @@ def test_each_rollout_is_scored_exactly_once_for_every_sampler(compose, tmp_path
 
         extra += [f"sampler.params.prm_model_path={_tiny_classifier(tmp_path, token=True)}",
                   "sampler.params.segment=sentence"]
+    if sampler == "s2l":  # S2L-PO needs its explorer model: a frozen tiny one
+        extra += ["sampler.params.explorer_model=tiny"]
     m, calls, c, _ = _one_step(compose, tmp_path, *extra)
     # tree's pruned branches and arrol's rows cut at prune_at are never scored
     generated = int(m["rollout/spent"]) - int(m.get("sampler/branches_pruned", 0)) - int(m.get("sampler/pruned_unscored", 0))
