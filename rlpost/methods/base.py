@@ -20,6 +20,7 @@ Hooks, in the order a step reaches them:
 ``prepare(batch, run)`` the ``algo_inputs`` stage: fill ``batch.extras``; returns metrics
 ``after_old_logprobs``  the ``old_logprobs`` stage, after the trainer's pass
 ``forward(fwd, mb, ...)`` the update's forward pass for a micro-batch (None: not this one)
+``logprob_context``     a context around every trainer log-prob pass (old, ref, update) of a batch
 ``loss_extras(fwd, mb)`` extra loss inputs of a micro-batch (``PolicyLossInput.extras``)
 ``proximal(...)``       the update's proximal log-probs when no pass recorded them
 ``lr_scale(...)``       a multiplier of an optimizer step's learning rate
@@ -34,6 +35,7 @@ temperature, truncation, log-prob pass), never itself.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -217,6 +219,12 @@ class Method:
         """The update's forward for micro-batch ``mb`` (None: the trainer's own)."""
         return None
 
+    def logprob_context(self, model: torch.nn.Module, batch: Any) -> Any:
+        """A context manager entered around each of the trainer's log-prob passes of ``batch`` through ``model``
+        (the pre-update, reference and update passes, and those of forward hooks): e.g. inputs the rollout fed
+        the model that are not the token ids (N-GRPO's mixed embeddings). None: nothing to enter."""
+        return None
+
     def loss_extras(self, fwd: ForwardPass, mb: Any) -> Dict[str, torch.Tensor]:
         """Extra loss inputs of micro-batch ``mb`` (merged into ``PolicyLossInput.extras``)."""
         return {}
@@ -323,6 +331,15 @@ class MethodSet:
             if out is not None:
                 return out
         return None
+
+    def logprob_context(self, model: torch.nn.Module, batch: Any) -> contextlib.ExitStack:
+        """Every method's :meth:`Method.logprob_context` for ``batch``, entered together."""
+        stack = contextlib.ExitStack()
+        for m in self.methods:
+            ctx = m.logprob_context(model, batch)
+            if ctx is not None:
+                stack.enter_context(ctx)
+        return stack
 
     def loss_extras(self, fwd: ForwardPass, mb: Any) -> Dict[str, torch.Tensor]:
         out: Dict[str, torch.Tensor] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,6 +16,15 @@ from rlpost.core.batch import pad_cat
 # with (HAPO's adaptive temperature is one). Returning None keeps the engine's
 # scalar temperature.
 TemperatureHook = Callable[[torch.Tensor, int], Optional[torch.Tensor]]
+
+# A decode hook (hf engine only) sees each decode step after its draw:
+# ``hook(logp [n, V], tokens [n], rows [n], t) -> (tokens [n], input_embeds [n, H] or None)``, where
+# ``logp`` is the log-softmax of the distribution the step sampled from (temperature, top-k/p
+# applied), ``rows`` the row of each live sequence in the generate call and ``t`` the response
+# position. It returns the tokens to record (their log-probs are read from ``logp``) and, when not
+# None, the input embeddings the model is fed at this position instead of the tokens' own
+# (N-GRPO's neighbour mixing is one).
+DecodeHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], Tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class SamplingParams:
             split across processes (:class:`rlpost.distributed.ShardedEngine`);
             0 otherwise.
         temperature_hook: per-token temperature (see :data:`TemperatureHook`).
+        decode_hook: per-step token and input-embedding override (see :data:`DecodeHook`);
+            only the hf engine runs one, the others raise ``ValueError``.
     """
 
     max_new_tokens: int = 64
@@ -80,6 +91,7 @@ class SamplingParams:
     seed: Optional[int] = None
     row_offset: int = 0
     temperature_hook: Optional[TemperatureHook] = None
+    decode_hook: Optional[DecodeHook] = None
 
 
 @dataclass

@@ -188,7 +188,8 @@ def preallocated_cache(model: torch.nn.Module, capacity: int) -> Optional[Any]:
 
 
 def _sample_step(logits: torch.Tensor, params: SamplingParams, row_seeds: Optional[torch.Tensor], t: int):
-    """One decode step's tokens ``[n]``, their log-probs ``[n]`` and temperatures ``[n]`` from ``logits`` ``[n, V]``.
+    """One decode step's tokens ``[n]``, their log-probs ``[n]``, temperatures ``[n]`` and the log-softmax ``[n, V]``
+    of the distribution they were drawn from, given ``logits`` ``[n, V]``.
 
     Greedy: argmax at temperature 1. Else the temperature (or the sampler's per-token
     hook), top-k / top-p, then an inverse-CDF draw from each row's own counter-based
@@ -209,7 +210,7 @@ def _sample_step(logits: torch.Tensor, params: SamplingParams, row_seeds: Option
         logp = torch.log_softmax(z, -1)
         u = row_uniforms(row_seeds, t) if row_seeds is not None else torch.rand(n, dtype=torch.float64)
         tok = sample_inverse_cdf(logp.exp(), u=u)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), T
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), T, logp
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -372,7 +373,11 @@ class HFRolloutEngine(RolloutEngine):
             steps = 0
             for t in range(Tn):
                 steps = t + 1
-                tok, lp, T = _sample_step(logits.cpu(), params, None if row_seeds is None else row_seeds[rows], t)
+                tok, lp, T, logp = _sample_step(logits.cpu(), params, None if row_seeds is None else row_seeds[rows], t)
+                embeds = None
+                if params.decode_hook is not None:  # e.g. N-GRPO's neighbour mixing: other tokens or inputs
+                    tok, embeds = params.decode_hook(logp, tok, rows + self._row_offset, t)
+                    lp = logp.gather(-1, tok[:, None]).squeeze(-1)
                 live = ~finished[rows]  # all True when compacting
                 r = rows[live]
                 resp[r, t] = tok[live]
@@ -395,11 +400,14 @@ class HFRolloutEngine(RolloutEngine):
                     past.batch_select_indices(keep.to(self.device))
                     kd = keep.to(mask.device)
                     rows, tok, mask, next_pos = rows[keep], tok[keep], mask[kd], next_pos[kd]
+                    embeds = None if embeds is None else embeds[keep]
                 mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=mask.device)], dim=1)
                 if self.forward_log is not None:
                     self.forward_log.append(("decode", self._row_offset, rows.clone(), t, ids.shape[1]))
+                feed = ({"input_ids": tok[:, None].to(self.device)} if embeds is None else
+                        {"inputs_embeds": embeds[:, None].to(self.device, model.get_input_embeddings().weight.dtype)})
                 out = model(
-                    input_ids=tok[:, None].to(self.device),
+                    **feed,
                     attention_mask=mask,
                     position_ids=next_pos[:, None],
                     use_cache=True,

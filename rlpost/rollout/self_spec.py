@@ -250,6 +250,9 @@ class SelfSpeculativeEngine(RolloutEngine):
         if params.temperature_hook is not None:
             raise ValueError("rollout.speculative cannot sample with a per-token temperature hook "
                              "(sampler=adaptive_temperature); drop one of the two")
+        if params.decode_hook is not None:
+            raise ValueError("rollout.speculative cannot run a per-step decode hook (sampler=neighbor_mixing): "
+                             "draft and target would be fed different inputs; drop one of the two")
         base = None if params.seed is None else int(params.seed) + int(params.row_offset)
         parts = []
         for i in range(0, len(prompts), self.batch_size):

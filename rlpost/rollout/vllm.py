@@ -203,6 +203,9 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) -> 
         raise ValueError("generate() needs at least one prompt")
     if params.temperature_hook is not None:
         raise ValueError("rollout=vllm does not support per-token temperature hooks; use rollout=hf for this algo")
+    if params.decode_hook is not None:
+        raise ValueError("rollout=vllm cannot run a per-step decode hook (it feeds its own token embeddings); "
+                         "use rollout=hf for this sampler")
     temp = vllm_temperature(params.temperature, params.greedy)
     inputs, kws = [], []
     for i, p in enumerate(prompts):

@@ -96,6 +96,18 @@ def pad_id_of(engine: Any) -> int:
     return int(getattr(engine, "pad_id", 0) or 0)
 
 
+def engine_model(engine: Any, needs: str) -> torch.nn.Module:
+    """The rollout engine's torch model (the hf engine's ``model``), for samplers that read or feed it directly.
+
+    Raises:
+        ConfigError: the engine has none (vLLM, a remote engine); ``needs`` says what the sampler needs it for.
+    """
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"{needs}: use rollout=hf (this engine has no torch model).")
+    return model
+
+
 def select_rows(gen: GenerationResult, rows: Sequence[int]) -> GenerationResult:
     """The sub-result made of ``rows`` (in that order); widths are kept."""
     idx = torch.as_tensor(list(rows), dtype=torch.long)

@@ -50,11 +50,10 @@ import torch
 
 from rlpost.algos.echo import (branch_width, entropy_delta, grouped_confidence, token_confidence,
                                token_entropy_from_probs)
-from rlpost.core.errors import ConfigError
 from rlpost.core.registry import param
 from rlpost.models.logprobs import build_inputs, eval_mode
 from rlpost.rollout.base import GenerationResult
-from rlpost.samplers.base import SAMPLERS
+from rlpost.samplers.base import SAMPLERS, engine_model
 from rlpost.samplers.tree import TreeSampler, _decode
 
 
@@ -196,11 +195,8 @@ class EchoSampler(TreeSampler):
         self._widths: List[int] = []
 
     def _model(self, engine) -> torch.nn.Module:
-        model = getattr(engine, "model", None)
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError("sampler=echo needs the policy's next-token distributions (entropy and top-k "
-                              "confidence of every position): use rollout=hf (the engine has no torch model).")
-        return model
+        return engine_model(engine, "sampler=echo needs the policy's next-token distributions (entropy and top-k "
+                            "confidence of every position)")
 
     def fork_scores(self, engine, prompts, roots, ctx):  # noqa: D102 - a width map: b at the planned fork, 0 elsewhere
         gen = roots.generation

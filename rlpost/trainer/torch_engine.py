@@ -353,7 +353,7 @@ class TorchTrainer:
         T = self._temperature(batch)
         replay = (self.routing.context(batch.prompt_ids, batch.prompt_mask, batch.response_ids, attn)
                   if self.routing is not None and model is not self.ref else nullcontext())
-        with self.autocast(), replay:
+        with self.autocast(), replay, self.methods.logprob_context(model, batch):
             return response_logprobs(
                 model,
                 batch.prompt_ids.to(self.device),
