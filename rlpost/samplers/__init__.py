@@ -22,3 +22,4 @@ from rlpost.samplers import r3l  # noqa: F401,E402  (R^3L: reflect on failed att
 from rlpost.samplers import rc_grpo  # noqa: F401,E402  (RC-GRPO: reward tokens in the prompt, stage 1 rctp and stage 2 rc_grpo)
 from rlpost.samplers import echo  # noqa: F401,E402  (ECHO: entropy-confidence branch width, low-confidence pruning)
 from rlpost.samplers import s2l  # noqa: F401,E402  (S2L-PO: a frozen small explorer model's rollouts in each group, annealed away)
+from rlpost.samplers import neighbor_mixing  # noqa: F401,E402  (N-GRPO: embedding-level neighbour mixing while decoding)
