@@ -25,15 +25,17 @@ MICRO = (1, 3, B)
 WITH_ESTIMATOR = {"a2tgpo_clip": "a2tgpo", "osw_ft": "osw_ft"}
 
 
-def _run(compose, loss: str, agg: str, mb: int, multi_turn: bool = False):
+def _run(compose, loss: str, agg: str, mb: int, multi_turn: bool = False, mixed: bool = False):
     """One policy_update on a fixed batch; returns (logged metrics, flat gradient before the step).
 
-    ``multi_turn``: the masks get holes (environment tokens), so most rows hold two or three turns."""
+    ``multi_turn``: the masks get holes (environment tokens), so most rows hold two or three turns.
+    ``mixed``: ``sampler=neighbor_mixing``: a third of the positions carry N-GRPO's mixed input embeddings."""
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.trainer.torch_engine import TorchTrainer
 
     est = [f"algo.adv_estimator={WITH_ESTIMATOR[loss]}"] if loss in WITH_ESTIMATOR else []
+    est += ["sampler=neighbor_mixing"] if mixed else []
     cfg = compose(tiny_overrides(f"algo.loss={loss}", f"algo.loss_agg={agg}", f"trainer.micro_batch_size={mb}",
                                  "trainer.grad_clip=0", "algo.kl.coef=0", "algo.entropy_coef=0", *est))
     if "model" not in _CACHE:
@@ -45,6 +47,11 @@ def _run(compose, loss: str, agg: str, mb: int, multi_turn: bool = False):
     if multi_turn:  # turn 1 | environment token | turn 2 (| environment token | turn 3)
         b.response_mask[:, 2] = 0
         b.response_mask[::2, 4] = 0
+    if mixed:  # N-GRPO: anchor = the token, one neighbour, weights .7 / .3 (rlpost/methods/n_grpo.py)
+        gm = torch.Generator().manual_seed(5)
+        m = (torch.rand(b.response_mask.shape, generator=gm) < 0.33).float() * b.response_mask
+        b.extras.update(nm_mixed=m, nm_id0=b.response_ids.clone(), nm_w0=0.7 * m, nm_w1=0.3 * m,
+                        nm_id1=torch.randint(0, 100, b.response_ids.shape, generator=gm))
     lp, _ = t.compute_logprobs(b)
     g = torch.Generator().manual_seed(1)
     b.extras["old_logprobs"] = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * b.response_mask
@@ -101,6 +108,22 @@ def test_turn_level_ratio_loss_on_multi_turn_rows(compose, agg):
     runs = {mb: _run(compose, "atpo", agg, mb, multi_turn=True) for mb in MICRO}
     m_full, g_full = runs[B]
     assert g_full.norm() > 0
+    for mb in MICRO[:-1]:
+        m, g = runs[mb]
+        atol = 1e-4 * max(1.0, float(g_full.abs().max()))
+        assert torch.allclose(g, g_full, rtol=1e-4, atol=atol), (mb, (g - g_full).abs().max())
+        for k, v in m_full.items():
+            if k != "actor/lr":
+                assert m[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (mb, k, m[k], v)
+
+
+def test_neighbor_mixed_inputs_on_micro_batches(compose):
+    """N-GRPO's mixed input embeddings enter every micro-batch's forward (the gradient moves) and the
+    gradient and logged loss do not depend on the micro-batch size."""
+    runs = {mb: _run(compose, "ppo_clip", "token-mean", mb, mixed=True) for mb in MICRO}
+    m_full, g_full = runs[B]
+    _, g_plain = _run(compose, "ppo_clip", "token-mean", B)
+    assert float((g_full - g_plain).abs().max()) > 1e-3 * float(g_full.abs().max())
     for mb in MICRO[:-1]:
         m, g = runs[mb]
         atol = 1e-4 * max(1.0, float(g_full.abs().max()))
