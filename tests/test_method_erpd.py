@@ -177,4 +177,7 @@ def test_one_stage_two_step_on_the_tiny_model(tmp_path):
     train(cfg, tmp_path / "tight")
     rows = [json.loads(x) for x in (tmp_path / "tight" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     r = [r for r in rows if "reward/mean" in r][0]
-    assert 0.0 < r["adv/loss_mask_dropped_frac"] <= 1.0
+    # at step 1 the tiny teacher is pi_0 itself, so |delta| is float summation noise: exactly 0 where the teacher's and
+    # the trainer's passes sum alike (this CPU), ~1e-7 elsewhere; the runner must log the share either way (the
+    # filter's values are checked by hand in test_log_ratio_and_extreme_region_mask_by_hand)
+    assert 0.0 <= r["adv/loss_mask_dropped_frac"] <= 1.0 and math.isfinite(r["loss/policy"])
