@@ -75,7 +75,7 @@ def publish_period(staleness: int, publish_every: Optional[int] = None) -> int:
     if publish_every is None:
         if s < 2:
             raise ConfigError(f"provisioning: the paper's publication period kappa = S - 1 needs staleness S >= 2, got "
-                              f"S={s}. Fix: executor.max_staleness=2 (or launcher.provisioning.staleness=2), or set "
+                              f"S={s}. Fix: executor=async executor.max_staleness=2 (or launcher.provisioning.staleness=2), or set "
                               f"launcher.provisioning.publish_every=1 to model a push after every step.")
         return s - 1
     k = int(publish_every)
