@@ -715,7 +715,8 @@ class LauncherConfig:
 
     Attributes:
         name: none | ray.
-        num_rollout_workers: rollout actors (>= 1).
+        num_rollout_workers: rollout actors (>= 1), or ``auto``: sized by the
+            provisioning rule from ``provisioning`` (:mod:`rlpost.ray_pool.provisioning`).
         placement: ``colocated`` (workers on the driver's node, sharing its
             devices) | ``disaggregated`` (workers on the cluster's other nodes
             when it has any, each on its own devices).
@@ -731,10 +732,14 @@ class LauncherConfig:
             in Ray's object store and every worker loads it) | ``collective`` (a
             broadcast over a process group: NCCL on GPUs, gloo on CPU).
         object_store_mb: object-store size of a cluster started here (null: Ray's default).
+        provisioning: the capacity model's inputs (learner step time, worker
+            throughputs and costs, broadcast model), read when
+            ``num_rollout_workers=auto``; keys and defaults in
+            :data:`rlpost.ray_pool.provisioning.PROVISIONING_DEFAULTS`.
     """
 
     name: LauncherName = LauncherName.none  # type: ignore[valid-type]
-    num_rollout_workers: int = 2
+    num_rollout_workers: Any = 2  # int >= 1 or "auto" (checked by rlpost.ray_pool.check_launcher)
     placement: str = "colocated"
     address: Optional[str] = None
     cpus_per_worker: float = 1.0
@@ -742,6 +747,7 @@ class LauncherConfig:
     max_restarts: int = 1
     weight_sync: str = "auto"
     object_store_mb: Optional[int] = None
+    provisioning: Any = None
 
 
 @dataclass

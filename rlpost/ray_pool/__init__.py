@@ -14,6 +14,7 @@ from typing import Any
 
 from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import EngineConfig
+from rlpost.ray_pool import provisioning
 from rlpost.ray_pool.ray_workers import RayRolloutPool
 
 LAUNCHERS = ("none", "ray")
@@ -38,7 +39,8 @@ def check_launcher(cfg: Any) -> None:
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("launcher=ray needs Ray, which is not installed. Fix: pip install 'ray>=2.9' "
                           "(or pip install -e '.[ray]'), or launcher=none.")
-    n = int(lc.num_rollout_workers)
+    provisioning.check_provisioning(lc.get("provisioning"))  # a misspelt key is an error even without auto
+    n = resolve_num_workers(cfg)
     if n < 1:
         raise ConfigError(f"launcher.num_rollout_workers={n} must be >= 1. Fix: launcher.num_rollout_workers=2.")
     if str(lc.placement) not in PLACEMENTS:
@@ -67,7 +69,41 @@ def check_launcher(cfg: Any) -> None:
                           "which Ray rollout workers cannot update. Fix: launcher=none, or another sampler.")
 
 
-def build_rollout_backend(launcher: Any, ec: EngineConfig, local_engine: Any, policy: Any) -> Any:
+def resolve_num_workers(cfg: Any) -> int:
+    """``launcher.num_rollout_workers`` as a number: itself, or with ``auto`` the provisioning rule's pool size.
+
+    ``auto`` applies :func:`rlpost.ray_pool.provisioning.plan_from_config` (ECHO-2's
+    overlap capacity model, arXiv:2602.02192) to ``launcher.provisioning``.
+
+    Raises:
+        ConfigError: a value that is neither an integer nor ``auto``, or any error of the plan.
+    """
+    v = cfg.launcher.num_rollout_workers
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return provisioning.plan_from_config(cfg).n_workers
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"launcher.num_rollout_workers={v!r} is neither a number nor auto. Fix: "
+                          f"launcher.num_rollout_workers=2, or launcher.num_rollout_workers=auto with "
+                          f"launcher.provisioning.train_s and worker_rollouts_per_s (docs/SCALING.md, \"ECHO-2\").") from None
+
+
+def describe_pool(cfg: Any) -> str:
+    """The run graph's note on the pool: ``in N Ray workers (placement)``, with the rule's numbers under ``auto``."""
+    lc = cfg.launcher
+    v = lc.num_rollout_workers
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        try:
+            p = provisioning.plan_from_config(cfg)
+        except ConfigError as e:
+            return f"in auto Ray workers ({lc.placement}): not planned: {e}"
+        return (f"in {p.n_workers} Ray workers ({lc.placement}; auto: >= {p.required:.3g} rollouts/s for R={p.rollouts_per_step:g}, "
+                f"T_train={p.train_s:g} s, T_bcast={p.bcast_s:.3g} s, kappa={p.kappa}; learner utilization {p.utilization:.2f})")
+    return f"in {v} Ray workers ({lc.placement})"
+
+
+def build_rollout_backend(launcher: Any, ec: EngineConfig, local_engine: Any, policy: Any, cfg: Any = None) -> Any:
     """The engine the runner generates with: ``local_engine`` itself, or a Ray worker pool in front of it.
 
     Args:
@@ -76,10 +112,19 @@ def build_rollout_backend(launcher: Any, ec: EngineConfig, local_engine: Any, po
         local_engine: the driver's own engine (evaluation, HIVE's prompt entropy and
             attribute look-ups such as ``pad_id`` go to it).
         policy: the trainer's policy (the workers start from its weights).
+        cfg: the whole config, needed when ``launcher.num_rollout_workers=auto``
+            (:func:`resolve_num_workers` reads the selector, algorithm and executor).
     Returns:
         an object with the :class:`rlpost.rollout.base.RolloutEngine` interface.
     """
     if launcher is None or launcher.name == "none":
         return local_engine
 
+    if isinstance(launcher.num_rollout_workers, str):  # auto: the provisioning rule's pool size
+        from omegaconf import OmegaConf
+
+        if cfg is None:
+            raise ConfigError("launcher.num_rollout_workers=auto needs the whole config to plan the pool.")
+        n = resolve_num_workers(cfg)
+        launcher = OmegaConf.merge(launcher, {"num_rollout_workers": n})
     return RayRolloutPool(launcher, ec, local_engine, policy)

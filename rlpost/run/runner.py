@@ -51,7 +51,7 @@ from rlpost.methods.base import MethodSet, RunServices
 from rlpost.models.loader import load_policy
 from rlpost.models.logprobs import prompt_entropy
 from rlpost.models.moe_replay import attach_routing
-from rlpost.ray_pool import build_rollout_backend
+from rlpost.ray_pool import build_rollout_backend, describe_pool
 from rlpost.rewards import RewardFunction, StepScorer
 from rlpost.rollout import build_engine
 from rlpost.rollout.base import EngineConfig, GenerationResult, SamplingParams
@@ -137,7 +137,7 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
                  + (" (a window per step: one chunk, cut responses trained and continued)"
                     if cfg.executor.get("partial_train_unfinished", False) else "")
                  if cfg.executor.get("partial_rollout", False) else "")
-              + (f"; in {cfg.launcher.num_rollout_workers} Ray workers ({cfg.launcher.placement})"
+              + ("; " + describe_pool(cfg)
                  if cfg.get("launcher") is not None and cfg.launcher.name == "ray" else ""), phase=PRODUCE),
         Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping", phase=PRODUCE),
         Stage("algo_inputs", "algorithm inputs: " + (", ".join(inputs) or "none"), bool(inputs)),
@@ -352,7 +352,8 @@ class Run:
             self.engine = rollout_engine
 
         # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.ray_pool)
-        self.engine = build_rollout_backend(cfg.get("launcher"), self.engine_cfg, self.engine, self.trainer.policy)
+        self.engine = build_rollout_backend(cfg.get("launcher"), self.engine_cfg, self.engine, self.trainer.policy,
+                                            cfg=cfg)
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         self.services = self._services()
