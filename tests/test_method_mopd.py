@@ -102,8 +102,12 @@ def test_estimator_weights_the_sampled_token_gap_and_returns_the_weights():
     w = torch.tensor([5 / 12, 5 / 12, 10 / 3])
     assert torch.allclose(out.extras["mopd_weight"], w, atol=1e-6)
     assert torch.allclose(out.advantages, w[:, None] * (t - old) * mask, atol=1e-6)
-    inp.extras = {}
-    with pytest.raises(ValueError, match="algo=mopd"):
+    inp.extras = {}  # no domain labels: one domain, weights 1 (sampled-token OPD)
+    out = mopd_advantage(inp, target_shares=None, token_share=True, gap_alpha=1.0, gap_clamp_low=0.05,
+                         gap_clamp_high=20.0)
+    assert torch.allclose(out.advantages, (t - old) * mask) and torch.allclose(out.extras["mopd_weight"], torch.ones(3))
+    inp.teacher_logprobs = None
+    with pytest.raises(ValueError, match="model.teachers"):
         mopd_advantage(inp, target_shares=None, token_share=True, gap_alpha=1.0, gap_clamp_low=0.05,
                        gap_clamp_high=20.0)
 

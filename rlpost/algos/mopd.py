@@ -170,21 +170,23 @@ def mopd_advantage(
 
     Shapes: ``[B, R]`` log-probs -> ``[B, R]`` advantages (0 outside the mask), ``extras['mopd_weight']`` ``[B]``.
 
+    Without ``extras['domain_id']`` (the method is not in the run) every row is one domain
+    and every weight is 1: sampled-token OPD.
+
     Raises:
-        ValueError: no teacher log-probs (set ``model.teachers``), no student log-probs, or
-            no domain labels (the ``mopd`` method writes them: ``algo=mopd``).
+        ValueError: no teacher log-probs (set ``model.teachers``) or no student log-probs.
     """
     if inp.teacher_logprobs is None:
         raise ValueError("mopd needs the routed teachers' log-probs: set model.teachers (the teacher_logprobs stage)")
     student = inp.old_logprobs if inp.old_logprobs is not None else inp.rollout_logprobs
     if student is None:
         raise ValueError("mopd needs the student's rollout-time log-probs (old or rollout log-probs)")
-    if DOMAIN_ID not in inp.extras or DOMAIN_TARGET not in inp.extras:
-        raise ValueError("mopd needs each row's domain (extras['domain_id'], extras['domain_target']), written by "
-                         "the mopd method: use algo=mopd")
     mask = inp.response_mask
+    B = mask.shape[0]
+    dom = inp.extras.get(DOMAIN_ID, torch.zeros(B, dtype=torch.long))  # unlabelled: one domain, every weight 1
+    tgt = inp.extras.get(DOMAIN_TARGET, torch.ones(B))
     r = (inp.teacher_logprobs.double() - student.double()) * mask.double()
-    w, _ = domain_budget_weights(inp.extras[DOMAIN_ID], inp.extras[DOMAIN_TARGET], mask, r,
+    w, _ = domain_budget_weights(dom, tgt, mask, r,
                                  token_share=token_share, gap_alpha=gap_alpha,
                                  gap_clamp_low=gap_clamp_low, gap_clamp_high=gap_clamp_high)
     return AdvantageOutput(advantages=(w.double()[:, None] * r).float(), extras={WEIGHT: w})
