@@ -32,6 +32,9 @@ def teacher_inputs(loss: str, lp: torch.Tensor, seed: int = 0) -> Dict[str, torc
         return out
     if POLICY_LOSSES.tag(loss, "needs_skill", None):  # SEED: the skill-context log-probs, its self-teacher
         return {"teacher_logprobs": lp.detach() + 0.3 * torch.randn(lp.shape, generator=g)}
+    if "mopd_weight" in (POLICY_LOSSES.tag(loss, "extras", ()) or ()):  # Open-MOPD: routed teacher, domain weights
+        return {"teacher_logprobs": lp.detach() + 0.3 * torch.randn(lp.shape, generator=g),
+                "mopd_weight": 0.5 + torch.rand(lp.shape[0], generator=g)}
     if not key and not POLICY_LOSSES.tag(loss, "needs_teacher", False):
         return {}
     K = int(POLICY_LOSSES.kwargs(loss, {}, "algo.loss_params")[key]) if key else 0

@@ -334,6 +334,7 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "dare": "label-free: the reward is the group's answer distribution and entropy, not the verifier's reward",
     "drift": "an importance weight exp(R / beta) / group mean, not a baseline: equal returns weigh 1 each",
     "osw_ft": "an SFT weight 1 - p_hat (the probes' success rate), not a baseline: 0.9 success weighs 0.1",
+    "mopd": "not a reward baseline: the routed teacher's minus the student's log-prob, domain-weighted (Open-MOPD)",
     "erpd": "not a reward baseline: the stage-1 teacher's minus the student's log-prob of each token (ERPD)",
     "rctp": "an SFT weight 1 on every relabelled trajectory (RC-GRPO stage 1): the reward only chose the prompt's token",
     "r3l": "Positive Amplification: a success gets A = 1 even in an all-success group (the authors' opmd_reweight_adv)",

@@ -11,6 +11,11 @@ from rlpost.config.compose import compose_config, conf_dir, group_choices
 PRESETS = group_choices("algo")
 
 
+#: presets that route each prompt to its domain's teacher (model.teachers): a two-domain task, a tiny teacher each
+ROUTED_TEACHERS = {"mopd": ["task=arithmetic_mix", "model.teachers.basic_arithmetic=tiny",
+                            "model.teachers.chain_sum=tiny"]}
+
+
 def uses_teacher_preset(name: str) -> bool:
     """Distillation presets need ``model.teacher`` (a tiny teacher here)."""
     from rlpost.algos.validate import uses_teacher
@@ -46,7 +51,8 @@ def test_preset_two_steps_on_tiny(name, tmp_path):
     cfg = compose_config([
         f"algo={name}", "model=tiny", "steps=2", "logger=jsonl", "rollout.max_new_tokens=6",
         "selector.prompts_per_step=1", "eval.at_end=false", "checkpoint.every=0", "trainer.lr=1e-4",
-    ] + (["model.teacher=tiny"] if uses_teacher_preset(name) else []) + episode_overrides(name))
+    ] + (ROUTED_TEACHERS.get(name) or (["model.teacher=tiny"] if uses_teacher_preset(name) else []))
+      + episode_overrides(name))
     train(cfg, tmp_path)
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if l.strip()]
     rows = [r for r in rows if "reward/mean" in r]

@@ -61,6 +61,9 @@ def _run(compose, loss: str, agg: str, mb: int, multi_turn: bool = False, mixed:
         b.extras["ref_logprobs"] = (lp + 0.25 * torch.randn(lp.shape, generator=g)) * b.response_mask
     if POLICY_LOSSES.tag(loss, "needs_skill", None):  # SEED: the skill-context log-probs (its self-teacher)
         b.extras["teacher_logprobs"] = (lp + 0.4 * torch.randn(lp.shape, generator=g)) * b.response_mask
+    if "mopd_weight" in (POLICY_LOSSES.tag(loss, "extras", ()) or ()):  # Open-MOPD: routed teacher, domain weights
+        b.extras["teacher_logprobs"] = (lp + 0.4 * torch.randn(lp.shape, generator=g)) * b.response_mask
+        b.extras["mopd_weight"] = 0.5 + torch.rand(lp.shape[0], generator=g)
     k = POLICY_LOSSES.tag(loss, "teacher_topk", None)
     if k:  # distillation on a teacher's top-K support (rlpost.algos.distill): a random "teacher"
         K = int(POLICY_LOSSES.kwargs(loss, {}, "algo.loss_params")[k])

@@ -40,6 +40,8 @@ def _update(compose, preset: str, mb: int, off_policy: bool):
     adv = str(compose(tiny_overrides(f"algo={preset}")).algo.adv_estimator)
     if ADV_ESTIMATORS.tag(adv, "needs_episodes", False):  # refused on single-turn rows (rlpost/methods/episode_match.py)
         extra.append("env=calculator")
+    if adv == "mopd":  # Open-MOPD routes each prompt to its domain's teacher: a two-domain task, one teacher each
+        extra += ["task=arithmetic_mix", "model.teachers.basic_arithmetic=tiny", "model.teachers.chain_sum=tiny"]
     cfg = compose(tiny_overrides(f"algo={preset}", "precision=fp32", f"trainer.micro_batch_size={mb}", *extra))
     if "m" not in _MODEL:
         _MODEL["m"] = load_policy(ModelConfig(source="tiny"), seed=3)[0]
@@ -58,6 +60,8 @@ def _update(compose, preset: str, mb: int, off_policy: bool):
         b.extras["ref_logprobs"] = t.compute_logprobs(b, "ref")[0]
     if "teacher_logprobs" in keys:  # a self-teacher's log-probs (written by a method in a run)
         b.extras["teacher_logprobs"] = (lp + 0.4 * torch.randn(lp.shape, generator=g)) * b.response_mask
+    if "mopd_weight" in keys:  # Open-MOPD's per-row domain weights (its estimator's output in a run)
+        b.extras["mopd_weight"] = 0.5 + torch.rand(lp.shape[0], generator=g)
     k = POLICY_LOSSES.tag(str(cfg.algo.loss), "teacher_topk", None)
     if k:  # a random teacher's top-K support (the teacher stage's output in a run)
         K = int(POLICY_LOSSES.kwargs(str(cfg.algo.loss), {}, "algo.loss_params")[k])

@@ -288,12 +288,17 @@ class AdvantageOutput:
             as MC-GRPO's median pivot), or None to keep every token.
         value_mask: ``[B, R]`` 0/1 positions where the critic regresses on ``returns``
             (``sapo_ar``: turn starts), or None for every response token.
+        extras: named ``[B]`` or ``[B, R]`` tensors the estimator computed over the whole
+            batch for the loss (``mopd``: each row's domain budget weight); the runner puts
+            them into ``batch.extras``. An estimator that returns some declares their keys
+            with the registry tag ``provides=(...)`` (config validation counts it as their provider).
     """
 
     advantages: torch.Tensor
     returns: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
     value_mask: Optional[torch.Tensor] = None
+    extras: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def outcome_token_rewards(inp: AdvantageInput) -> torch.Tensor:

@@ -113,6 +113,7 @@ EXTRA_INPUTS: Dict[str, str] = {
     "region_anchor_logprobs": "[B, R, K] the trust-region anchor's log-probs on that support",
     "predicted_change": "[B, R] predicted change of the objective if the coming step were driven by the token alone",
     "predicted_kl": "[B, R] the predicted Fisher KL of that step",
+    "mopd_weight": "[B] each row's Open-MOPD domain budget weight (the mopd estimator's AdvantageOutput.extras)",
     "loss_state": "the trainer's running state of losses that carry some across optimizer steps (a dict, "
                   "read-only in the loss; a loss tagged after_step=fn updates it after each step)",
 }

@@ -461,16 +461,55 @@ def check_teacher_config(cfg: Any) -> None:
             teacher spec that names nothing.
     """
     spec = cfg.model.get("teacher", None)
+    routed = dict(cfg.model.get("teachers", None) or {})
     need = uses_teacher(cfg.algo)
+    if spec and routed:
+        raise ConfigError(f"model.teacher={spec} and model.teachers={routed} are both set: one teacher for every "
+                          f"prompt or one per domain. Fix: drop one of them.")
+    if routed:
+        check_routed_teachers(cfg, routed, need)
+        return
     if need and not spec:
         raise ConfigError(f"algo={cfg.algo.name} (loss={cfg.algo.loss}, adv_estimator={cfg.algo.adv_estimator}) "
                           f"distils from a teacher but model.teacher is not set. Fix: model.teacher=<model preset or "
-                          f"HF dir> (e.g. model.teacher=smollm2-135m).")
+                          f"HF dir> (e.g. model.teacher=smollm2-135m), or one per domain: "
+                          f"model.teachers.<domain>=<model preset or HF dir>.")
     if spec and not need:
         raise ConfigError(f"model.teacher={spec} is set but algo={cfg.algo.name} uses no teacher, so it would be "
                           f"ignored. Fix: drop model.teacher or choose a distillation preset (algo=opd).")
     if spec:
         teacher_model_config(str(spec))
+
+
+def check_routed_teachers(cfg: Any, routed: Dict[str, Any], need: bool) -> None:
+    """``model.teachers`` (``{domain: spec}``): read by the algorithm, one teacher per domain of the task, each loadable.
+
+    The task's domains come from its config (:func:`rlpost.tasks.base.declared_domains`).
+
+    Raises:
+        ConfigError: an algorithm that uses no teacher; a key that is not a domain of the
+            task (a misspelt domain); a domain of the task without a teacher; a spec that
+            names nothing.
+    """
+    from rlpost.tasks.base import declared_domains
+
+    if not need:
+        raise ConfigError(f"model.teachers={routed} is set but algo={cfg.algo.name} uses no teacher, so it would be "
+                          f"ignored. Fix: drop model.teachers or choose a distillation preset (algo=mopd).")
+    domains = declared_domains(cfg.task)
+    unknown = sorted(set(routed) - set(domains))
+    if unknown:
+        raise ConfigError(f"model.teachers names {unknown}, which task={cfg.task.name} does not have (its domains: "
+                          f"{domains}). Fix: one key per domain of the task, spelt as the task labels it.")
+    missing = [d for d in domains if d not in routed]
+    if missing:
+        raise ConfigError(f"task={cfg.task.name} has domain(s) {missing} without a teacher in model.teachers "
+                          f"(oracle routing scores every prompt with its own domain's teacher). Fix: "
+                          + " ".join(f"model.teachers.{d}=<model preset or HF dir>" for d in missing) + ".")
+    for d, spec in routed.items():
+        if not spec:
+            raise ConfigError(f"model.teachers.{d} is empty. Fix: model.teachers.{d}=<model preset or HF dir>.")
+        teacher_model_config(str(spec), f"model.teachers.{d}")
 
 
 #: what an estimator tagged ``needs_window_rollouts`` (T-PPO's ``egae``) composes with

@@ -90,7 +90,7 @@ def friendly_error(err: Exception) -> ConfigError:
 FREE_DICTS = (
     "task.params.", "task.reward.verifier_params.", "algo.adv_params.", "algo.loss_params.",
     "sampler.params.", "selector.params.", "precision.correction_params.",
-    "precision.rollout_params.", "precision.kv_cache_params.",
+    "precision.rollout_params.", "precision.kv_cache_params.", "model.teachers.",
 )
 
 

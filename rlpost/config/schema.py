@@ -313,6 +313,11 @@ class ModelConfig:
             without gradients or optimizer state in the trainer's precision
             (:mod:`rlpost.models.teacher`); null: none. Set exactly when the
             algorithm uses a teacher.
+        teachers: several frozen teachers routed by domain (oracle routing): ``{domain: spec}``,
+            each spec as ``teacher``; every response is scored by the teacher of its prompt's
+            domain (``example.meta['domain']``, ``default`` when the task has none). Every
+            domain of the task needs a teacher and every key must be one of its domains
+            (:class:`rlpost.models.teacher.RoutedTeacher`). Exclusive with ``teacher``; empty: none.
         routing_replay: MoE routing replay (:mod:`rlpost.models.moe_replay`): ``off``;
             ``record`` (rollouts record each token's experts, the trainer routes on its
             own and logs ``moe/route_mismatch``); ``replay`` (the trainer's forwards use
@@ -332,6 +337,7 @@ class ModelConfig:
     tiny: TinyConfig = field(default_factory=TinyConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     teacher: Optional[str] = None
+    teachers: Dict[str, str] = field(default_factory=dict)
     routing_replay: str = "off"
     pr2: Pr2Config = field(default_factory=Pr2Config)
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from rlpost.algos.losses import EXTRA_INPUTS, loss_extras
-from rlpost.algos.registries import POLICY_LOSSES
+from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
 from rlpost.core.errors import ConfigError
 from rlpost.core.registry import Registry
 
@@ -393,7 +393,8 @@ def check_loss_extras(cfg: Any, methods: MethodSet) -> None:
 
     Providers: the trainer (``loss_state``), the ``ref_logprobs`` stage (a loss tagged
     ``needs_ref`` or ``algo.kl.coef > 0``), the ``teacher_logprobs`` stage
-    (``model.teacher``), and each method's ``Needs.provides``. Keys the loss
+    (``model.teacher`` or ``model.teachers``), the advantage estimator (tag ``provides``: the keys of
+    its ``AdvantageOutput.extras``), and each method's ``Needs.provides``. Keys the loss
     declares in ``optional_extras`` may be absent.
 
     Raises:
@@ -404,8 +405,9 @@ def check_loss_extras(cfg: Any, methods: MethodSet) -> None:
     provided = set(methods.needs().provides) | {"loss_state"}
     if float(cfg.algo.kl.coef) > 0 or POLICY_LOSSES.tag(loss, "needs_ref", False):
         provided.add("ref_logprobs")
-    if cfg.model.get("teacher", None):
+    if cfg.model.get("teacher", None) or cfg.model.get("teachers", None):
         provided.add("teacher_logprobs")
+    provided |= set(ADV_ESTIMATORS.tag(str(cfg.algo.adv_estimator), "provides", ()) or ())  # AdvantageOutput.extras
     optional = set(POLICY_LOSSES.tag(loss, "optional_extras", ()) or ())
     for key in loss_extras(loss):
         if key not in provided and key not in optional:

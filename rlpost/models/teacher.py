@@ -318,3 +318,91 @@ def student_support_pass(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bo
         "support_logprobs": sup.float(),
         "teacher_support_logprobs": mb.extras["teacher_topk_logprobs"][:, :R].to(dev),
     }
+
+
+# ----------------------------------------------------------------- several teachers, routed by domain
+def route_rows(domains: Any, teacher_domains: Any) -> Dict[str, list]:
+    """Oracle routing: the rows of each teacher's domain, ``{domain: [row, ...]}`` (domains with no row left out).
+
+    Args:
+        domains: the domain label of each row, length ``B``.
+        teacher_domains: the domains that have a teacher (``model.teachers`` keys).
+    Raises:
+        ConfigError: a row whose domain has no teacher (no fallback: each prompt is scored
+            only by its own domain's teacher).
+    """
+    have = set(teacher_domains)
+    out: Dict[str, list] = {}
+    for i, d in enumerate(domains):
+        d = str(d)
+        if d not in have:
+            raise ConfigError(f"a prompt of domain {d!r} has no teacher: model.teachers covers "
+                              f"{sorted(have)}. Fix: model.teachers.{d}=<model preset or HF dir>.")
+        out.setdefault(d, []).append(i)
+    return out
+
+
+class RoutedTeacher:
+    """Several frozen teachers, one per domain; each row is scored by its prompt's domain's teacher.
+
+    Multi-teacher on-policy distillation with oracle routing (the setting of "Open-MOPD:
+    Diagnosing and Fixing Capability Imbalance in Multi-Teacher On-Policy Distillation",
+    arXiv:2608.19098): the domain label of the prompt picks one teacher, the others never
+    score that row. :meth:`score` has :meth:`Teacher.score`'s contract, so the
+    ``teacher_logprobs`` stage and every loss or estimator that reads the teacher work
+    unchanged with one teacher or many.
+
+    Args:
+        teachers: ``{domain: Teacher}``; one ``Teacher`` object may serve several domains.
+        prompt_domains: the domain of each training example, indexed by ``batch.prompt_index``.
+    """
+
+    def __init__(self, teachers: Dict[str, "Teacher"], prompt_domains: Any) -> None:
+        self.teachers = dict(teachers)
+        self.prompt_domains = [str(d) for d in prompt_domains]
+        self.name = ",".join(f"{d}={t.name}" for d, t in sorted(self.teachers.items()))
+
+    def row_domains(self, batch: Any) -> list:
+        """The domain label of each row of ``batch`` (from its ``prompt_index``)."""
+        return [self.prompt_domains[int(i)] for i in batch.prompt_index.tolist()]
+
+    @torch.no_grad()
+    def score(self, batch: Any, trainer: Any, top_k: int = 0) -> Dict[str, torch.Tensor]:
+        """:meth:`Teacher.score` of each domain's rows by that domain's teacher, put back in row order.
+
+        Returns:
+            as :meth:`Teacher.score`: ``teacher_logprobs`` ``[B, R]`` (+ top-K ``[B, R, K]``), on CPU.
+        Raises:
+            ConfigError: a row whose domain has no teacher (:func:`route_rows`).
+        """
+        B, R = len(batch), batch.response_ids.shape[1]
+        out: Dict[str, torch.Tensor] = {"teacher_logprobs": torch.zeros(B, R)}
+        if top_k:
+            out["teacher_topk_ids"] = torch.zeros(B, R, top_k, dtype=torch.long)
+            out["teacher_topk_logprobs"] = torch.zeros(B, R, top_k)
+        for dom, rows in route_rows(self.row_domains(batch), self.teachers).items():
+            part = self.teachers[dom].score(batch.select(rows), trainer, top_k=top_k)
+            idx = torch.tensor(rows, dtype=torch.long)
+            for k, v in part.items():
+                out[k][idx] = v
+        return out
+
+
+def load_teachers(specs: Dict[str, str], student_tokenizer: Any, dtype: torch.dtype, device: Any,
+                  prompt_domains: Any, seed: int = 0) -> RoutedTeacher:
+    """Load ``model.teachers`` (``{domain: spec}``) as a :class:`RoutedTeacher`; a spec named twice loads once.
+
+    Raises:
+        ConfigError: as :func:`load_teacher` (setting ``model.teachers.<domain>``); a training
+            example whose domain has no teacher.
+    """
+    loaded: Dict[str, Teacher] = {}
+    teachers: Dict[str, Teacher] = {}
+    for dom, spec in sorted(specs.items()):
+        spec = str(spec)
+        if spec not in loaded:
+            loaded[spec] = load_teacher(spec, student_tokenizer, dtype, device, seed=seed,
+                                        setting=f"model.teachers.{dom}")
+        teachers[dom] = loaded[spec]
+    route_rows(sorted(set(str(d) for d in prompt_domains)), teachers)  # every training domain has its teacher
+    return RoutedTeacher(teachers, prompt_domains)

@@ -179,11 +179,14 @@ def loss_needs_ref(a: Any) -> bool:
 def teacher_stage(cfg: DictConfig) -> "Stage":
     """The ``teacher_logprobs`` stage: the frozen ``model.teacher`` scores the rollouts (:mod:`rlpost.models.teacher`)."""
     spec = cfg.model.get("teacher", None)
-    if not spec:
+    routed = dict(cfg.model.get("teachers", None) or {})
+    if not spec and not routed:
         return Stage("teacher_logprobs", "teacher log-probs (no model.teacher)", False)
 
     k = teacher_top_k(cfg.algo)
-    return Stage("teacher_logprobs", f"frozen teacher model.teacher={spec}: log-probs of the sampled tokens"
+    who = (f"frozen teacher model.teacher={spec}" if spec else
+           "frozen teachers routed by the prompt's domain (" + ", ".join(f"{d}={t}" for d, t in sorted(routed.items())) + ")")
+    return Stage("teacher_logprobs", f"{who}: log-probs of the sampled tokens"
                  + (f" and its top-{k} support per position" if k else ""), True)
 
 
@@ -329,6 +332,13 @@ class Run:
 
             self.teacher = load_teacher(str(cfg.model.teacher), self.tokenizer, self.trainer.dtype,
                                         self.trainer.device, seed=cfg.seed)
+        elif cfg.model.get("teachers", None):  # several teachers, each row scored by its prompt's domain's
+            from rlpost.models.teacher import load_teachers
+            from rlpost.tasks.base import example_domain
+
+            self.teacher = load_teachers(dict(cfg.model.teachers), self.tokenizer, self.trainer.dtype,
+                                         self.trainer.device, [example_domain(e) for e in self.train_examples],
+                                         seed=cfg.seed)
 
         # run_dir and prompts: rollout.speculative.drafter=mtp_head fits its head on training prompts, keeps it there
         # the engines see their own sections only (EngineConfig); the executor decides whether weights may be shared
@@ -707,6 +717,7 @@ class Run:
             **adv_overrides(a),  # the estimator's own parameters; shaping keys went to the reward function
         )
         batch.extras["advantages"] = out.advantages
+        batch.extras.update(out.extras)  # per-row inputs the estimator computed over the whole batch for the loss
         if out.loss_mask is not None:  # tokens the estimator takes out of the update (e.g. a group's pivot)
             n_before = batch.response_mask.sum().clamp(min=1)
             batch.response_mask = batch.response_mask * out.loss_mask

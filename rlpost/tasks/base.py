@@ -167,3 +167,33 @@ def task_prompts(task: Any, tokenizer: Any, seed: int, examples: Any = None) -> 
         return [list(task.render_prompt(ex[int(i)], tokenizer)) for i in idx]
 
     return fn
+
+
+#: the domain of an example whose task gives none (``example.meta['domain']`` absent)
+DEFAULT_DOMAIN = "default"
+
+
+def example_domain(example: Any) -> str:
+    """The domain label of ``example``: ``example.meta['domain']``, else :data:`DEFAULT_DOMAIN`."""
+    return str((getattr(example, "meta", None) or {}).get("domain", DEFAULT_DOMAIN))
+
+
+def declared_domains(task_cfg: Any) -> List[str]:
+    """The domains a task config's examples carry, read from the config alone (no dataset is built).
+
+    A reasoning-gym composite (``task.dataset=composite``) labels each item by its source
+    dataset (the names in ``task.params.datasets``); a single reasoning-gym dataset by its
+    name; every other kind sets no domain, so its examples are :data:`DEFAULT_DOMAIN`.
+    Multi-domain routing (``model.teachers``) is checked against this list before any
+    weights load; the built examples are checked again when the run starts.
+
+    Returns:
+        The sorted distinct domain names.
+    """
+    kind, dataset = str(task_cfg.get("kind", "")), str(task_cfg.get("dataset", ""))
+    if kind == "reasoning_gym" and dataset == "composite":
+        items = (task_cfg.get("params", None) or {}).get("datasets", None) or []
+        return sorted({str(d["name"]) for d in items if "name" in d})
+    if kind == "reasoning_gym" and dataset:
+        return [dataset]
+    return [DEFAULT_DOMAIN]
