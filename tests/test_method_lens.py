@@ -123,7 +123,7 @@ class NoisyEngine(FakeEngine):
 
 def _sampler(n=4, **kw):
     p = dataclasses.asdict(LENSParams())
-    p.update(scope="prompt", **kw)
+    p.update({"scope": "prompt", **kw})
     s = LENSSampler(n, **p)
     s.set_models(Bigram([((6, 7), math.log(V))]), REF)  # 7 after 6 is the interference token
     return s
@@ -233,3 +233,29 @@ def test_method_rewrites_the_old_logprobs_after_the_pass():
     assert m == {"lens/purified_rows": 1.0, "lens/weight_mean": 1.0}
     plain = SimpleNamespace(rollout_logprobs=None, extras={"old_logprobs": torch.zeros(1, 2)})
     assert LENS(None).after_old_logprobs(plain, None) == {} and plain.extras["old_logprobs"].sum() == 0
+
+
+def test_question_scope_scores_only_the_question_tokens():
+    @dataclasses.dataclass
+    class Ex:
+        question: str
+
+    class Task:  # renders [1, 2] + question + [2] (a template around the question)
+        def render_prompt(self, ex, tok):
+            return [1, 2] + tok.encode(ex.question) + [2]
+
+    eng = NoisyEngine()
+    prompt = [1, 2, 5, 4, 7, 2]  # "bad": b = 5, a = 4, d = 7
+    ctx = SamplerContext(prompt_indices=[0])
+    q = _sampler(scope="question")
+    q.attach(task=Task(), examples=[Ex("bad")])
+    assert q.eligible(eng, prompt, 0, ctx).tolist() == [False, False, True, True, True, False]
+    p = _sampler(scope="prompt")
+    p.attach(task=Task(), examples=[Ex("bad")])
+    assert p.eligible(eng, prompt, 0, ctx).tolist() == [False, True, True, True, True, True]
+    # a prompt that is not the example's rendering (another source) falls back to every non-first token
+    assert q.eligible(eng, [9, 2, 5], 0, ctx).tolist() == [False, True, True]
+    # the policy's strongest deviation is on the template's last token (2 after 7): question scope skips it
+    q.set_models(Bigram([((7, 2), 4.0), ((4, 7), 1.0)]), REF)
+    p.set_models(Bigram([((7, 2), 4.0), ((4, 7), 1.0)]), REF)
+    assert q.interference(eng, prompt, 0, ctx) == [4] and p.interference(eng, prompt, 0, ctx) == [5]
