@@ -368,6 +368,8 @@ class Run:
         self._eval_tasks: Optional[Dict[str, Any]] = None
         self.services = self._services()
         self.methods.setup(self.services)
+        if hasattr(self.sampler, "setup"):  # a sampler that reads the run's models (e.g. the frozen reference policy)
+            self.sampler.setup(self.services)
         self.step = 0
         self.update_rng = torch.Generator().manual_seed(cfg.seed)
         self.partial = self._build_partial()

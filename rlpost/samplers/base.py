@@ -282,6 +282,12 @@ class Sampler:
     ``uses_rollout_counts``: whether :meth:`sample` honours a selector's per-prompt
     rollout budget (``ctx.rollout_counts``, CurES); see :func:`check_allocation`.
 
+    Optional hooks the runner calls when a sampler defines them: ``attach(task=,
+    examples=, run_dir=)`` right after it is built, and ``setup(services)`` once the
+    trainer and engines exist, with the run's
+    :class:`rlpost.methods.base.RunServices` (the trainer's policy, its frozen
+    reference when one is kept: ``sampler=lens`` scores prompt tokens with both).
+
     Raises:
         ValueError: ``n_samples < 1``.
         TypeError: parameters this sampler does not take.
