@@ -103,8 +103,9 @@ def _check_recipe(overrides: List[str]) -> None:
                               f"+recipe={name}. Recipes: {', '.join(group_choices('recipe'))}.")
 
 
-def _validate(overrides: List[str], multirun: bool) -> None:
-    """Compose and validate every run of a (possibly swept) override list."""
+def _validate(overrides: List[str], multirun: bool, train: bool = False) -> None:
+    """Compose and validate every run of a (possibly swept) override list (``train``: also the checks
+    that only ``rlpost train`` makes, e.g. no ``eval.test_time``)."""
     from rlpost.config.compose import PATH_KEYS, compose_config, expand_sweep, validate_config
 
     _check_recipe(overrides)
@@ -122,6 +123,10 @@ def _validate(overrides: List[str], multirun: bool) -> None:
     for combo in combos:
         cfg = compose_config([o for o in combo if not o.startswith("hydra.")])
         validate_config(cfg)
+        if train:
+            from rlpost.eval.test_time import check_not_training
+
+            check_not_training(cfg)
 
 
 def _with_rule_overrides(overrides: List[str], multirun: bool) -> List[str]:
@@ -248,7 +253,7 @@ def train(
     overrides = list(ctx.args)
     note = None
     try:
-        _validate(overrides, multirun)
+        _validate(overrides, multirun, train=True)
         overrides = _with_rule_overrides(overrides, multirun)
         if not multirun:  # resume=...: the run's own overrides, checked before Hydra writes anything
             from rlpost.run.resume import plan_resume
@@ -374,8 +379,12 @@ def eval_cmd(ctx: typer.Context) -> None:
             t = build_sampler(cfg.sampler, int(cfg.algo.n_samples_per_prompt)).eval_task(t)
         # rollout.speculative.drafter=mtp_head without a head file fits one on the task's training prompts
         engine = build_engine(EngineConfig.of(cfg), policy, tok, device, run_dir=run_dir, prompts=task_prompts(t, tok, cfg.seed))
+        from rlpost.eval.test_time import TestTimeContext, build_test_time
+
+        strategy = build_test_time(cfg)  # eval.test_time: a registered per-problem strategy, or None (greedy)
         res = evaluate(engine, tok, t, cfg.eval, seed=cfg.seed, rollout_cfg=cfg.rollout,
-                       progress=f"evaluating {cfg.task.name}")
+                       progress=f"evaluating {cfg.task.name}",
+                       test_time=None if strategy is None else (strategy, TestTimeContext(policy, tok, engine, cfg, device)))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         (run_dir / "eval.json").write_text(json.dumps(res, indent=1, default=str))

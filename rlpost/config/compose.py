@@ -257,6 +257,7 @@ GROUP_CHECKS = (
     ("sampler", "rlpost.samplers:check_config"),
     ("sampler", "rlpost.samplers.s2l:check_config"),  # S2L-PO's explorer model named and resolvable
     ("task", "rlpost.tasks:check_config"),
+    ("eval", "rlpost.eval.test_time:check_config"),  # eval.test_time: a registered strategy and its params
     ("ranges", "rlpost.config.compose:check_ranges"),
     ("executor", "rlpost.run.executor:check_partial"),
     ("launcher", "rlpost.ray_pool:check_launcher"),

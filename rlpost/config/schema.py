@@ -650,6 +650,9 @@ class EvalConfig:
             training task only.
         n_boot: bootstrap replicates of the 95% confidence intervals.
         harness: lm-evaluation-harness tasks (``rlpost eval`` only; see :class:`HarnessConfig`).
+        test_time: null, or a registered test-time strategy that produces each held-out answer in
+            place of greedy decoding (``rlpost eval`` only; :mod:`rlpost.eval.test_time`, e.g. ``pot``).
+        test_time_params: that strategy's parameters that differ from its declared defaults.
     """
 
     every: int = 0
@@ -665,6 +668,8 @@ class EvalConfig:
     tasks: List[str] = field(default_factory=list)
     n_boot: int = 1000
     harness: HarnessConfig = field(default_factory=HarnessConfig)
+    test_time: Optional[str] = None
+    test_time_params: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

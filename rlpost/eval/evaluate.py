@@ -109,6 +109,7 @@ def evaluate(
     rollout_cfg: Any = None,
     progress: Optional[str] = None,
     leave: bool = True,
+    test_time: Any = None,
 ) -> Dict[str, Any]:
     """Evaluate ``task``'s held-out split with ``engine``.
 
@@ -143,6 +144,10 @@ def evaluate(
             16-problem check). None: no stop strings, no truncation.
         progress: the console progress bar's label (:func:`progress_bar`); None: no bar.
         leave: keep the finished bar on the console (False: it disappears, as inside training's bar).
+        test_time: ``(strategy, context)``: a :class:`rlpost.eval.test_time.TestTimeStrategy` and its
+            :class:`rlpost.eval.test_time.TestTimeContext` produce each answer in place of greedy
+            decoding (``eval.test_time``); the answers are scored as greedy ones, and each record gets
+            the strategy's ``test_time`` info. None: greedy decoding.
     Returns:
         A dict with ``task``, ``n`` (problems), ``accuracy`` with
         ``accuracy_ci_low``/``accuracy_ci_high`` (also as ``ci_low``/``ci_high``), ``response_length_mean``
@@ -174,10 +179,15 @@ def evaluate(
     bar = progress_bar(progress, len(examples) * (1 + (n_samples if n_samples > 1 else 0)), leave=leave)
     try:
         prompts = [task.render_prompt(ex, tokenizer) for ex in examples]
-        greedy = _generate_scored(
-            engine, prompts, examples, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed, stop=stop),
-            reward_fn, batch_size, bar,
-        )
+        if test_time is not None:
+            strategy, ctx = test_time
+            greedy = strategy.respond(task, examples, prompts, ctx, max_new, stop, seed, bar)
+            greedy["scores"], greedy["format"], greedy["counts"] = reward_fn.correctness(greedy["texts"], examples)
+        else:
+            greedy = _generate_scored(
+                engine, prompts, examples, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed, stop=stop),
+                reward_fn, batch_size, bar,
+            )
         sampled = None
         if n_samples > 1:
             rep_prompts = [p for p in prompts for _ in range(n_samples)]
@@ -192,6 +202,10 @@ def evaluate(
             reward_fn.close()
 
     out = _summarise(task, examples, greedy, sampled, n_samples, ks, seed, n_boot)
+    if test_time is not None:
+        out["test_time"] = getattr(test_time[0], "name", "") or type(test_time[0]).__name__
+        for rec, info in zip(out["records"], greedy.get("info") or []):
+            rec["test_time"] = info
     out["time_s"] = time.monotonic() - t0
     return out
 

@@ -285,3 +285,28 @@ def check_model_config(cfg: Any) -> None:
         ConfigError: as :func:`check_lora_config`.
     """
     check_lora_config(cfg.model)
+
+
+def remove_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """Take every LoRA layer out of ``model`` in place: each ``peft.tuners.lora`` wrapper is replaced by
+    its ``base_layer`` (the original ``nn.Linear``, never merged into), and PEFT's ``peft_config``
+    attribute is dropped, so the model is again the plain one :func:`apply_lora` received.
+
+    Used by transient per-problem adapters (``eval.test_time``; Policy of Thoughts, arXiv:2601.20379);
+    :func:`apply_lora` then :func:`remove_lora` leaves every base weight bit for bit as it was (the
+    base layers are the same tensors; only the adapters' ``A``/``B`` were trained). ``requires_grad``
+    flags are not restored here (``apply_lora`` froze the base); the caller keeps them.
+
+    Returns:
+        the same ``model`` object.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    for name, mod in list(model.named_modules()):
+        if name and isinstance(mod, LoraLayer):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, mod.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    return model

@@ -90,6 +90,19 @@ class Task(ABC):
             return re.search(pattern, response or "", re.DOTALL) is not None
         return self.extract_answer(response) is not None
 
+    def visible_score(self, response: str, example: Example) -> float:
+        """Execution feedback on the problem's *visible* tests only, in [0, 1]: the fraction passed.
+
+        The tests a solver may see (e.g. a docstring's examples), never those :meth:`score` uses: a
+        test-time strategy (``eval.test_time``, :mod:`rlpost.eval.test_time`) learns from this one
+        while the evaluation scores with :meth:`score`. Tasks without visible tests do not override
+        it.
+
+        Raises:
+            NotImplementedError: the task has no visible tests.
+        """
+        raise NotImplementedError(f"task {self.name!r} exposes no visible tests")
+
     def with_answer(self, example: Example, answer: Any) -> Example:
         """A copy of ``example`` whose gold answer is ``answer`` (TTRL pseudo-labels).
 

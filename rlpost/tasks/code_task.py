@@ -78,6 +78,37 @@ def load_humaneval_rows(path: Optional[str] = None) -> List[Dict[str, Any]]:
     return rows
 
 
+def visible_tests(row: Dict[str, Any]) -> List[str]:
+    """The tests of a problem a solver may see: the row's ``visible_tests`` (a list of Python
+    statements, e.g. ``assert f(1) == 2``) when the data has them (MBPP- or LiveCodeBench-style public
+    tests), else one doctest per ``>>>`` example of the prompt's docstring (HumanEval's examples;
+    ``>>> f(1)`` followed by its expected output ``2``). The hidden ``test`` is never among them.
+    """
+    if row.get("visible_tests"):
+        return [str(t) for t in row["visible_tests"]]
+    import ast
+    import doctest
+
+    out = []
+    try:  # the docstrings' text (the raw prompt would read the closing quotes as expected output)
+        tree = ast.parse(str(row.get("prompt", "")) + "    pass\n")
+        docs = [ast.get_docstring(n) or "" for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    except SyntaxError:
+        docs = []
+    examples = []
+    for d in docs:
+        try:
+            examples += doctest.DocTestParser().get_examples(d)
+        except ValueError:  # a malformed example (inconsistent indentation): that docstring gives none
+            pass
+    for ex in examples:
+        want = ex.want if ex.want else ""
+        src = "".join(">>> " + ln + "\n" if i == 0 else "... " + ln + "\n"
+                      for i, ln in enumerate(ex.source.rstrip("\n").split("\n")))
+        out.append(src + want)
+    return out
+
+
 @TASKS.register(
     "humaneval",
     paper="Evaluating Large Language Models Trained on Code (HumanEval, arXiv:2107.03374)",
@@ -128,7 +159,8 @@ class HumanEvalTask(Task):
     def _example(i: int, row: Dict[str, Any]) -> Example:
         return Example(index=i, question=row["prompt"], answer=row["entry_point"],
                        meta={"task_id": row["task_id"], "prompt": row["prompt"], "entry_point": row["entry_point"],
-                             "test": row["test"], "canonical_solution": row.get("canonical_solution")})
+                             "test": row["test"], "canonical_solution": row.get("canonical_solution"),
+                             "visible_tests": visible_tests(row)})
 
     def train_examples(self) -> List[Example]:
         """Training problems (disjoint from the held-out ones)."""
@@ -193,6 +225,46 @@ class HumanEvalTask(Task):
         if code is None:
             return 0.0
         return 1.0 if self.run_tests(code, example)[0] else 0.0
+
+    def visible_score(self, response: str, example: Example) -> float:
+        """Fraction of the problem's visible tests (:func:`visible_tests`) the response's program passes
+        in the sandbox; 0.0 with no code or no visible test. The hidden ``test`` of :meth:`score` is
+        never run here.
+
+        One sandbox run per call: the program (prompt + code, as :meth:`program`) runs each visible
+        test in turn, each under ``try``, and prints a random marker with the test's number after each
+        pass, so a crash, a timeout or a test that fails costs that test (and those after a crash).
+        """
+        import secrets
+
+        tests = list(example.meta.get("visible_tests") or [])
+        code = self.extract_answer(response)
+        if code is None or not tests:
+            return 0.0
+        marker = f"RLPOST_VISIBLE_{secrets.token_hex(8)}"
+        m = example.meta
+        name = m["entry_point"]
+        head = m["prompt"] + ("    pass\n\n" if re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", code, re.MULTILINE) else "")
+        harness = (
+            "\n\nimport doctest as _rl_dt\n"
+            f"for _rl_i, _rl_t in enumerate({tests!r}):\n"
+            "    try:\n"
+            "        if _rl_t.startswith('>>>'):\n"
+            "            _rl_ex = _rl_dt.DocTestParser().get_examples(_rl_t)\n"
+            "            _rl_r = _rl_dt.DocTestRunner(verbose=False)\n"
+            "            _rl_r.run(_rl_dt.DocTest(_rl_ex, dict(globals()), 'visible', None, 0, None), out=lambda s: None)\n"
+            "            _rl_ok = bool(_rl_ex) and _rl_r.failures == 0\n"
+            "        else:\n"
+            "            exec(_rl_t, dict(globals()))\n"
+            "            _rl_ok = True\n"
+            "    except BaseException:\n"
+            "        _rl_ok = False\n"
+            "    if _rl_ok:\n"
+            f"        print({marker!r}, _rl_i, flush=True)\n"
+        )
+        r = run_python(f"{head}{code}{harness}", self.limits)
+        passed = {ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith(marker + " ") and len(ln.split()) == 2}
+        return len(passed) / len(tests)
 
     def reference_solution(self, example: Example) -> str:
         """The canonical solution as a fenced, complete function (the prompt plus its body); the entry
