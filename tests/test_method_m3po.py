@@ -139,11 +139,12 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 
 
 def _trainer_logprobs(model, gen, extras, share_prefix):
-    from rlpost.methods.m3po import mixed_inputs
+    from rlpost.methods.base import METHODS
     from rlpost.models.logprobs import response_logprobs
 
     attn = (gen.response_mask > 0).long()
-    with mixed_inputs(model, SimpleNamespace(response_ids=gen.response_ids, extras=extras)):
+    method = METHODS.get("m3po")(cfg=None)  # the run's method: its Method.logprob_context around the pass
+    with method.logprob_context(model, SimpleNamespace(response_ids=gen.response_ids, extras=extras)):
         return response_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.response_ids, attn,
                                  share_prefix=share_prefix)[0]
 
