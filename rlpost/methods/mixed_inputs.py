@@ -83,7 +83,7 @@ class MixedInputsMethod(Method):
         return bool(cls.sampler) and str(cfg.sampler.name) == cls.sampler
 
     def validate(self) -> None:
-        """Raises ConfigError unless the rollout engine is the plain transformers one (the only one running decode hooks)."""
+        """Raises ConfigError unless the rollout engine is the plain transformers one (the one running decode hooks)."""
         ro = self.cfg.rollout
         if str(ro.get("engine", "")) != "hf" or ro.get("speculative") is not None:
             raise ConfigError(f"sampler={self.sampler} feeds mixed input embeddings step by step, which only the "

@@ -32,7 +32,10 @@ MixtureRecord = Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class MixtureKeys:
-    """The ``batch.extras`` keys of one sampler's mixtures: ``<prefix>_mixed``, ``<prefix>_id<j>``, ``<prefix>_w<j>``."""
+    """The ``batch.extras`` keys of one sampler's mixtures.
+
+    ``<prefix>_mixed``, ``<prefix>_id<j>`` and ``<prefix>_w<j>`` (N-GRPO: ``nm``, M3PO: ``m3po``).
+    """
 
     prefix: str
 
