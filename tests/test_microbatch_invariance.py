@@ -25,17 +25,18 @@ MICRO = (1, 3, B)
 WITH_ESTIMATOR = {"a2tgpo_clip": "a2tgpo", "osw_ft": "osw_ft"}
 
 
-def _run(compose, loss: str, agg: str, mb: int, multi_turn: bool = False, mixed: bool = False):
+def _run(compose, loss: str, agg: str, mb: int, multi_turn: bool = False, mixed: str = ""):
     """One policy_update on a fixed batch; returns (logged metrics, flat gradient before the step).
 
     ``multi_turn``: the masks get holes (environment tokens), so most rows hold two or three turns.
-    ``mixed``: ``sampler=neighbor_mixing``: a third of the positions carry N-GRPO's mixed input embeddings."""
+    ``mixed``: a sampler that feeds mixed input embeddings (``neighbor_mixing``: N-GRPO, ``m3po``: M3PO); a third
+    of the positions carry its recorded mixtures."""
     from rlpost.config.schema import ModelConfig
     from rlpost.models.loader import load_policy
     from rlpost.trainer.torch_engine import TorchTrainer
 
     est = [f"algo.adv_estimator={WITH_ESTIMATOR[loss]}"] if loss in WITH_ESTIMATOR else []
-    est += ["sampler=neighbor_mixing"] if mixed else []
+    est += [f"sampler={mixed}"] if mixed else []
     cfg = compose(tiny_overrides(f"algo.loss={loss}", f"algo.loss_agg={agg}", f"trainer.micro_batch_size={mb}",
                                  "trainer.grad_clip=0", "algo.kl.coef=0", "algo.entropy_coef=0", *est))
     if "model" not in _CACHE:
@@ -47,11 +48,20 @@ def _run(compose, loss: str, agg: str, mb: int, multi_turn: bool = False, mixed:
     if multi_turn:  # turn 1 | environment token | turn 2 (| environment token | turn 3)
         b.response_mask[:, 2] = 0
         b.response_mask[::2, 4] = 0
-    if mixed:  # N-GRPO: anchor = the token, one neighbour, weights .7 / .3 (rlpost/methods/n_grpo.py)
+    if mixed == "neighbor_mixing":  # N-GRPO: anchor = the token, one neighbour, weights .7 / .3 (rlpost/methods/n_grpo.py)
         gm = torch.Generator().manual_seed(5)
         m = (torch.rand(b.response_mask.shape, generator=gm) < 0.33).float() * b.response_mask
         b.extras.update(nm_mixed=m, nm_id0=b.response_ids.clone(), nm_w0=0.7 * m, nm_w1=0.3 * m,
                         nm_id1=torch.randint(0, 100, b.response_ids.shape, generator=gm))
+    elif mixed == "m3po":  # M3PO: own token at 1 - lambda, three peers' tokens sharing lambda = .1 (rlpost/methods/m3po.py)
+        gm = torch.Generator().manual_seed(6)
+        m = (torch.rand(b.response_mask.shape, generator=gm) < 0.33).float() * b.response_mask
+        b.extras.update(m3po_mixed=m, m3po_id0=b.response_ids.clone(), m3po_w0=0.9 * m, m3po_w1=0.06 * m,
+                        m3po_w2=0.03 * m, m3po_w3=0.01 * m)
+        for j in (1, 2, 3):
+            b.extras[f"m3po_id{j}"] = torch.randint(0, 100, b.response_ids.shape, generator=gm)
+    elif mixed:
+        raise ValueError(f"no mixed-input case for sampler {mixed!r}")
     lp, _ = t.compute_logprobs(b)
     g = torch.Generator().manual_seed(1)
     b.extras["old_logprobs"] = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * b.response_mask
@@ -126,10 +136,11 @@ def test_turn_level_ratio_loss_on_multi_turn_rows(compose, agg):
     _assert_same_as_full_batch(runs)
 
 
-def test_neighbor_mixed_inputs_on_micro_batches(compose):
-    """N-GRPO's mixed input embeddings enter every micro-batch's forward (the gradient moves) and the
-    gradient and logged loss do not depend on the micro-batch size."""
-    runs = {mb: _run(compose, "ppo_clip", "token-mean", mb, mixed=True) for mb in MICRO}
+@pytest.mark.parametrize("sampler", ["neighbor_mixing", "m3po"])
+def test_neighbor_mixed_inputs_on_micro_batches(compose, sampler):
+    """The mixed input embeddings of N-GRPO (``neighbor_mixing``) and M3PO (``m3po``) enter every micro-batch's
+    forward (the gradient moves) and the gradient and logged loss do not depend on the micro-batch size."""
+    runs = {mb: _run(compose, "ppo_clip", "token-mean", mb, mixed=sampler) for mb in MICRO}
     _, g_full = runs[B]
     _, g_plain = _run(compose, "ppo_clip", "token-mean", B)
     assert float((g_full - g_plain).abs().max()) > 1e-3 * float(g_full.abs().max())

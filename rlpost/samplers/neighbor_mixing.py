@@ -45,11 +45,13 @@ import torch.nn.functional as F
 
 from rlpost.core.registry import param
 from rlpost.samplers.base import SAMPLERS, Sampler, engine_model, generate_groups, step_params
+from rlpost.samplers.input_mixing import MixtureKeys, mixed_embedding, mixture_extras
 
 #: similarity of embedding rows to the anchor's (the release's ``neighbor_metric``)
 METRICS = ("cosine", "dot", "l1", "l2")
-MIXED_KEY = "nm_mixed"
-#: ``extras`` key of the ``j``-th mixed id (0: the anchor) and of its weight
+#: the ``extras`` keys of the mixtures (``nm_mixed``, ``nm_id<j>`` with 0 the anchor, ``nm_w<j>``)
+KEYS = MixtureKeys("nm")
+MIXED_KEY = KEYS.mixed
 ID_KEY, WEIGHT_KEY = "nm_id{}", "nm_w{}"
 _SALT = 0x4E475250  # "NGRP": the mixing draws' stream differs from the token draws'
 
@@ -98,15 +100,6 @@ def mixing_weights(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     p = logp.float().gather(-1, ids).exp()
     return p / p.sum(-1, keepdim=True).clamp_min(1e-12)
 
-
-def mixed_embedding(embed: torch.nn.Module, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_j weights[..., j] embed(ids[..., j])``: ``[..., H]`` from ``ids`` / ``weights`` ``[..., k]``.
-
-    ``embed`` is the model's input-embedding module (so a scaled embedding, as Gemma's, is
-    mixed after its scale); the weights are cast to its dtype and carry no gradient.
-    """
-    e = embed(ids)
-    return (weights.detach().to(e.dtype)[..., None] * e).sum(-2)
 
 
 @dataclass(frozen=True)
@@ -203,17 +196,7 @@ class NeighborMixingSampler(Sampler):
 
     def extras_of(self, record: Dict, B: int, R: int) -> Dict[str, torch.Tensor]:
         """The ``[B, R]`` extras of ``record``: ``nm_mixed`` (0/1), ``nm_id<j>`` (long), ``nm_w<j>`` (float)."""
-        out = {MIXED_KEY: torch.zeros(B, R)}
-        for j in range(self.k):
-            out[ID_KEY.format(j)] = torch.zeros(B, R, dtype=torch.long)
-            out[WEIGHT_KEY.format(j)] = torch.zeros(B, R)
-        for (r, t), (ids, w) in record.items():
-            if t < R:
-                out[MIXED_KEY][r, t] = 1.0
-                for j in range(self.k):
-                    out[ID_KEY.format(j)][r, t] = ids[j]
-                    out[WEIGHT_KEY.format(j)][r, t] = w[j]
-        return out
+        return mixture_extras(record, B, R, self.k, KEYS)
 
     def sample(self, engine, prompts, params, ctx):  # noqa: D102 - see class
         p = step_params(params, ctx, 0)
