@@ -15,3 +15,4 @@ from rlpost.methods import spear  # noqa: F401  (SPEAR: self-imitation replay bu
 from rlpost.methods import r3l  # noqa: F401  (R^3L: old log-probs for the retry importance weight)
 from rlpost.methods import echo  # noqa: F401  (ECHO: old-policy token entropy and top-k confidence)
 from rlpost.methods import n_grpo  # noqa: F401  (N-GRPO: the rollout's mixed input embeddings in every log-prob pass)
+from rlpost.methods import empo2  # noqa: F401  (EMPO²: off-policy rows' old log-probs from the memory context, low-probability row mask)
