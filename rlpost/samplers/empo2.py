@@ -81,8 +81,8 @@ class EMPO2Params(EpisodeSamplerParams):
 
     off_policy_prob: float = param(0.17, "probability of an off-policy draw: sampled with memory, trained without "
                                    "(authors' trainer: 0.17)")
-    memory_on_policy_prob: float = param(0.08, "probability of an on-policy-with-memory draw (authors' trainer: "
-                                         "0.25 - 0.17 = 0.08); the rest is on-policy without memory")
+    memory_on_policy_prob: float = param(0.08, "probability of an on-policy-with-memory draw (authors' trainer: 0.08, "
+                                         "their die's 0.17 to 0.25); the rest is on-policy without memory")
     mode_unit: ModeUnit = param(ModeUnit.step, "step: one mode for the whole step (authors' code); prompt: one per "
                                 "prompt group (ours)")
     top_k: int = param(10, "notes retrieved at most, highest score first (authors' memory server: 10)")
@@ -90,8 +90,8 @@ class EMPO2Params(EpisodeSamplerParams):
                                         "this (authors: 0.5, on MiniLM embeddings; here trigram counts)")
     memory_capacity: int = param(1000, "entries kept per task instance, oldest dropped (authors: 1000)")
     tip_max_tokens: int = param(512, "token limit of a tip generation (authors' client: 512)")
-    intrinsic_weight: float = param(0.0, "weight of the novelty reward 1 / (retrieved + 1) on memory-mode rows; the "
-                                    "authors' GRPO path never adds it to the advantage (0); the paper's: 1")
+    intrinsic_weight: float = param(0.0, "weight of the novelty reward 1 / (retrieved + 1) on memory-mode rows (authors' "
+                                    "GRPO path: 0, it never reaches their advantage; the paper's text adds it, weight not read here)")
     low_prob_threshold: Optional[float] = param(-5.0, "rows whose smallest old log-prob over the loss mask is below "
                                                 "this get no loss (authors' code: -5.0, on by default; their "
                                                 "ScienceWorld script turns it off); null: off")
