@@ -59,6 +59,16 @@ def test_mode_draw_boundaries_and_mix_ratio():
     frac = [sum(m[0] == k for m in modes) / n for k in (ON_POLICY, ON_POLICY_MEMORY, OFF_POLICY)]
     assert frac == pytest.approx([0.75, 0.08, 0.17], abs=0.02)
     assert s.modes(3, SamplerContext(step=5, seed=0)) == modes[5]  # reproducible per (seed, step)
+    # ... in every process (a str hash() would change with PYTHONHASHSEED)
+    import subprocess
+    import sys
+
+    code = ("from rlpost.samplers.empo2 import EMPO2Sampler as S; from rlpost.samplers.base import SamplerContext as C; "
+            "s = S(4, max_turns=2, max_total_tokens=64, transcripts=False); "
+            "print([s.modes(1, C(step=t, seed=0))[0] for t in range(40)])")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": h}).stdout for h in ("1", "2")}
+    assert outs == {f"{[m[0] for m in modes[:40]]}\n"}
     p = EMPO2Sampler(4, max_turns=2, max_total_tokens=64, transcripts=False, mode_unit="prompt")
     many = p.modes(4000, SamplerContext(step=1, seed=0))
     assert len(set(many)) == 3 and sum(m == OFF_POLICY for m in many) / 4000 == pytest.approx(0.17, abs=0.02)

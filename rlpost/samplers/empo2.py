@@ -250,7 +250,8 @@ class EMPO2Sampler(EpisodeSampler):
     # ------------------------------------------------------------ modes and notes
     def modes(self, n_prompts: int, ctx: Any) -> List[int]:
         """The mode of each prompt position this step (one draw for all with ``mode_unit=step``)."""
-        rng = random.Random(hash(("empo2", int(getattr(ctx, "seed", 0) or 0), int(getattr(ctx, "step", 0) or 0))))
+        # a string seed is hashed by SHA-512 (the same in every process; hash() of a str is not)
+        rng = random.Random(f"empo2:{int(getattr(ctx, 'seed', 0) or 0)}:{int(getattr(ctx, 'step', 0) or 0)}")
         if self.mode_unit == "step":
             return [draw_mode(rng.random(), self.p_off, self.p_mem)] * n_prompts
         return [draw_mode(rng.random(), self.p_off, self.p_mem) for _ in range(n_prompts)]
