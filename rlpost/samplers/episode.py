@@ -106,6 +106,7 @@ class _Episode:
     turn_lens: List[int] = dataclasses.field(default_factory=list)  # model tokens of each turn (overlong shaping)
     calls_skipped: int = 0  # tool calls of a turn at the turn cap, never executed
     node_path: List[int] = dataclasses.field(default_factory=list)  # branching=at2po: turn-tree node of each turn
+    initial_obs: str = ""  # the environment's observation at reset (joined to the user turn of the prompt)
 
     def add(self, ids, mask: float, lps=None, temps=None) -> None:
         self.ids.extend(int(x) for x in ids)
@@ -316,7 +317,7 @@ class EpisodeSampler(Sampler):
                 raise ValueError(f"env={self.env_name} starts with an observation; the sampler needs attach(task=...)")
             ex = Example(example.index, f"{example.question}\n\n{obs}".strip(), example.answer, example.meta)
             prompt = list(self.task.render_prompt(ex, tok))
-        e = _Episode(prompt, env, pos=pos)
+        e = _Episode(prompt, env, pos=pos, initial_obs=str(obs or ""))
         e.env_seconds += time.perf_counter() - t0
         return e
 
