@@ -31,3 +31,4 @@ from rlpost.algos import elpo  # noqa: F401  (ELPO: hierarchical advantage over 
 from rlpost.algos import r3l  # noqa: F401  (R^3L: Positive Amplification, shared-prefix mask of retries)
 from rlpost.algos import rc_grpo  # noqa: F401  (RC-GRPO: stage-1 RCTP weights, stage-2 GRPO over token-mixed groups)
 from rlpost.algos import echo  # noqa: F401  (ECHO: entropy-confidence advantage shaping, confidence-adaptive clip)
+from rlpost.algos import flow_grpo  # noqa: F401  (Flow-GRPO: the outcome broadcast to every planner turn, group-normalised)

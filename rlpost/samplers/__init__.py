@@ -23,3 +23,4 @@ from rlpost.samplers import rc_grpo  # noqa: F401,E402  (RC-GRPO: reward tokens 
 from rlpost.samplers import echo  # noqa: F401,E402  (ECHO: entropy-confidence branch width, low-confidence pruning)
 from rlpost.samplers import s2l  # noqa: F401,E402  (S2L-PO: a frozen small explorer model's rollouts in each group, annealed away)
 from rlpost.samplers import neighbor_mixing  # noqa: F401,E402  (N-GRPO: embedding-level neighbour mixing while decoding)
+from rlpost.samplers import agentflow  # noqa: F401,E402  (AgentFlow: planner / executor / verifier / generator, one row per planner turn)
