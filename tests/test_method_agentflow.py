@@ -241,6 +241,13 @@ def test_config_errors(compose, tok):
         cfg = compose(tiny_overrides("env=agentflow", over))
         with pytest.raises(ConfigError, match=msg):
             build_sampler(cfg.sampler, 4)
+    # estimators that match turns inside an episode's row have nothing to match in one-row-per-turn batches
+    from rlpost.methods.base import MethodSet
+
+    with pytest.raises(ConfigError, match="one row per turn"):
+        MethodSet.for_config(compose(tiny_overrides("env=agentflow", "algo=hgpo")))
+    with pytest.raises(ConfigError, match="sampler=group"):
+        validate_config(compose(tiny_overrides("env=agentflow", "executor.partial_rollout=true")))
     s = build_sampler(ok.sampler, 4)
 
     class _NoModel:

@@ -237,6 +237,7 @@ class AgentFlowParams:
     description="AgentFlow: planner (the policy) / executor / verifier / generator over an evolving memory; one row per planner turn.",
     params=AgentFlowParams,
     episodes=True,
+    turn_rows=True,
 )
 class AgentFlowSampler(Sampler):
     """AgentFlow episodes, one row per planner turn (see the module docstring).
