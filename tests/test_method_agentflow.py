@@ -248,6 +248,9 @@ def test_config_errors(compose, tok):
         MethodSet.for_config(compose(tiny_overrides("env=agentflow", "algo=hgpo")))
     with pytest.raises(ConfigError, match="sampler=group"):
         validate_config(compose(tiny_overrides("env=agentflow", "executor.partial_rollout=true")))
+    with pytest.raises(ConfigError, match="fixed_model=<model preset"):
+        validate_config(compose(tiny_overrides("env=agentflow", "rollout=vllm")))
+    validate_config(compose(tiny_overrides("env=agentflow", "rollout=vllm", "sampler.params.fixed_model=policy")))
     s = build_sampler(ok.sampler, 4)
 
     class _NoModel:
@@ -277,6 +280,9 @@ def test_fixed_engine_is_a_frozen_copy_of_the_starting_policy(tok):
     assert not any(p.requires_grad for p in fixed.model.parameters())
     assert AgentFlowSampler(1, tools=["calculator"], tool_params=None, max_steps=1, fixed_model="policy",
                             result_chars=10, transcripts=False).fixed_engine(eng) is eng
+    loaded = AgentFlowSampler(1, tools=["calculator"], tool_params=None, max_steps=1, fixed_model="tiny",
+                              result_chars=10, transcripts=False).fixed_engine(eng)  # a model preset, loaded frozen
+    assert loaded is not eng and loaded.model is not policy and not any(p.requires_grad for p in loaded.model.parameters())
 
 
 def test_one_step_on_the_tiny_model_with_the_calculator(compose, tmp_path, monkeypatch):

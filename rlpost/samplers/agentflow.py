@@ -470,3 +470,20 @@ class AgentFlowSampler(Sampler):
         except OSError:  # pragma: no cover - a full disk must not stop training
             pass
 
+
+
+def check_config(cfg: Any) -> None:
+    """``sampler=agentflow`` with ``fixed_model=''`` copies the starting weights from the hf rollout engine:
+    refuse other engines before anything loads (run from the config checks).
+
+    Raises:
+        ConfigError: ``rollout.engine`` is not ``hf`` while ``sampler.params.fixed_model`` is empty.
+    """
+    if str(cfg.sampler.name) != "agentflow":
+        return
+    fixed = str((cfg.sampler.params or {}).get("fixed_model", "") or "")
+    engine = str(cfg.rollout.get("engine", "hf"))
+    if not fixed and engine != "hf":
+        raise ConfigError(f"sampler=agentflow with fixed_model='' copies the starting policy from the rollout engine's torch "
+                          f"model, which rollout.engine={engine} does not have. Fix: sampler.params.fixed_model=<model preset "
+                          f"or directory> (a fixed engine, as the paper's), fixed_model=policy, or rollout=hf.")
