@@ -256,6 +256,7 @@ GROUP_CHECKS = (
     ("selector", "rlpost.selectors:check_config"),
     ("sampler", "rlpost.samplers:check_config"),
     ("sampler", "rlpost.samplers.s2l:check_config"),  # S2L-PO's explorer model named and resolvable
+    ("sampler", "rlpost.samplers.agentflow:check_config"),  # AgentFlow's frozen copy needs the hf engine's model
     ("task", "rlpost.tasks:check_config"),
     ("eval", "rlpost.eval.test_time:check_config"),  # eval.test_time: a registered strategy and its params
     ("ranges", "rlpost.config.compose:check_ranges"),

@@ -13,6 +13,24 @@ from rlpost.rollout.base import SamplingParams
 from rlpost.samplers.base import SamplerContext
 
 
+def _one_row_per_episode(res: Any) -> Any:
+    """The rows ``extras['episode_final_row']`` marks (``[B]`` bool), when the sampler writes several rows per
+    episode (``sampler=agentflow``: one per planner turn, each carrying the episode's reward); else ``res``."""
+    keep = res.extras.get("episode_final_row")
+    if keep is None:
+        return res
+    import dataclasses
+
+    from rlpost.samplers.base import select_rows
+
+    rows = torch.nonzero(keep.bool(), as_tuple=False).flatten().tolist()
+    extras = {k: v[rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == keep.shape[0] else v
+              for k, v in res.extras.items()}
+    return dataclasses.replace(res, generation=select_rows(res.generation, rows), group_index=res.group_index[rows],
+                               extras=extras, rewards=None if res.rewards is None else res.rewards[rows],
+                               prompt_position=None if res.prompt_position is None else res.prompt_position[rows])
+
+
 def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, reward_fn: Any, eval_cfg: Any,
                       seed: int = 0, progress: Optional[str] = None, leave: bool = True) -> Dict[str, Any]:
     """Greedy episodes on the first ``eval.limit`` held-out examples of ``task``.
@@ -50,6 +68,7 @@ def evaluate_episodes(sampler: Any, engine: Any, tokenizer: Any, task: Any, rewa
             ctx = SamplerContext(score=score, step=0, seed=seed, prompt_indices=chunk, rollout_counts=[1] * len(chunk))
             sp = SamplingParams(max_new_tokens=int(eval_cfg.max_new_tokens), greedy=True, seed=seed)
             res = sampler.sample(engine, prompts, sp, ctx)
+            res = _one_row_per_episode(res)
             g = res.generation
             if res.rewards is None:
                 r = reward_fn.score(g.texts, [examples[i] for i in chunk], g.response_mask.sum(-1))

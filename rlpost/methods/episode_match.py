@@ -29,7 +29,8 @@ class EpisodeMatch(Method):
 
     def validate(self) -> None:
         """Raises:
-            ConfigError: the sampler is not ``episode``, naming the fix (an ``env=``)."""
+            ConfigError: the sampler is not ``episode``, naming the fix (an ``env=``); or the sampler is tagged
+                ``turn_rows`` (one row per turn, e.g. ``sampler=agentflow``: no episode transcript in a row)."""
         adv = str(self.cfg.algo.adv_estimator)
         sampler = str(self.cfg.sampler.name)
         from rlpost.samplers.base import runs_episodes  # samplers tagged episodes (episode, trace_tree)
@@ -40,3 +41,10 @@ class EpisodeMatch(Method):
                 f"episodes, but sampler={sampler} produces single-turn rows (nothing to match: it would be a plain "
                 f"group baseline). Fix: add env=calculator (or env=python / env=frozenlake), which selects "
                 f"sampler=episode, or choose algo=grpo for single-turn tasks.")
+        from rlpost.samplers.base import SAMPLERS
+
+        if SAMPLERS.tag(sampler, "turn_rows", False):  # one row per turn (sampler=agentflow): no transcript to match
+            raise ConfigError(
+                f"algo.adv_estimator={adv} matches turns inside each episode's row, but sampler={sampler} writes one "
+                f"row per turn, each with its own prompt (no episode transcript in a row). Fix: algo=flow_grpo (or "
+                f"grpo) with sampler={sampler}, or env=calculator for {adv}.")
