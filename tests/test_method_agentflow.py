@@ -311,3 +311,17 @@ def test_one_step_on_the_tiny_model_with_the_calculator(compose, tmp_path, monke
     assert mods[0] == "analysis" and mods[-1] == "generator" and "planner" in mods
     ev = json.loads((tmp_path / "t" / "eval.json").read_text())
     assert "accuracy" in json.dumps(ev)
+
+
+def test_resumed_run_keeps_the_starting_policy_as_the_fixed_modules(compose, tmp_path):
+    """fixed_model='': the copy is taken when the run is built, before a checkpoint's weights are loaded."""
+    from rlpost.run.runner import Run
+
+    cfg = compose(tiny_overrides("env=agentflow", "algo=flow_grpo", "task=multiply", "steps=1"))
+    start = Run(cfg, tmp_path / "a")
+    w0 = next(start.sampler.fixed.model.parameters()).detach().clone()
+    with torch.no_grad():
+        next(start.trainer.policy.parameters()).add_(1.0)  # "trained" weights, as a checkpoint would restore them
+    assert torch.equal(next(start.sampler.fixed.model.parameters()), w0)
+    again = Run(cfg, tmp_path / "b")  # a fresh build (as at resume, before restore) copies the starting weights
+    assert torch.equal(next(again.sampler.fixed.model.parameters()), w0)

@@ -267,7 +267,7 @@ class AgentFlowSampler(Sampler):
         self.tools = build_tools(names, self.tool_params)  # unknown tool / bad parameter: fails at build time
         self.max_steps, self.result_chars = int(max_steps), int(result_chars)
         self.fixed_model, self.transcripts = str(fixed_model or ""), bool(transcripts)
-        self.fixed: Any = None  # the fixed engine, resolved at the first sample (or set_fixed_engine)
+        self.fixed: Any = None  # the fixed engine: at setup (fixed_model=''), else at the first sample (or set_fixed_engine)
         self.task: Any = None
         self.examples: Optional[List[Any]] = None
         self.run_dir: Any = None
@@ -278,6 +278,17 @@ class AgentFlowSampler(Sampler):
 
         self.task, self.examples = task, examples
         self.run_dir = Path(run_dir) if run_dir is not None else None
+
+    def setup(self, services: Any) -> None:
+        """Take the fixed engine when the run is built (``Sampler`` hook), before a resume loads its checkpoint.
+
+        With ``fixed_model=''`` the fixed modules are a frozen copy of the *starting* policy:
+        copying here, from the run's own engine at construction, keeps that true for a
+        resumed run too (a copy taken at the first sample after a resume would be the
+        resumed weights). ``policy`` and a named model need nothing from the run.
+        """
+        if self.fixed is None and self.fixed_model == "":
+            self.fixed_engine(services.local_engine)
 
     def set_fixed_engine(self, engine: Any) -> None:
         """Use ``engine`` for the executor, verifier, analysis and generator (tests; a remote fixed model)."""
