@@ -109,7 +109,7 @@ def test_gradient_and_logged_loss_do_not_depend_on_micro_batch_size(compose, los
         atol = 1e-4 * max(1.0, float(g_full.abs().max()))
         assert torch.allclose(g, g_full, rtol=1e-4, atol=atol), (mb, (g - g_full).abs().max(), g_full.abs().max())
         for k, v in m_full.items():
-            if k == "actor/lr":
+            if k in ("actor/lr", "bench/update_forward_frac"):  # the work a split does, not the update
                 continue
             assert m[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (mb, k, m[k], v)
 
@@ -122,7 +122,7 @@ def _assert_same_as_full_batch(runs):
         atol = 1e-4 * max(1.0, float(g_full.abs().max()))
         assert torch.allclose(g, g_full, rtol=1e-4, atol=atol), (mb, (g - g_full).abs().max())
         for k, v in m_full.items():
-            if k != "actor/lr":
+            if k not in ("actor/lr", "bench/update_forward_frac"):
                 assert m[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (mb, k, m[k], v)
 
 

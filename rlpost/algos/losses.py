@@ -116,7 +116,25 @@ EXTRA_INPUTS: Dict[str, str] = {
     "mopd_weight": "[B] each row's Open-MOPD domain budget weight (the mopd estimator's AdvantageOutput.extras)",
     "loss_state": "the trainer's running state of losses that carry some across optimizer steps (a dict, "
                   "read-only in the loss; a loss tagged after_step=fn updates it after each step)",
+    "token_weights": "[B, R] the per-token weights a loss tagged token_draw=fn drew for its mini-batch before the "
+                     "update's forward (0 = the loss does not need the position; the trainer provides it)",
 }
+
+
+def loss_token_draw(loss: str):
+    """The ``token_draw`` tag of ``algo.loss=loss``, or None.
+
+    A loss that uses only a random subset of response positions may declare
+    the draw as ``token_draw=fn`` with ``fn(mask [N, R] 0/1 float, gen:
+    torch.Generator, **loss_params) -> weights [N, R] float`` (0 = the loss
+    does not read that position). The trainer draws once per mini-batch,
+    before the update's forward pass, and passes the weights as
+    ``extras['token_weights']``; its update forward then computes each
+    micro-batch only up to the last column with a non-zero weight and skips
+    rows with none (``trainer.drawn_forward``): a causal LM's log-probs at
+    those positions do not depend on later tokens.
+    """
+    return POLICY_LOSSES.tag(loss, "token_draw", None)
 
 
 def loss_extras(loss: str) -> Tuple[str, ...]:
@@ -1642,7 +1660,8 @@ def nat_inclusion(mask: torch.Tensor, selector: str, keep_prob: float, gen: Opti
     URS keeps each response token independently with probability ``keep_prob``.
     RPC draws a cut ``c`` uniform in ``1..L`` per response (``L`` its response
     tokens) and keeps the first ``c`` of them, so the ``k``-th response token
-    (0-based) is kept with probability ``(L - k) / L``.
+    (0-based) is kept with probability ``(L - k) / L``. Selectors of "Not all
+    tokens are needed (NAT): token efficient reinforcement learning" (arXiv:2603.06619).
     """
     m = mask > 0
     u = torch.rand(mask.shape, generator=gen).to(mask.device)
@@ -1656,11 +1675,40 @@ def nat_inclusion(mask: torch.Tensor, selector: str, keep_prob: float, gen: Opti
     return (k < cut) & m, pi
 
 
+def _nat_check(selector: str, keep_prob: float) -> None:
+    if selector not in ("urs", "rpc"):
+        raise ValueError(f"nat: selector={selector!r}: valid choices are urs, rpc")
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"nat: keep_prob must be in (0, 1], got {keep_prob}")
+
+
+def nat_draw(mask: torch.Tensor, gen: Optional[torch.Generator], *, selector: str, keep_prob: float,
+             **_: object) -> torch.Tensor:
+    """NAT's token draw as Horvitz-Thompson weights ``keep / pi``, ``[N, R]`` float (0 = token not drawn).
+
+    The ``token_draw`` of loss ``nat``: the trainer calls it once per mini-batch
+    on the mini-batch's response mask ``[N, R]`` (0/1) with a generator seeded
+    per mini-batch, before the update's forward pass, and hands the result to
+    every micro-batch as ``extras['token_weights']`` (see
+    :data:`EXTRA_INPUTS`). Positions with weight 0 are not needed by the loss,
+    so the trainer's forward may leave them out (``trainer.drawn_forward``).
+    Other loss parameters are accepted and ignored.
+
+    Raises:
+        ValueError: ``keep_prob`` not in (0, 1] or an unknown ``selector``.
+    """
+    _nat_check(selector, keep_prob)
+    keep, pi = nat_inclusion(mask.float(), selector, keep_prob, gen)
+    return keep.float() / pi.float().clamp(min=1e-6)
+
+
 @POLICY_LOSSES.register(
     "nat",
     paper="Not all tokens are needed (NAT): token efficient reinforcement learning (arXiv:2603.06619)",
     params=NATParams,
-    batch_statistics=True,
+    extras=("token_weights",),
+    optional_extras=("token_weights",),
+    token_draw=nat_draw,
 )
 def nat_loss(
     inp: PolicyLossInput, *, selector: str, keep_prob: float, eps_low: float, eps_high: float
@@ -1670,30 +1718,32 @@ def nat_loss(
     ``loss_t = keep_t / pi_t * ppo_clip_t``: in expectation over the draw this is
     the full-token loss (Horvitz-Thompson), so the gradient stays unbiased while
     only the kept tokens carry it (:func:`nat_inclusion` gives the URS and RPC
-    selectors). The draw is made on the whole mini-batch with ``inp.seed``
-    (:func:`batch_view`), so it does not depend on the micro-batch split. This
-    is the estimator only: the trainer still runs the forward pass on every
-    token, so the compute the paper saves with RPC's shorter sequences is not
-    saved here. ``keep_prob = 0.5`` is our choice. Metric ``nat_keep_frac``.
+    selectors). The weights come from ``inp.extras['token_weights']``, drawn by
+    :func:`nat_draw` on the whole mini-batch before the update's forward (the
+    trainer's ``token_draw`` hook), so they do not depend on the micro-batch
+    split, and the forward can stop after each micro-batch's last drawn column
+    (RPC's compute saving; docs/ALGORITHMS.md, "NAT"). Called without them (a
+    direct call), the loss draws them itself on :func:`batch_view` with
+    ``inp.seed``: the same draw. Clip metrics are means over the drawn tokens
+    (undrawn positions may not have gone forward). ``keep_prob = 0.5`` is our
+    choice.
 
     Raises:
         ValueError: ``keep_prob`` not in (0, 1] or an unknown ``selector``.
     """
-    if selector not in ("urs", "rpc"):
-        raise ValueError(f"nat: selector={selector!r}: valid choices are urs, rpc")
-    if not 0.0 < keep_prob <= 1.0:
-        raise ValueError(f"nat: keep_prob must be in (0, 1], got {keep_prob}")
-    full, rows = batch_view(inp)
-    gen = None if inp.seed is None else torch.Generator(device="cpu").manual_seed(int(inp.seed))
-    keep_all, pi_all = nat_inclusion(full.response_mask.cpu(), selector, keep_prob, gen)
-    keep, pi = keep_all[rows.cpu()].to(inp.response_mask.device), pi_all[rows.cpu()].to(inp.response_mask.device)
+    _nat_check(selector, keep_prob)
     m = inp.response_mask
+    w = inp.extras.get("token_weights")
+    if w is None:
+        full, rows = batch_view(inp)
+        gen = None if inp.seed is None else torch.Generator(device="cpu").manual_seed(int(inp.seed))
+        w = nat_draw(full.response_mask.cpu(), gen, selector=selector, keep_prob=keep_prob)[rows.cpu()]
+    w = w.to(m.device)
+    drawn = ((w > 0) & (m > 0)).to(m.dtype)
     ratio, log_ratio = _ratio(inp)
     loss, low, high, _ = _ppo_core(ratio, inp.advantages, eps_low, eps_high, None, m)
-    w = keep.to(loss.dtype) / pi.clamp(min=1e-6).to(loss.dtype)
-    metrics = _clip_metrics(ratio, log_ratio, low, high, m)
-    metrics["nat_keep_frac"] = masked_mean(keep.float(), m)
-    return loss * w, metrics
+    metrics = _clip_metrics(ratio, log_ratio, low, high, drawn)
+    return loss * w.to(loss.dtype), metrics
 
 
 def compute_policy_loss(name: str, inp: PolicyLossInput, **params: object) -> Tuple[torch.Tensor, Metrics]:

@@ -575,6 +575,11 @@ class TrainerConfig:
             it (``executor=sync``, no partial rollouts, no multi-turn episodes, no adaptive-temperature
             sampler); true: required
             (a ConfigError names what prevents it); false: every rank repeats the whole step.
+        drawn_forward: with a loss that draws its token subset before the update (tag
+            ``token_draw``, e.g. ``nat``), the update's forward runs each micro-batch only
+            up to its last drawn response column and skips rows with none drawn (the same
+            loss and gradient; :meth:`rlpost.trainer.torch_engine.TorchTrainer._drawn_forward_ok`
+            lists what turns it off). false: every position goes forward (A/B).
     """
 
     engine: TrainerEngine = TrainerEngine.torch
@@ -593,6 +598,7 @@ class TrainerConfig:
     offload_optimizer: bool = False
     max_tokens_per_micro_batch: int = 0
     shard_rollouts: Optional[bool] = None
+    drawn_forward: bool = True
 
 
 @dataclass

@@ -391,8 +391,8 @@ class MethodSet:
 def check_loss_extras(cfg: Any, methods: MethodSet) -> None:
     """Every extra input ``algo.loss`` declares (``extras=``) has a provider in this run.
 
-    Providers: the trainer (``loss_state``), the ``ref_logprobs`` stage (a loss tagged
-    ``needs_ref`` or ``algo.kl.coef > 0``), the ``teacher_logprobs`` stage
+    Providers: the trainer (``loss_state``; ``token_weights`` for a loss tagged ``token_draw``), the
+    ``ref_logprobs`` stage (a loss tagged ``needs_ref`` or ``algo.kl.coef > 0``), the ``teacher_logprobs`` stage
     (``model.teacher`` or ``model.teachers``), the advantage estimator (tag ``provides``: the keys of
     its ``AdvantageOutput.extras``), and each method's ``Needs.provides``. Keys the loss
     declares in ``optional_extras`` may be absent.
@@ -403,6 +403,8 @@ def check_loss_extras(cfg: Any, methods: MethodSet) -> None:
 
     loss = str(cfg.algo.loss)
     provided = set(methods.needs().provides) | {"loss_state"}
+    if POLICY_LOSSES.tag(loss, "token_draw", None) is not None:
+        provided.add("token_weights")  # the trainer's draw before the update's forward
     if float(cfg.algo.kl.coef) > 0 or POLICY_LOSSES.tag(loss, "needs_ref", False):
         provided.add("ref_logprobs")
     if cfg.model.get("teacher", None) or cfg.model.get("teachers", None):

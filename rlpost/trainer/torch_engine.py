@@ -19,7 +19,7 @@ import torch
 
 from rlpost.algos.aggregation import agg_count, aggregate
 from rlpost.algos.corrections import compute_correction
-from rlpost.algos.losses import PolicyLossInput, compute_policy_loss, loss_extras
+from rlpost.algos.losses import PolicyLossInput, compute_policy_loss, loss_extras, loss_token_draw
 from rlpost.algos.registries import POLICY_LOSSES
 from rlpost.algos.regularizers import kl_penalty, value_loss
 from rlpost.algos.utils import masked_mean
@@ -110,18 +110,22 @@ def row_lengths(batch: RolloutBatch) -> tuple:
     return [int(x) for x in batch.prompt_mask.sum(-1)], [int(x) for x in last]
 
 
-def trim_batch(batch: RolloutBatch, trim_response: bool = True) -> RolloutBatch:
+def trim_batch(batch: RolloutBatch, trim_response: bool = True, width: Optional[int] = None) -> RolloutBatch:
     """``batch`` cut to its own widths: prompt columns that are padding in every row (left) and, with
     ``trim_response``, response columns after the last token any row reads (right; ``[B, R]`` extras too).
 
     Exact: positions come from the attention mask, so removing all-padding
     columns changes no log-prob, and responses are causal, so columns after a
-    row's end never reach it.
+    row's end never reach it. ``width`` (>= 1) also cuts the responses after
+    their first ``width`` columns, real tokens included: the log-probs of the
+    columns kept are unchanged (causality), those cut are not computed.
     """
     P, R = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     pl, rl = row_lengths(batch)
     p = max(1, max(pl, default=1))
     r = max(1, max(rl, default=1)) if trim_response else R
+    if width is not None:
+        r = max(1, min(r, int(width)))
     if p == P and r == R:
         return batch
     out = RolloutBatch(**{**{k: getattr(batch, k) for k in ("group_index", "prompt_index", "policy_version", "rewards",
@@ -132,6 +136,15 @@ def trim_batch(batch: RolloutBatch, trim_response: bool = True) -> RolloutBatch:
                           "extras": {k: (v[:, :r] if v.dim() == 2 and v.shape[1] == R else v)
                                      for k, v in batch.extras.items()}})
     return out
+
+
+def drawn_widths(weights: torch.Tensor, mask: torch.Tensor) -> List[int]:
+    """Per row ``[B]``: the position after the last response column whose drawn weight is non-zero on a
+    response token (0 for a row with none): the columns the update's forward must compute for it."""
+    need = (weights > 0) & (mask > 0)
+    R = need.shape[1]
+    last = torch.where(need.any(-1), R - need.flip(-1).long().argmax(-1), torch.zeros(need.shape[0], dtype=torch.long))
+    return [int(x) for x in last]
 
 
 def padded_tokens(batch: RolloutBatch) -> tuple:
@@ -171,6 +184,8 @@ class _Update:
     need_entropy: bool
     entropy_grad: bool
     batch_stats: bool = False
+    drawn_forward: bool = False  # the update's forward computes only the columns a token_draw needs
+    fwd: List[float] = field(default_factory=lambda: [0.0, 0.0])  # update-forward tokens: computed, full
     pad: List[float] = field(default_factory=lambda: [0.0, 0.0])  # real, padded tokens (first epoch)
     mismatch: List[List[torch.Tensor]] = field(default_factory=lambda: [[], [], []])  # rollout lp, old lp, mask
 
@@ -314,13 +329,22 @@ class TorchTrainer:
 
     def _split(self, batch: RolloutBatch, trim_response: bool = True) -> List[tuple]:
         """``(rows, micro-batch)`` pairs covering ``batch``: by token budget (cut to their own widths) when
-        ``trainer.max_tokens_per_micro_batch > 0``, else consecutive slices of ``micro_batch_size`` rows."""
+        ``trainer.max_tokens_per_micro_batch > 0``, else consecutive slices of ``micro_batch_size`` rows.
+        A mini-batch carrying a loss's drawn ``token_weights`` whose update forward computes only the drawn
+        columns (:meth:`_drawn_forward_ok`) is split by those widths (:func:`drawn_widths`): rows in order of
+        decreasing drawn width, or packed by it under a token budget (the gradient does not depend on the split)."""
         n = len(batch)
+        drawn = trim_response and "token_weights" in batch.extras and self._drawn_forward_ok()
+        widths = drawn_widths(batch.extras["token_weights"], batch.response_mask) if drawn else None
         if self.token_budget <= 0:
-            return [(list(range(n))[sl], batch.select(list(range(n))[sl])) for sl in self._micro_slices(n)]
+            # drawn subset: rows of similar drawn width together, so each micro-batch's forward is cut short
+            order = sorted(range(n), key=lambda i: (-widths[i], i)) if widths is not None else list(range(n))
+            return [(sorted(order[sl]), batch.select(sorted(order[sl]))) for sl in self._micro_slices(n)]
         pl, rl = row_lengths(batch)
         if not trim_response:
             rl = [batch.response_ids.shape[1]] * n
+        elif widths is not None:
+            rl = [min(a, b) for a, b in zip(rl, widths)]
         return [(rows, trim_batch(batch.select(rows), trim_response))
                 for rows in token_budget_micro_batches(pl, rl, self.token_budget)]
 
@@ -368,6 +392,49 @@ class TorchTrainer:
                 # routing replay maps routes onto one full [B, P + R] forward: no shared-prompt pass
                 **({"share_prefix": False} if self.routing is not None else {}),
             )
+
+    def _drawn_logprobs(self, model, mb: RolloutBatch, need: torch.Tensor, with_entropy: bool = False,
+                        entropy_grad: bool = False):
+        """The update's log-probs of micro-batch ``mb`` computed only where a drawn subset needs them.
+
+        The forward runs on the rows with at least one needed position, cut after
+        the micro-batch's last needed response column (prompt-padding columns
+        trimmed): a causal LM's log-prob at a kept position does not depend on
+        later tokens, so the values there are those of the full forward (up to
+        float summation order). With no needed position the forward runs on row
+        0's first response column, so the loss stays on the autograd graph.
+
+        Args:
+            need: ``[b, R]`` bool, the positions the loss reads.
+        Returns:
+            ``(logprobs [b, R], entropy [b, R] or None, computed [b, R] bool, (forward tokens, full tokens))``:
+            the positions not computed hold the micro-batch's ``old_logprobs``
+            (else its rollout log-probs), detached, and entropy 0; the last pair
+            counts padded prompt + response tokens of the forward run and of ``mb``.
+        """
+        b, R = mb.response_ids.shape
+        rows = need.any(-1).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            rows, width = torch.zeros(1, dtype=torch.long), 1
+        else:
+            width = max(drawn_widths(need[rows].float(), mb.response_mask[rows]))
+        sub = trim_batch(mb.select(rows), True, width)
+        lp_s, ent_s = self._logprobs(model, sub, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        r = lp_s.shape[1]
+        attn = sub.extras.get("response_attn", (sub.response_mask > 0).long())[:, :r] > 0
+        rows_d = rows.to(self.device)
+        computed = torch.zeros(b, R, dtype=torch.bool, device=self.device)
+        computed[rows_d, :r] = attn.to(self.device)
+        fill = mb.extras.get("old_logprobs", mb.rollout_logprobs)[:, :R].to(self.device).float()
+
+        def scatter(x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+            wide = torch.nn.functional.pad(x.float(), (0, R - r))
+            return torch.where(computed, torch.zeros(b, R, device=self.device).index_copy(0, rows_d, wide), base)
+
+        lp = scatter(lp_s, fill)
+        ent = None if ent_s is None else scatter(ent_s, torch.zeros(b, R, device=self.device))
+        full = float(len(mb) * (mb.prompt_ids.shape[1] + R))
+        return lp, ent, computed, (float(sub.prompt_ids.numel() + sub.response_ids.numel()), full)
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         attn = batch.extras.get("response_attn", (batch.response_mask > 0).long())
@@ -479,6 +546,23 @@ class TorchTrainer:
     lockstep = False
 
     # ---------------------------------------------------------------- updates
+    def _drawn_forward_ok(self) -> bool:
+        """Whether the update's forward may leave out the positions a loss's ``token_draw`` did not draw.
+
+        ``trainer.drawn_forward`` (default on), a loss tagged ``token_draw``, and nothing
+        else in the update reading the other positions: no entropy bonus
+        (``algo.entropy_coef``), no KL penalty in the loss, no rollout/trainer
+        ``precision.correction``, no MoE routing replay (it maps routes onto one full
+        forward) and no hook-using method (its forward, proximal log-probs or
+        observed weights may read any position). Otherwise every position goes
+        forward: the same loss and gradient, without the saving.
+        """
+        a = self.algo
+        kl_in_loss = float(a.kl.coef) > 0 and not bool(a.kl.in_reward)
+        return (bool(self.tcfg.get("drawn_forward", True)) and loss_token_draw(str(a.loss)) is not None
+                and not a.entropy_coef and not kl_in_loss and self.routing is None and not self.methods.names
+                and self.precision.correction in (None, "none"))
+
     def _entropy_need(self) -> tuple:
         """``(compute, with_grad)`` for this update's entropy.
 
@@ -567,7 +651,8 @@ class TorchTrainer:
         a = self.algo
         acc = _MetricAcc()
         u = _Update(loss_kwargs(a), self.version, *self._entropy_need(),
-                    batch_stats=bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False)))
+                    batch_stats=bool(POLICY_LOSSES.tag(a.loss, "batch_statistics", False)),
+                    drawn_forward=self._drawn_forward_ok())
         self.updates += 1
         if self.routing is not None:
             self.routing.begin_update()  # snapshot the routers its predictor is refitted from
@@ -580,6 +665,9 @@ class TorchTrainer:
         out = self._reduce_metrics(acc).means()
         real, padded = (sum(x) for x in zip(*self._gather([torch.tensor(u.pad)])))
         out["bench/padding_frac"] = float(1.0 - real / padded) if padded > 0 else 0.0
+        if u.drawn_forward:  # padded tokens the update's forward ran, as a share of the micro-batches' own
+            done, full = (sum(x) for x in zip(*self._gather([torch.tensor(u.fwd)])))
+            out["bench/update_forward_frac"] = float(done / full) if full > 0 else 1.0
         if u.mismatch[0]:
             rl, ol, mk = (_cat_padded(self._gather(t)) for t in u.mismatch)
             out.update(mismatch_metrics(rl, ol, mk))
@@ -593,6 +681,15 @@ class TorchTrainer:
         """Accumulate the gradient of one mini-batch over its micro-batches, then one optimizer step."""
         denom = agg_count(self.algo.loss_agg, mini.response_mask)
         mini.extras["_row"] = torch.arange(len(mini))
+        # One seed per mini-batch, shared by its micro-batches (and by every process, so a
+        # distributed engine draws the same tokens everywhere), for losses that sample tokens.
+        mini_seed = self.seed * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no
+        draw = loss_token_draw(str(self.algo.loss))
+        if draw is not None:  # the loss's token subset, drawn before any forward (loss_token_draw)
+            m_all = (mini.response_mask > 0).float()
+            w = draw(m_all.cpu(), torch.Generator(device="cpu").manual_seed(mini_seed), **u.loss_params).float()
+            mini.extras["token_weights"] = w
+            acc.add({"actor/drawn_frac": masked_mean(((w > 0).float() * m_all), m_all)}, float(m_all.sum()))
         # losses with batch statistics index the whole mini-batch: keep its response width
         micro = self._micro_batches(mini, trim_response=not u.batch_stats)
         if epoch == 0:
@@ -601,9 +698,6 @@ class TorchTrainer:
                 u.pad[0] += real
                 u.pad[1] += padded
         whole = self._whole_batch_input(mini, u.v_start) if (len(micro) > 1 and u.batch_stats) else None
-        # One seed per mini-batch, shared by its micro-batches (and by every process, so a
-        # distributed engine draws the same tokens everywhere), for losses that sample tokens.
-        mini_seed = self.seed * 1_000_003 + self.version * 1009 + epoch * 31 + mini_no
         fwd = self.forward_pass(self.train_module, mini_seed)
         bad, lm = False, {}
         for mb in micro:
@@ -615,27 +709,38 @@ class TorchTrainer:
                 loss = lp.sum() * 0.0  # keep collective backward passes in step; the step is skipped
             self._backward(loss)
             m = mb.response_mask
-            acc.add(metrics[0], float(m.sum()))  # token means, weighted by tokens
+            acc.add(metrics[0], metrics[2])  # token means, weighted by their tokens
             acc.add(metrics[1], float((m.sum(-1) > 0).sum()))  # sequence means, weighted by sequences
         self._optimizer_step(bad, lm, u, acc)
 
     def _micro_loss(self, mb: RolloutBatch, fwd: ForwardPass, u: "_Update", acc: "_MetricAcc", denom: float,
                     whole: Optional[PolicyLossInput], epoch: int) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, Any], tuple]:
         """The aggregated loss of one micro-batch (its share of the mini-batch's), its log-probs, the loss's
-        metrics and ``(token metrics, sequence metrics)`` to log once its backward ran."""
+        metrics and ``(token metrics, sequence metrics, tokens the token metrics average over)`` to log once its
+        backward ran. With a loss's drawn ``token_weights`` the token metrics average over the drawn tokens, and
+        the forward computes only the columns they need when :meth:`_drawn_forward_ok`."""
         a = self.algo
         m = mb.response_mask.to(self.device)
         out = self.methods.forward(fwd, mb, u.need_entropy, u.entropy_grad)
-        if out is None:
-            lp, ent = self._logprobs(self.train_module, mb, with_entropy=u.need_entropy, entropy_grad=u.entropy_grad)
+        # a loss's drawn token subset: the token metrics are means over it (the positions it reads)
+        tw = mb.extras.get("token_weights")
+        mm = m if tw is None else ((tw.to(self.device) > 0) & (m > 0)).to(m.dtype)
+        if out is None and tw is not None and u.drawn_forward:
+            lp, ent, _computed, (done, full) = self._drawn_logprobs(
+                self.train_module, mb, mm > 0, with_entropy=u.need_entropy, entropy_grad=u.entropy_grad)
+            u.fwd[0] += done
+            u.fwd[1] += full
             given: Dict[str, Any] = {}
+        elif out is None:
+            lp, ent = self._logprobs(self.train_module, mb, with_entropy=u.need_entropy, entropy_grad=u.entropy_grad)
+            given = {}
         else:
             lp, ent, given = out
         given = {**given, **self.methods.loss_extras(fwd, mb)}
         old = self._old_logprobs(mb, lp, u.v_start)
         self.methods.observe_weights(mb, old)
         if epoch == 0:
-            for rows, t in zip(u.mismatch, (mb.rollout_logprobs, old.detach(), mb.response_mask)):
+            for rows, t in zip(u.mismatch, (mb.rollout_logprobs, old.detach(), mm.cpu())):
                 rows.append(t.cpu())
         inp = PolicyLossInput(
             logprobs=lp, old_logprobs=old, advantages=mb.extras["advantages"].to(self.device), response_mask=m,
@@ -660,18 +765,18 @@ class TorchTrainer:
         if self.has_ref and "ref_logprobs" in mb.extras and not a.kl.in_reward:
             kl = kl_penalty(a.kl.estimator, lp, mb.extras["ref_logprobs"].to(self.device))
             loss = loss + a.kl.coef * aggregate(a.loss_agg, kl, m, denom=denom, norm_const=u.norm_const(a, self.sampling))
-            metrics["actor/kl_ref"] = masked_mean(kl.detach(), m)
+            metrics["actor/kl_ref"] = masked_mean(kl.detach(), mm)
         if ent is not None:
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * aggregate(a.loss_agg, ent, m, denom=denom,
                                                          norm_const=u.norm_const(a, self.sampling))
-            metrics["actor/entropy"] = masked_mean(ent.detach(), m)
+            metrics["actor/entropy"] = masked_mean(ent.detach(), mm)
         with torch.no_grad():
-            metrics["rollout/logprob_gap"] = masked_mean((lp.detach() - inp.rollout_logprobs).abs(), m)
+            metrics["rollout/logprob_gap"] = masked_mean((lp.detach() - inp.rollout_logprobs).abs(), mm)
         seq_metrics: Dict[str, Any] = {}
         for k, v in lm.items():
             (seq_metrics if k.startswith("seq_") else metrics)[k if "/" in k else f"actor/{k}"] = v
-        return loss, lp, lm, (metrics, seq_metrics)
+        return loss, lp, lm, (metrics, seq_metrics, float(mm.sum()))
 
     def _optimizer_step(self, bad: bool, lm: Dict[str, Any], u: "_Update", acc: "_MetricAcc") -> None:
         """Step on the accumulated gradient (a method may scale its learning rate), or skip a non-finite one."""
