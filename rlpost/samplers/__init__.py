@@ -26,3 +26,4 @@ from rlpost.samplers import neighbor_mixing  # noqa: F401,E402  (N-GRPO: embeddi
 from rlpost.samplers import lens  # noqa: F401,E402  (LENS: purify low-success prompts, train the originals on the result)
 from rlpost.samplers import m3po  # noqa: F401,E402  (M3PO: a group's thinking paths mix their input embeddings by distribution similarity)
 from rlpost.samplers import empo2  # noqa: F401,E402  (EMPO²: memory of self-written tips, on-/off-policy rollout modes)
+from rlpost.samplers import datpo  # noqa: F401,E402  (DATPO: difficulty-adaptive sentence-entropy tree, sibling diversities)
