@@ -33,3 +33,4 @@ from rlpost.algos import rc_grpo  # noqa: F401  (RC-GRPO: stage-1 RCTP weights, 
 from rlpost.algos import echo  # noqa: F401  (ECHO: entropy-confidence advantage shaping, confidence-adaptive clip)
 from rlpost.algos import mopd  # noqa: F401  (Open-MOPD: domain budget weights, refreshed multi-teacher distillation)
 from rlpost.algos import flow_grpo  # noqa: F401  (Flow-GRPO: the outcome broadcast to every planner turn, group-normalised)
+from rlpost.algos import datpo  # noqa: F401  (DATPO: tree block advantages + the annealed sibling-diversity bonus)

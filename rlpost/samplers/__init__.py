@@ -27,3 +27,4 @@ from rlpost.samplers import lens  # noqa: F401,E402  (LENS: purify low-success p
 from rlpost.samplers import m3po  # noqa: F401,E402  (M3PO: a group's thinking paths mix their input embeddings by distribution similarity)
 from rlpost.samplers import empo2  # noqa: F401,E402  (EMPO²: memory of self-written tips, on-/off-policy rollout modes)
 from rlpost.samplers import agentflow  # noqa: F401,E402  (AgentFlow: planner / executor / verifier / generator, one row per planner turn)
+from rlpost.samplers import datpo  # noqa: F401,E402  (DATPO: difficulty-adaptive sentence-entropy tree, sibling diversities)
