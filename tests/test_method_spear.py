@@ -329,3 +329,26 @@ def test_one_step_on_episodes_tiny(compose, tmp_path):
     assert rows[-1]["step"] == 1 and rows[-1]["spear/tool_bonus_mean"] >= 0.0
     # paper defaults: 3 of 4 groups kept, 8 (a power of 2) of their 12 rows; per-turn filters counted
     assert rows[-1]["spear/rollout_rows_kept_frac"] == 0.5 and "spear/filtered_incomplete" in rows[-1]
+
+
+def test_episode_sampler_marks_void_turns():
+    """The episode sampler's turn_void: 1 on the last model token of a turn whose tool call the environment rejects."""
+    from rlpost.config.compose import compose_config
+    from rlpost.models.loader import load_tokenizer
+    from rlpost.samplers.base import SamplerContext, SamplingParams
+    from rlpost.samplers.episode import EpisodeSampler
+    from tests.conftest import tiny_overrides
+    from tests.test_agents import ScriptedEngine
+
+    tok = load_tokenizer(compose_config(tiny_overrides()).model)
+    ids = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    good = ids('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    bad = ids("<tool_call>{oops</tool_call>")
+    s = EpisodeSampler(1, max_turns=3, max_total_tokens=2000)
+    res = s.sample(ScriptedEngine(tok, [good, bad, ids("done") + [tok.eos_token_id]]), [[1, 2, 3]],
+                   SamplingParams(max_new_tokens=64), SamplerContext(step=1))
+    m, v = res.generation.response_mask[0], res.extras["turn_void"][0]
+    from rlpost.algos.turns import turn_spans
+
+    spans = turn_spans(m)
+    assert len(spans) == 3 and v.sum() == 1.0 and float(v[spans[1][1] - 1]) == 1.0
