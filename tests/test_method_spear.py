@@ -104,8 +104,10 @@ def test_std_rollout_filter_by_hand():
     # a tie at std 0 keeps the earlier group, whose single row is kept (the authors' [:-1] would keep none)
     assert std_rollout_filter(torch.tensor([1.0, 3.0, 3.0]), torch.tensor([0, 1, 1]), 0.5,
                               torch.Generator()).tolist() == [0]
+    # int(0.2 * 4) = 0: one group is still kept (the authors' code asserts), group 2's 2 rows
+    assert std_rollout_filter(scores, g, 0.2, torch.Generator()).tolist() == [4, 5]
     with pytest.raises(ValueError):
-        std_rollout_filter(scores, g, 0.2, torch.Generator())  # int(0.8) = 0 groups
+        std_rollout_filter(scores, g, 1.5, torch.Generator())
 
 
 class _Tok:
@@ -152,6 +154,12 @@ def test_prepare_filters_turns_and_flags_invalid_ones_by_hand(compose):
     m2.prepare(b2, SimpleNamespace(tokenizer=_Tok(), task=_Task(), step=1))
     assert torch.equal(b2.response_mask, mask)  # filters off: every loss token stays; the flags do not change
     assert b2.extras[INVALID_FRAC_KEY].tolist() == [0.0, 1.0, 0.5]
+    # a batch whose every turn is filtered keeps its loss tokens this step (and says so)
+    b3 = RolloutBatch(b.prompt_ids[1:2], b.prompt_mask[1:2], ids[1:2], mask[1:2].clone(), torch.zeros(1, 6),
+                      torch.tensor([0]), torch.tensor([0]), rewards=torch.tensor([0.0]))
+    out3 = m.prepare(b3, SimpleNamespace(tokenizer=_Tok(), task=_Task(), step=1))
+    assert out3["spear/filters_skipped"] == 1.0 and torch.equal(b3.response_mask, mask[1:2])
+    assert out["spear/filters_skipped"] == 0.0
 
 
 def test_rollout_filter_shrinks_the_batch_in_place(compose):
@@ -173,7 +181,7 @@ def test_filter_config_errors(compose):
     from rlpost.methods.spear import SelfImitation
 
     with pytest.raises(ConfigError, match="rollout_filter_ratio"):
-        SelfImitation(compose(["algo=spear", "selector.prompts_per_step=1"])).validate()  # int(0.75) = 0 groups
+        SelfImitation(compose(["algo=spear", "algo.adv_params.rollout_filter_ratio=0"])).validate()
     with pytest.raises(ConfigError, match="repetition_ngram"):
         SelfImitation(compose(["algo=spear", "algo.adv_params.repetition_ngram=0"])).validate()
     with pytest.raises(ConfigError, match="invalid_action_penalty"):

@@ -116,7 +116,7 @@ def std_rollout_filter(scores: torch.Tensor, group_index: torch.Tensor, ratio: f
                        gen: torch.Generator) -> torch.Tensor:
     """SPEAR's std rollout filter (arXiv:2509.22601; authors' ``_filter_rollout``, type ``std``).
 
-    Keeps the ``int(ratio * G)`` groups (of ``G``) with the largest population std of ``scores``
+    Keeps the ``max(1, int(ratio * G))`` groups (of ``G``) with the largest population std of ``scores``
     (ties: the earlier group first, as Python's stable sort), then a uniformly random subset of
     their rows of the largest power of 2 not above their count (all of them when that count is 1:
     the authors' code would keep none).
@@ -129,7 +129,7 @@ def std_rollout_filter(scores: torch.Tensor, group_index: torch.Tensor, ratio: f
     Returns:
         ``[N]`` long, the kept rows in increasing order.
     Raises:
-        ValueError: ``ratio`` outside (0, 1], or ``int(ratio * G) == 0``.
+        ValueError: ``ratio`` outside (0, 1].
     """
     if not 0 < ratio <= 1:
         raise ValueError(f"spear: rollout_filter_ratio must be in (0, 1], got {ratio}")
@@ -137,10 +137,7 @@ def std_rollout_filter(scores: torch.Tensor, group_index: torch.Tensor, ratio: f
     if ratio == 1:
         return torch.arange(B)
     groups = list(dict.fromkeys(int(g) for g in group_index.tolist()))
-    k = int(float(ratio) * float(len(groups)))
-    if k <= 0:
-        raise ValueError(f"spear: rollout_filter_ratio {ratio} keeps int({ratio} * {len(groups)}) = 0 groups; "
-                         f"raise selector.prompts_per_step or the ratio")
+    k = max(1, int(float(ratio) * float(len(groups))))  # the authors assert k > 0; here one group is kept
     std = {g: float(scores[group_index == g].double().std(unbiased=False)) for g in groups}
     kept = set(sorted(groups, key=lambda g: std[g], reverse=True)[:k])
     rows = torch.tensor([i for i in range(B) if int(group_index[i]) in kept], dtype=torch.long)

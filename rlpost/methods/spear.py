@@ -43,7 +43,6 @@ The extra optimizer step also advances the learning-rate schedule once more on a
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -215,8 +214,7 @@ class SelfImitation(Method):
 
     Raises:
         ConfigError: (``validate``) a negative size, step count or coefficient, ``buffer_size < 1``,
-            ``repetition_ngram`` / ``repetition_count < 1``, or a ``rollout_filter_ratio`` outside (0, 1] or
-            keeping no group of ``selector.prompts_per_step``.
+            ``repetition_ngram`` / ``repetition_count < 1``, or a ``rollout_filter_ratio`` outside (0, 1].
     """
 
     name = "spear"
@@ -244,11 +242,9 @@ class SelfImitation(Method):
             if int(p[k]) < 1:
                 raise ConfigError(f"algo.adv_params.{k} must be >= 1, got {p[k]}")
         ratio = float(p["rollout_filter_ratio"])
-        groups = int(self.cfg.selector.prompts_per_step)
-        if not 0 < ratio <= 1 or int(ratio * groups) < 1:
-            raise ConfigError(f"algo.adv_params.rollout_filter_ratio={ratio} must be in (0, 1] and keep at least one of "
-                              f"the step's {groups} prompt groups (int(ratio * groups) >= 1). Fix: 1 (off) or "
-                              f"selector.prompts_per_step >= {math.ceil(1 / ratio) if ratio > 0 else 1}.")
+        if not 0 < ratio <= 1:
+            raise ConfigError(f"algo.adv_params.rollout_filter_ratio={ratio} must be in (0, 1] (the share of prompt "
+                              f"groups kept). Fix: 0.75 (the authors') or 1 (off).")
 
     def needs(self) -> Needs:
         return Needs(old_logprobs=True, provides=(TOOL_BONUS_KEY, REPLAY_KEY, INVALID_KEY, INVALID_FRAC_KEY))
@@ -272,7 +268,10 @@ class SelfImitation(Method):
         """Dr.BoT's response filters (mask zeroed on flagged turns) and the invalid-turn flags (see the module docstring).
 
         Writes ``extras['spear_invalid']`` ``[B, R]`` and ``extras['spear_invalid_frac']`` ``[B]``; returns the
-        counts of filtered turns (``spear/filtered_<kind>``) and ``spear/invalid_turn_frac``.
+        counts of flagged turns (``spear/filtered_<kind>``) and ``spear/invalid_turn_frac``. When the filters would
+        leave the batch without any loss token they are not applied this step (``spear/filters_skipped`` 1; our
+        choice: the authors' code would make an optimizer step on an all-zero loss, which still moves Adam's
+        weights by its moments).
         """
         p, tok, task = self.p, run.tokenizer, run.task
         on = {k: bool(p[f"filter_{k}"]) for k in ("overlong", "incomplete", "repetitive", "unreadable")}
@@ -304,9 +303,12 @@ class SelfImitation(Method):
                     mask[i, s:e] = 0.0
             frac[i] = bad / len(spans) if spans else 0.0
             n_turns, n_invalid = n_turns + len(spans), n_invalid + bad
-        batch.response_mask = mask
+        skipped = bool(batch.response_mask.sum() > 0 and mask.sum() == 0)
+        if not skipped:  # our choice: filters that would leave no loss token in the batch are skipped this step
+            batch.response_mask = mask
         batch.extras[INVALID_KEY], batch.extras[INVALID_FRAC_KEY] = inv, frac
         out = {f"spear/filtered_{k}": v for k, v in counts.items()}
+        out["spear/filters_skipped"] = float(skipped)
         out["spear/invalid_turn_frac"] = n_invalid / n_turns if n_turns else 0.0
         return out
 
