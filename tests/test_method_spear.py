@@ -360,3 +360,21 @@ def test_episode_sampler_marks_void_turns():
 
     spans = turn_spans(m)
     assert len(spans) == 3 and v.sum() == 1.0 and float(v[spans[1][1] - 1]) == 1.0
+
+
+def test_buffer_stores_the_penalised_return(compose):
+    """The authors' buffer reads the token scores after apply_invalid_action_penalty: R + b - 0.1 f."""
+    from types import SimpleNamespace
+
+    from rlpost.methods.spear import SelfImitation
+
+    m = SelfImitation(compose(["algo=spear"]))
+    b = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
+                     torch.ones(2, 2), torch.zeros(2, 2), torch.tensor([0, 0]), torch.tensor([0, 1]),
+                     rewards=torch.tensor([1.0, 0.0]),
+                     extras={TOOL_BONUS_KEY: torch.tensor([0.2, 0.0]), INVALID_FRAC_KEY: torch.tensor([0.5, 0.0]),
+                             "advantages": torch.tensor([[0.5, 0.5], [-0.5, -0.5]]), "old_logprobs": torch.zeros(2, 2)})
+    m.wrap_update(lambda: {}, SimpleNamespace(step=1, tokenizer=None), b)
+    (step, rows), = m.buffer.entries
+    assert step == 1 and rows.extras[RETURN_KEY].tolist() == pytest.approx([1.0 + 0.2 - 0.05])
+    assert m.buffer.means == [(1, [pytest.approx((1.15 + 0.0) / 2)])]
