@@ -1,6 +1,7 @@
-"""SPEAR (arXiv:2509.22601): the tool-call bonus and replay-weight schedules, the estimator, the
-recalibrated replay advantages and the buffer's rules by hand, the replay loss's scale, and the preset
-on the tiny model: a replay update happens, and the buffer survives checkpoint / resume."""
+"""SPEAR (arXiv:2509.22601): the tool-call bonus and replay-weight schedules, the estimator (with the
+invalid-action penalty), the recalibrated replay advantages and the buffer's rules by hand, the replay
+loss's scale, Dr.BoT's response filters and the std rollout filter by hand, and the preset on the tiny
+model: a replay update happens, the filters act, and the buffer survives checkpoint / resume."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ import torch
 
 from rlpost.algos.advantages import AdvantageInput
 from rlpost.algos.losses import PolicyLossInput
-from rlpost.algos.spear import (REPLAY_KEY, TOOL_BONUS_KEY, replay_advantages, replay_scale, spear_advantage,
-                                spear_clip_cov_loss, tool_call_bonus)
+from rlpost.algos.spear import (INVALID_FRAC_KEY, INVALID_KEY, REPLAY_KEY, TOOL_BONUS_KEY, has_repeated_ngrams,
+                                is_incomplete, is_unreadable, replay_advantages, replay_scale, spear_advantage,
+                                spear_clip_cov_loss, std_rollout_filter, tool_call_bonus)
+from rlpost.core.errors import ConfigError
 from rlpost.core.batch import RolloutBatch
 from rlpost.methods.spear import RETURN_KEY, ReplayBuffer, _median, _power_of_two_at_most
 
 SP = dict(norm_by_std=False, eps=1e-6, tool_bonus_per_call=0.1, tool_bonus_cap=1.0, tool_bonus_steps=200,
-          buffer_size=2048, tolerate_steps=5, baseline_buffer_size=10240, replay_coef=1.0, replay_ramp_steps=100)
+          buffer_size=2048, tolerate_steps=5, baseline_buffer_size=10240, replay_coef=1.0, replay_ramp_steps=100,
+          filter_overlong=True, filter_incomplete=True, filter_repetitive=True, filter_unreadable=True,
+          repetition_ngram=20, repetition_count=10, rollout_filter_ratio=0.75, invalid_action_penalty=0.1)
 
 
 def test_tool_call_bonus_by_hand():
@@ -50,6 +55,139 @@ def test_advantage_by_hand():
     b = spear_advantage(inp, **{**SP, "norm_by_std": True}).advantages
     # unbiased std of (1.2, 0.4) = 0.565685
     assert float(b[0, 0]) == pytest.approx(0.4 / (0.8 / math.sqrt(2) + 1e-6), rel=1e-5)
+
+
+def test_invalid_action_penalty_by_hand():
+    """Single-turn rows: (R + b - 0.1 inv) - group mean, the authors' apply_invalid_action_penalty then GRPO.
+    A two-turn row: turn k's score R + b - 0.1 inv_k, the row's baseline value R + b - 0.1 (invalid share)."""
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    inv = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.float32)
+    inp = AdvantageInput(rewards=torch.tensor([1.0, 1.0, 0.0]), response_mask=mask, group_index=torch.tensor([0, 0, 0]),
+                         extras={TOOL_BONUS_KEY: torch.tensor([0.0, 0.0, 0.3]), INVALID_KEY: inv,
+                                 INVALID_FRAC_KEY: torch.tensor([1.0, 0.5, 0.0])})
+    a = spear_advantage(inp, **SP).advantages
+    mean = (0.9 + 0.95 + 0.3) / 3
+    assert a[0].tolist() == pytest.approx([0.9 - mean] * 3 + [0.0, 0.0])
+    # row 1: turn 0 (invalid) scores 0.9, turn 1 scores 1.0
+    assert a[1].tolist() == pytest.approx([0.9 - mean, 0.9 - mean, 0.0, 1.0 - mean, 0.0])
+    assert a[2].tolist() == pytest.approx([0.3 - mean, 0.0, 0.0, 0.0, 0.0])
+    off = spear_advantage(inp, **{**SP, "invalid_action_penalty": 0.0}).advantages
+    assert off[0, 0] == pytest.approx(1.0 - 2.3 / 3)
+
+
+def test_response_filter_tests_by_hand():
+    """The authors' has_repeated_ngrams (n 20, 10 times), unreadable strings, and our incomplete test."""
+    pattern = list(range(100, 120))
+    assert has_repeated_ngrams(pattern * 10)  # the 20-gram at 0 occurs 10 times
+    assert not has_repeated_ngrams(pattern * 9 + [7] * 19)
+    assert has_repeated_ngrams([1, 2, 1, 2, 1], n=2, threshold=2) and not has_repeated_ngrams([1, 2, 3], n=2, threshold=2)
+    assert is_unreadable("ok \ufffd") and is_unreadable("x\u0120\xef\xbf\xbd") and not is_unreadable("plain text")
+    ans = lambda t: "5" if "answer is 5" in t else None  # noqa: E731
+    assert is_incomplete("no action here", ans)
+    assert not is_incomplete('<tool_call>{"name": "calculator"', ans)  # an (even malformed) call is an action
+    assert not is_incomplete("the answer is 5", ans)
+
+
+def test_std_rollout_filter_by_hand():
+    """int(0.75 * 4) = 3 groups by population std (ties: earlier group), then 4 = 2^2 of their 6 rows at random."""
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 3.0, 3.0])
+    g = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    keep = std_rollout_filter(scores, g, 0.75, torch.Generator().manual_seed(0))
+    assert len(keep) == 4 and set(keep.tolist()) <= {0, 1, 2, 3, 4, 5} and keep.tolist() == sorted(keep.tolist())
+    seen = set()
+    for s in range(20):
+        seen |= set(std_rollout_filter(scores, g, 0.75, torch.Generator().manual_seed(s)).tolist())
+    assert seen == {0, 1, 2, 3, 4, 5}  # group 0 (std 0) beats group 3 (std 0) by order; group 3 never kept
+    # 0.5: groups 2 (std 1) and 1 (std 0.5): all 4 rows (a power of 2)
+    assert std_rollout_filter(scores, g, 0.5, torch.Generator()).tolist() == [2, 3, 4, 5]
+    assert std_rollout_filter(scores, g, 1.0, torch.Generator()).tolist() == list(range(8))
+    # a tie at std 0 keeps the earlier group, whose single row is kept (the authors' [:-1] would keep none)
+    assert std_rollout_filter(torch.tensor([1.0, 3.0, 3.0]), torch.tensor([0, 1, 1]), 0.5,
+                              torch.Generator()).tolist() == [0]
+    # int(0.2 * 4) = 0: one group is still kept (the authors' code asserts), group 2's 2 rows
+    assert std_rollout_filter(scores, g, 0.2, torch.Generator()).tolist() == [4, 5]
+    with pytest.raises(ValueError):
+        std_rollout_filter(scores, g, 1.5, torch.Generator())
+
+
+class _Tok:
+    """Token i decodes to VOCAB[i]; special tokens (id 9) only with skip_special_tokens=False."""
+
+    VOCAB = {1: "a ", 2: "<tool_call>", 3: "\ufffd", 4: "answer is 5 ", 9: "<|im_end|>"}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.VOCAB[i] for i in ids if not (skip_special_tokens and i == 9))
+
+
+class _Task:
+    def extract_answer(self, text):
+        return "5" if "answer is 5" in text else None
+
+
+def test_prepare_filters_turns_and_flags_invalid_ones_by_hand(compose):
+    """Row 0: a valid turn; row 1: one overlong turn without an answer (filtered twice, invalid); row 2: a tool-call
+    turn the environment called void (invalid, kept) and an unreadable answer turn (filtered, valid)."""
+    from types import SimpleNamespace
+
+    from rlpost.methods.spear import SelfImitation
+
+    m = SelfImitation(compose(["algo=spear", "rollout.max_new_tokens=4", "algo.adv_params.rollout_filter_ratio=1"]))
+    ids = torch.tensor([[4, 1, 9, 0, 0, 0], [1, 1, 1, 1, 0, 0], [2, 1, 7, 3, 4, 0]])
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 0, 1, 1, 0]], dtype=torch.float32)
+    void = torch.zeros(3, 6)
+    void[2, 1] = 1.0  # on the void turn's last model token, as the episode sampler writes it
+    b = RolloutBatch(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.long), ids, mask.clone(),
+                     torch.zeros(3, 6), torch.tensor([0, 0, 0]), torch.tensor([0, 0, 0]), rewards=torch.tensor([1.0, 0.0, 1.0]),
+                     extras={"turn_void": void})
+    out = m.prepare(b, SimpleNamespace(tokenizer=_Tok(), task=_Task(), step=1))
+    assert b.response_mask.tolist() == [[1, 1, 1, 0, 0, 0], [0] * 6, [1, 1, 0, 0, 0, 0]]
+    assert b.extras[INVALID_KEY].tolist() == [[0] * 6, [1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
+    assert b.extras[INVALID_FRAC_KEY].tolist() == [0.0, 1.0, 0.5]
+    assert (out["spear/filtered_overlong"], out["spear/filtered_incomplete"], out["spear/filtered_unreadable"],
+            out["spear/filtered_repetitive"]) == (1.0, 1.0, 1.0, 0.0)
+    assert out["spear/invalid_turn_frac"] == 0.5
+    m2 = SelfImitation(compose(["algo=spear", "rollout.max_new_tokens=4", "algo.adv_params.rollout_filter_ratio=1",
+                                "algo.adv_params.filter_overlong=false", "algo.adv_params.filter_incomplete=false",
+                                "algo.adv_params.filter_unreadable=false"]))
+    b2 = RolloutBatch(b.prompt_ids, b.prompt_mask, ids, mask.clone(), torch.zeros(3, 6), b.group_index, b.prompt_index,
+                      rewards=b.rewards, extras={"turn_void": void})
+    m2.prepare(b2, SimpleNamespace(tokenizer=_Tok(), task=_Task(), step=1))
+    assert torch.equal(b2.response_mask, mask)  # filters off: every loss token stays; the flags do not change
+    assert b2.extras[INVALID_FRAC_KEY].tolist() == [0.0, 1.0, 0.5]
+    # a batch whose every turn is filtered keeps its loss tokens this step (and says so)
+    b3 = RolloutBatch(b.prompt_ids[1:2], b.prompt_mask[1:2], ids[1:2], mask[1:2].clone(), torch.zeros(1, 6),
+                      torch.tensor([0]), torch.tensor([0]), rewards=torch.tensor([0.0]))
+    out3 = m.prepare(b3, SimpleNamespace(tokenizer=_Tok(), task=_Task(), step=1))
+    assert out3["spear/filters_skipped"] == 1.0 and torch.equal(b3.response_mask, mask[1:2])
+    assert out["spear/filters_skipped"] == 0.0
+
+
+def test_rollout_filter_shrinks_the_batch_in_place(compose):
+    from rlpost.methods.spear import SelfImitation
+
+    m = SelfImitation(compose(["algo=spear"]))
+    B = 8
+    b = RolloutBatch(torch.ones(B, 1, dtype=torch.long), torch.ones(B, 1, dtype=torch.long), torch.ones(B, 2, dtype=torch.long),
+                     torch.ones(B, 2), torch.zeros(B, 2), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), torch.arange(B),
+                     rewards=torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 3.0, 3.0]),
+                     extras={TOOL_BONUS_KEY: torch.zeros(B), "x": torch.arange(B)})
+    same = b
+    out = m.filter_rollouts(b, 1)
+    assert same is b and len(b) == 4 and out["spear/rollout_rows_kept_frac"] == 0.5
+    assert set(b.prompt_index.tolist()) <= {0, 1, 2, 3, 4, 5} and torch.equal(b.extras["x"], b.prompt_index)
+
+
+def test_filter_config_errors(compose):
+    from rlpost.methods.spear import SelfImitation
+
+    with pytest.raises(ConfigError, match="rollout_filter_ratio"):
+        SelfImitation(compose(["algo=spear", "algo.adv_params.rollout_filter_ratio=0"])).validate()
+    with pytest.raises(ConfigError, match="repetition_ngram"):
+        SelfImitation(compose(["algo=spear", "algo.adv_params.repetition_ngram=0"])).validate()
+    with pytest.raises(ConfigError, match="invalid_action_penalty"):
+        SelfImitation(compose(["algo=spear", "algo.adv_params.invalid_action_penalty=-1"])).validate()
+    with pytest.raises(ConfigError, match="filter_overlongg"):
+        SelfImitation(compose(["algo=spear", "algo.adv_params.filter_overlongg=false"]))  # a misspelt parameter
 
 
 def test_replay_advantages_and_helpers():
@@ -147,7 +285,11 @@ def _metrics(d):
     return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
 
 
-SMALL = ("task.reward.format_weight=1.0", "task.reward.format_regex='^\\s'", "algo.adv_params.buffer_size=1",
+# the buffer tests turn the filters off: the tiny model's responses are all incomplete (no answer), which would
+# leave no loss token and no positive advantage to store
+SMALL = ("algo.adv_params.filter_incomplete=false", "algo.adv_params.filter_overlong=false",
+         "algo.adv_params.rollout_filter_ratio=1", "algo.adv_params.invalid_action_penalty=0",
+         "task.reward.format_weight=1.0", "task.reward.format_regex='^\\s'", "algo.adv_params.buffer_size=1",
          "algo.adv_params.replay_ramp_steps=0", "algo.n_samples_per_prompt=4",
          "task.train_size=8", "seed=3", "trainer.lr=1e-4", "eval.at_end=false")
 
@@ -193,3 +335,46 @@ def test_one_step_on_episodes_tiny(compose, tmp_path):
     train(cfg, tmp_path / "sp")
     rows = _metrics(tmp_path / "sp")
     assert rows[-1]["step"] == 1 and rows[-1]["spear/tool_bonus_mean"] >= 0.0
+    # paper defaults: 3 of 4 groups kept, 8 (a power of 2) of their 12 rows; per-turn filters counted
+    assert rows[-1]["spear/rollout_rows_kept_frac"] == 0.5 and "spear/filtered_incomplete" in rows[-1]
+
+
+def test_episode_sampler_marks_void_turns():
+    """The episode sampler's turn_void: 1 on the last model token of a turn whose tool call the environment rejects."""
+    from rlpost.config.compose import compose_config
+    from rlpost.models.loader import load_tokenizer
+    from rlpost.samplers.base import SamplerContext, SamplingParams
+    from rlpost.samplers.episode import EpisodeSampler
+    from tests.conftest import tiny_overrides
+    from tests.test_agents import ScriptedEngine
+
+    tok = load_tokenizer(compose_config(tiny_overrides()).model)
+    ids = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    good = ids('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    bad = ids("<tool_call>{oops</tool_call>")
+    s = EpisodeSampler(1, max_turns=3, max_total_tokens=2000)
+    res = s.sample(ScriptedEngine(tok, [good, bad, ids("done") + [tok.eos_token_id]]), [[1, 2, 3]],
+                   SamplingParams(max_new_tokens=64), SamplerContext(step=1))
+    m, v = res.generation.response_mask[0], res.extras["turn_void"][0]
+    from rlpost.algos.turns import turn_spans
+
+    spans = turn_spans(m)
+    assert len(spans) == 3 and v.sum() == 1.0 and float(v[spans[1][1] - 1]) == 1.0
+
+
+def test_buffer_stores_the_penalised_return(compose):
+    """The authors' buffer reads the token scores after apply_invalid_action_penalty: R + b - 0.1 f."""
+    from types import SimpleNamespace
+
+    from rlpost.methods.spear import SelfImitation
+
+    m = SelfImitation(compose(["algo=spear"]))
+    b = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
+                     torch.ones(2, 2), torch.zeros(2, 2), torch.tensor([0, 0]), torch.tensor([0, 1]),
+                     rewards=torch.tensor([1.0, 0.0]),
+                     extras={TOOL_BONUS_KEY: torch.tensor([0.2, 0.0]), INVALID_FRAC_KEY: torch.tensor([0.5, 0.0]),
+                             "advantages": torch.tensor([[0.5, 0.5], [-0.5, -0.5]]), "old_logprobs": torch.zeros(2, 2)})
+    m.wrap_update(lambda: {}, SimpleNamespace(step=1, tokenizer=None), b)
+    (step, rows), = m.buffer.entries
+    assert step == 1 and rows.extras[RETURN_KEY].tolist() == pytest.approx([1.0 + 0.2 - 0.05])
+    assert m.buffer.means == [(1, [pytest.approx((1.15 + 0.0) / 2)])]

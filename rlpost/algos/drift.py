@@ -19,9 +19,22 @@ As in the authors' code:
 - the loss is ``mean_i w_i * mean_t(-log pi(y_t))`` (per-sample token mean, batch mean): the
   ``gpg`` loss ``-A log pi`` with ``A_t = w_i`` and ``loss_agg=seq-mean-token-mean``.
 
+- the repeat penalty (``compute_trajectory_penalty``): ``P = lambda (1 - D / N)`` with ``N`` the
+  entries of the episode's answer list and ``D`` its distinct non-empty entries (0 when ``N = 0``),
+  subtracted from the return undiscounted, ``R = sum_k gamma^k r_k - P``, for every row
+  (successful or not), before the weights. In the authors' released data script
+  (``src/generate_weighted_data_vllm_metamathqa.py``) the list holds one normalised answer per turn
+  whose response parsed into an answer (a turn without one adds nothing to it); here the episode
+  sampler applies the task's ``extract_answer`` to each model turn's text and counts those turns
+  (``extras['episode_answer_turns']``) and their distinct answers after the authors'
+  ``normalize_answer`` (lower case, whitespace removed; ``extras['episode_distinct_answers']``,
+  :class:`rlpost.samplers.episode.EpisodeSampler`). A single-turn row always gets 0 (one answer is
+  one distinct answer). ``lambda = 0.5`` is their ``TRAJECTORY_PENALTY_LAMBDA``.
+
 Defaults ``beta = 0.1`` and ``gamma = 0.9`` are the authors' ``scripts/run_weight_sft.sh``; their
-script's argparse defaults (0.2, 0.7) differ. The code's repeat penalty (``0.5 (1 - distinct
-answers / turns)``, subtracted from R) needs one parsed answer per turn and is not built here.
+script's argparse defaults (0.2, 0.7) differ. Not built: the data script's format penalty (``-0.1``
+per turn whose response holds no ``<answer>`` block, added to R): in rlpost's tool episodes a turn
+without an answer is a tool call, which that penalty would punish.
 """
 
 from __future__ import annotations
@@ -61,6 +74,30 @@ def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma
     return out
 
 
+#: the episode sampler's per-row counts the repeat penalty reads
+ANSWER_TURNS_KEY = "episode_answer_turns"
+DISTINCT_ANSWERS_KEY = "episode_distinct_answers"
+
+
+def repeat_penalty_of(answer_turns: torch.Tensor, distinct_answers: torch.Tensor, coef: float) -> torch.Tensor:
+    """DRIFT's repeat penalty ``coef (1 - D / N)`` per row (arXiv:2605.31455; authors' ``compute_trajectory_penalty``).
+
+    Args:
+        answer_turns: ``[B]`` N, the turns whose text gave an answer.
+        distinct_answers: ``[B]`` D <= N, the distinct non-empty answers among them.
+        coef: lambda (authors: 0.5).
+    Returns:
+        ``[B]`` float64, 0 where ``N = 0``, clamped at 0 from below (as the authors' ``max(0, .)``).
+    Raises:
+        ValueError: a row with ``D > N`` or a negative count.
+    """
+    n, d = answer_turns.double(), distinct_answers.double()
+    if bool((d > n).any()) or bool((n < 0).any()) or bool((d < 0).any()):
+        raise ValueError("drift: repeat penalty needs 0 <= distinct answers <= answering turns on every row")
+    p = coef * (1.0 - d / n.clamp(min=1.0))
+    return torch.where(n > 0, p.clamp(min=0.0), torch.zeros_like(p))
+
+
 def group_softmax_weights(returns: torch.Tensor, group_index: torch.Tensor, beta: float) -> torch.Tensor:
     """DRIFT's importance weights ``exp(R_i / beta) / mean_{j in g(i)} exp(R_j / beta)``.
 
@@ -90,6 +127,8 @@ class DriftParams:
 
     beta: float = param(0.1, "KL temperature of the weights exp(R / beta) (authors: 0.1)")
     gamma: float = param(0.9, "discount per model turn of the return (authors: 0.9)")
+    repeat_penalty: float = param(0.5, "lambda of the repeat penalty lambda (1 - distinct answers / answering turns) "
+                                       "subtracted from the return, 0 off (authors: 0.5)")
 
 
 @ADV_ESTIMATORS.register(
@@ -100,18 +139,34 @@ class DriftParams:
     needs_group=True,
     needs_frozen_rollouts=True,
 )
-def drift_advantage(inp: AdvantageInput, *, beta: float, gamma: float) -> AdvantageOutput:
+def drift_advantage(inp: AdvantageInput, *, beta: float, gamma: float, repeat_penalty: float) -> AdvantageOutput:
     """DRIFT's per-row importance weight on every loss token (the ``gpg`` loss then gives weighted SFT).
 
-    ``A_{i,t} = w_i`` with ``w = group_softmax_weights(discounted_returns(...), group_index, beta)``.
+    ``A_{i,t} = w_i`` with ``w = group_softmax_weights(discounted_returns(...) - P, group_index, beta)``,
+    ``P`` the repeat penalty (:func:`repeat_penalty`) of ``extras['episode_answer_turns']`` and
+    ``extras['episode_distinct_answers']`` (absent: 0, which is every single-turn row's value).
 
     Args:
-        inp: rewards ``[B]``, response_mask ``[B, R]``, group_index ``[B]``, token_rewards ``[B, R]`` or None.
+        inp: rewards ``[B]``, response_mask ``[B, R]``, group_index ``[B]``, token_rewards ``[B, R]`` or None,
+            extras (the two counts, ``[B]``).
+        repeat_penalty: its lambda (0: no penalty).
     Returns:
         AdvantageOutput with ``advantages [B, R]`` (float32, 0 off the mask).
     Raises:
-        ValueError: ``beta <= 0``.
+        ValueError: ``beta <= 0``; ``repeat_penalty > 0`` on rows of several model turns without the counts
+            (a sampler that does not record per-turn answers: use ``sampler=episode`` with a task).
     """
     R = discounted_returns(inp.rewards, inp.response_mask, gamma, inp.token_rewards)
+    ex = inp.extras or {}
+    if ANSWER_TURNS_KEY in ex and DISTINCT_ANSWERS_KEY in ex:
+        P = repeat_penalty_of(ex[ANSWER_TURNS_KEY], ex[DISTINCT_ANSWERS_KEY], repeat_penalty)
+    else:
+        if repeat_penalty and any(len(turn_spans(m)) > 1 for m in inp.response_mask):
+            raise ValueError("drift: rows of several model turns but no per-turn answer counts "
+                             f"(extras '{ANSWER_TURNS_KEY}', '{DISTINCT_ANSWERS_KEY}') for the repeat penalty; "
+                             "the episode sampler records them when a task is attached (or set "
+                             "algo.adv_params.repeat_penalty=0)")
+        P = torch.zeros(R.shape[0], dtype=torch.float64)
+    R = R - P
     w = group_softmax_weights(R, inp.group_index, beta)
     return AdvantageOutput(advantages=(w[:, None] * inp.response_mask.double()).float(), returns=None)

@@ -18,16 +18,42 @@ from the authors' code:
    lives in :mod:`rlpost.methods.spear`.
 
 :func:`spear_advantage` is the on-policy estimator (GRPO on reward + bonus; no std division, as
-the authors' ``norm_adv_by_std_in_grpo=False``); :func:`spear_clip_cov_loss` the loss of both
-updates; :func:`replay_advantages`, :func:`replay_scale`, :func:`tool_call_bonus` the formulas the
-method applies.
+the authors' ``norm_adv_by_std_in_grpo=False``; minus the invalid-action penalty); :func:`spear_clip_cov_loss`
+the loss of both updates; :func:`replay_advantages`, :func:`replay_scale`, :func:`tool_call_bonus` the
+formulas the method applies.
+
+Dr.BoT's filters and the invalid-action penalty (on in the authors' SPEAR scripts), as their code:
+
+- response filters (``agent_system/reward_manager/episode.py`` flags, applied in
+  ``verl/trainer/ppo/ray_trainer_hybrid.py`` by zeroing the flagged response's loss mask): a response
+  is *overlong* when its length reaches the response budget (``>= data.max_response_length``; here
+  ``rollout.max_new_tokens``), *repetitive* when one 20-gram of its token ids occurs 10 times or more
+  (:func:`has_repeated_ngrams`), *unreadable* when its text (special tokens kept) holds one of the
+  mojibake strings :data:`UNREADABLE_STRINGS`, *incomplete* when it holds no action (their test: no
+  ``<action>...</action>`` after the last ``</think>``, ALFWorld/WebShop's format; **our reading** for
+  rlpost, :func:`is_incomplete`: no ``<tool_call>`` tag and no answer the task extracts). In verl-agent
+  a response is one model turn (every step of an episode is its own sample); here each flagged turn
+  of a row loses its loss tokens (the row keeps its others).
+- the rollout filter (``RayPPOTrainer._filter_rollout``, ``rollout_filter_type=std``,
+  ``rollout_filter_ratio`` 0.75): the ``int(ratio * groups)`` prompt groups with the largest
+  population std of their returns (reward + tool bonus, before the penalty) are kept, then a random
+  largest-power-of-2 subset of their rows (:func:`std_rollout_filter`); ratio 1 keeps everything.
+- the invalid-action penalty (``apply_invalid_action_penalty``, coefficient 0.1): a response whose
+  action the environment rejects loses 0.1 of its score before the advantage (and the replay
+  buffer's return). Their validity is the environment's projection (ALFWorld: an ``<action>`` block,
+  ``<think>`` tags, no CJK text); **our reading**: a turn is invalid when it is incomplete (above) or
+  the environment reports it void (``extras['turn_void']``, a malformed tool call). On a row of
+  several turns turn ``k``'s tokens get the score ``R + b - c inv_k`` and the group baseline is the
+  mean of the rows' ``R + b - c (invalid turns / turns)`` (our reading; on single-turn rows, the
+  authors' rows, both are exact).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,6 +72,79 @@ TOOL_BONUS_KEY = "spear_tool_bonus"
 REPLAY_KEY = "sil_replay_coef"
 EXTRA_INPUTS.setdefault(REPLAY_KEY, "[B] loss scale of each replayed self-imitation row (absent or 0: an on-policy "
                                     "row); algo=spear's replay buffer")
+
+
+#: per-token invalid-action flags ``[B, R]`` (1 on every token of an invalid turn), written by the SPEAR method
+INVALID_KEY = "spear_invalid"
+#: per-row share of invalid turns ``[B]``
+INVALID_FRAC_KEY = "spear_invalid_frac"
+
+#: the strings whose presence marks a decoded response unreadable (authors' ``episode.py``, verbatim)
+UNREADABLE_STRINGS = ("\ufffd", "\xef\xbf\xbd", "\xef\xbc\ufffd", "\xef\xbc\u0178",
+                      "\xef\xbf\xbd\xef\xbf\xbd", "\xef\xbf\xbd" * 4, "\u0120\xef\xbf\xbd")
+
+
+def has_repeated_ngrams(ids: Sequence[int], n: int = 20, threshold: int = 10) -> bool:
+    """Dr.BoT's repetition test (SPEAR, arXiv:2509.22601; authors' ``has_repeated_ngrams``).
+
+    Args:
+        ids: one response's token ids.
+        n: n-gram length (authors: 20); threshold: occurrences that flag it (authors: 10).
+    Returns:
+        whether some n-gram of consecutive ids occurs ``threshold`` times or more (overlaps count).
+    """
+    ids = [int(x) for x in ids]
+    counts = Counter(tuple(ids[i: i + n]) for i in range(len(ids) - n + 1))
+    return any(c >= threshold for c in counts.values())
+
+
+def is_unreadable(text: str) -> bool:
+    """Whether ``text`` holds one of :data:`UNREADABLE_STRINGS` (Dr.BoT's unreadable-BPE filter)."""
+    return any(u in text for u in UNREADABLE_STRINGS)
+
+
+def is_incomplete(text: str, extract_answer: Callable[[str], Optional[str]]) -> bool:
+    """Whether a turn holds no action: no ``<tool_call>`` tag and no answer ``extract_answer`` finds.
+
+    Our reading of Dr.BoT's incomplete-response test (the authors': no ``<action>`` block after the
+    last ``</think>``) for rlpost's tool calls and final answers.
+    """
+    return "<tool_call>" not in text and extract_answer(text) is None
+
+
+def std_rollout_filter(scores: torch.Tensor, group_index: torch.Tensor, ratio: float,
+                       gen: torch.Generator) -> torch.Tensor:
+    """SPEAR's std rollout filter (arXiv:2509.22601; authors' ``_filter_rollout``, type ``std``).
+
+    Keeps the ``max(1, int(ratio * G))`` groups (of ``G``) with the largest population std of ``scores``
+    (ties: the earlier group first, as Python's stable sort), then a uniformly random subset of
+    their rows of the largest power of 2 not above their count (all of them when that count is 1:
+    the authors' code would keep none).
+
+    Args:
+        scores: ``[B]`` each row's return (reward + tool bonus).
+        group_index: ``[B]`` group ids.
+        ratio: share of groups kept, in (0, 1]; 1 keeps every row (no subset either).
+        gen: the generator of the random subset.
+    Returns:
+        ``[N]`` long, the kept rows in increasing order.
+    Raises:
+        ValueError: ``ratio`` outside (0, 1].
+    """
+    if not 0 < ratio <= 1:
+        raise ValueError(f"spear: rollout_filter_ratio must be in (0, 1], got {ratio}")
+    B = int(scores.shape[0])
+    if ratio == 1:
+        return torch.arange(B)
+    groups = list(dict.fromkeys(int(g) for g in group_index.tolist()))
+    k = max(1, int(float(ratio) * float(len(groups))))  # the authors assert k > 0; here one group is kept
+    std = {g: float(scores[group_index == g].double().std(unbiased=False)) for g in groups}
+    kept = set(sorted(groups, key=lambda g: std[g], reverse=True)[:k])
+    rows = torch.tensor([i for i in range(B) if int(group_index[i]) in kept], dtype=torch.long)
+    n = len(rows)
+    m = n if n <= 1 else 1 << (n.bit_length() - 1)
+    pick = torch.randperm(n, generator=gen)[:m]
+    return rows[pick].sort().values
 
 
 def tool_call_bonus(tool_calls: torch.Tensor, step: int, *, per_call: float, cap: float, steps: int) -> torch.Tensor:
@@ -102,31 +201,56 @@ class SpearParams:
     baseline_buffer_size: int = param(10240, "group means kept for the recalibrated baseline (authors: 10240)")
     replay_coef: float = param(1.0, "weight of the replay loss once ramped up, 0 off (authors: 1)")
     replay_ramp_steps: int = param(100, "RL steps of the replay weight's cosine ramp from 0 (authors: 100)")
+    filter_overlong: bool = param(True, "Dr.BoT: no loss on a turn of rollout.max_new_tokens tokens or more (authors: on)")
+    filter_incomplete: bool = param(True, "Dr.BoT: no loss on a turn without a tool call or an answer (authors: on)")
+    filter_repetitive: bool = param(True, "Dr.BoT: no loss on a turn with a repeated token n-gram (authors: on)")
+    filter_unreadable: bool = param(True, "Dr.BoT: no loss on a turn whose text holds mojibake (authors: on)")
+    repetition_ngram: int = param(20, "n of the repetition filter's n-grams (authors: 20)")
+    repetition_count: int = param(10, "occurrences of one n-gram that flag a turn repetitive (authors: 10)")
+    rollout_filter_ratio: float = param(0.75, "share of prompt groups kept, largest return std first, then a "
+                                              "power-of-2 subset of their rows; 1 off (authors: 0.75)")
+    invalid_action_penalty: float = param(0.1, "subtracted from an invalid turn's score, 0 off (authors: 0.1)")
 
 
 @ADV_ESTIMATORS.register("spear", paper=PAPER, params=SpearParams, needs_group=True, needs_self_imitation=True)
 def spear_advantage(inp: AdvantageInput, *, norm_by_std: bool, eps: float, tool_bonus_per_call: float,
                     tool_bonus_cap: float, tool_bonus_steps: int, buffer_size: int, tolerate_steps: int,
-                    baseline_buffer_size: int, replay_coef: float, replay_ramp_steps: int) -> AdvantageOutput:
-    """GRPO's group-relative advantage of reward + tool-call bonus (the on-policy half of SPEAR).
+                    baseline_buffer_size: int, replay_coef: float, replay_ramp_steps: int, filter_overlong: bool,
+                    filter_incomplete: bool, filter_repetitive: bool, filter_unreadable: bool, repetition_ngram: int,
+                    repetition_count: int, rollout_filter_ratio: float,
+                    invalid_action_penalty: float) -> AdvantageOutput:
+    """GRPO's group-relative advantage of reward + tool-call bonus - invalid-action penalty (SPEAR's on-policy half).
 
-    ``A_i = (R_i + b_i) - mean_g(R + b)`` (``/ (std_g + eps)`` when ``norm_by_std``; 0 in a group whose
-    values are all equal), on every loss token; ``b = extras['spear_tool_bonus']`` (absent: 0).
-    The buffer and schedule parameters are the method's (:mod:`rlpost.methods.spear`).
+    ``v_i = R_i + b_i - c f_i`` with ``b = extras['spear_tool_bonus']`` and ``f = extras['spear_invalid_frac']``
+    (the row's share of invalid turns; absent: 0), ``c = invalid_action_penalty``;
+    ``A_{i,t} = (v_i - mean_g(v)) - c (inv_{i,t} - f_i)`` with ``inv = extras['spear_invalid']`` ``[B, R]``
+    (1 on the tokens of an invalid turn): the turn's score ``R + b - c inv`` minus the group mean. Both
+    terms are divided by ``std_g(v) + eps`` when ``norm_by_std``; the first is 0 in a group whose ``v`` are all equal.
+    A single-turn row gets ``(R + b - c inv) - mean_g``, the authors' exactly. The buffer, schedule and
+    filter parameters are the method's (:mod:`rlpost.methods.spear`).
 
     Args:
         inp: rewards ``[B]``, response_mask ``[B, R]``, group_index ``[B]``, extras.
     Returns:
         AdvantageOutput with ``advantages [B, R]`` float32.
     """
-    b = (inp.extras or {}).get(TOOL_BONUS_KEY)
+    ex = inp.extras or {}
+    b = ex.get(TOOL_BONUS_KEY)
     r = inp.rewards.double() + (b.double() if b is not None else 0.0)
+    c = float(invalid_action_penalty)
+    frac, inv = ex.get(INVALID_FRAC_KEY), ex.get(INVALID_KEY)
+    if c and frac is not None and inv is not None:
+        r = r - c * frac.double()
+        tok = -c * (inv.double()[:, : inp.response_mask.shape[1]] - frac.double()[:, None])
+    else:
+        tok = torch.zeros(inp.response_mask.shape, dtype=torch.float64)
     mean, std, _ = group_stats(r, inp.group_index)
     a = r - mean
     if norm_by_std:
         a = a / (std + eps)
+        tok = tok / (std + eps)[:, None]
     a = torch.where(group_all_equal(r, inp.group_index), torch.zeros_like(a), a)
-    return AdvantageOutput(advantages=(a[:, None] * inp.response_mask.double()).float(), returns=None)
+    return AdvantageOutput(advantages=((a[:, None] + tok) * inp.response_mask.double()).float(), returns=None)
 
 
 @dataclass(frozen=True)

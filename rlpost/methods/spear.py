@@ -24,9 +24,20 @@ the paper:
   ratio's denominator, as the authors' stored ``old_log_probs``.
 - ``state_dict``: the buffer rows and the baseline history, saved with every checkpoint.
 
-Not built: the authors' filters of Dr.BoT (overlong / incomplete / repetitive / unreadable
-responses, the 0.75 std rollout filter) and their invalid-action penalty. The extra optimizer step
-also advances the learning-rate schedule once more on a replay step.
+- ``prepare`` also applies Dr.BoT's filters and the invalid-action penalty's flags, in the authors'
+  order (``ray_trainer_hybrid.py``: response filters, then the std rollout filter, then the
+  advantage with the penalty): (1) each model turn of a row (:func:`rlpost.algos.turns.turn_spans`
+  of the response mask) that is overlong, incomplete, repetitive or unreadable
+  (:mod:`rlpost.algos.spear`) loses its loss tokens; (2) each turn that is incomplete or that the
+  environment reported void (``extras['turn_void']``) is invalid: ``extras['spear_invalid']``
+  ``[B, R]`` and ``extras['spear_invalid_frac']`` ``[B]`` for the estimator; (3) the std rollout
+  filter (:func:`rlpost.algos.spear.std_rollout_filter`, on reward + bonus) drops the other rows
+  from the batch itself (every later stage, the buffer included, sees only the kept rows; the
+  logged ``reward/mean`` is then the kept rows').
+  A stored row's return is reward + bonus - ``invalid_action_penalty`` x its share of invalid turns
+  (the authors' buffer stores the penalised score).
+
+The extra optimizer step also advances the learning-rate schedule once more on a replay step.
 """
 
 from __future__ import annotations
@@ -37,7 +48,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rlpost.algos.registries import ADV_ESTIMATORS
-from rlpost.algos.spear import REPLAY_KEY, TOOL_BONUS_KEY, replay_advantages, replay_scale, tool_call_bonus
+from rlpost.algos.spear import (INVALID_FRAC_KEY, INVALID_KEY, REPLAY_KEY, TOOL_BONUS_KEY, has_repeated_ngrams,
+                                is_incomplete, is_unreadable, replay_advantages, replay_scale, std_rollout_filter,
+                                tool_call_bonus)
+from rlpost.algos.turns import turn_spans
 from rlpost.algos.validate import adv_overrides
 from rlpost.core.batch import RolloutBatch
 from rlpost.core.errors import ConfigError
@@ -61,6 +75,33 @@ def _median(xs: List[float]) -> float:
 def _power_of_two_at_most(n: int) -> int:
     """The largest power of 2 ``<= n``; 0 for ``n <= 1`` (the authors' ``nearest_lower_power_of_2``)."""
     return 0 if n <= 1 else 1 << (n.bit_length() - 1)
+
+
+def shrink_in_place(batch: RolloutBatch, keep: torch.Tensor) -> None:
+    """Make ``batch`` its sub-batch of rows ``keep`` (``[N]`` long), in place (later stages hold the same object)."""
+    sub = batch.select(keep)
+    for f in dataclasses.fields(batch):
+        setattr(batch, f.name, getattr(sub, f.name))
+
+
+def turn_flags(ids: torch.Tensor, text: str, plain_text: str, void: bool, *, max_new_tokens: int,
+               extract_answer: Any, ngram: int, count: int) -> Dict[str, bool]:
+    """Dr.BoT's flags of one model turn (SPEAR, arXiv:2509.22601; authors' ``episode.py``).
+
+    Args:
+        ids: ``[L]`` the turn's token ids.
+        text: the turn decoded with its special tokens (the authors' ``response_str``).
+        plain_text: the turn decoded without them (the text the task's ``extract_answer`` reads).
+        void: the environment reported the turn void (a malformed tool call).
+        max_new_tokens: the per-turn token budget (overlong at ``L >= max_new_tokens``).
+        extract_answer: the task's answer extraction; ngram, count: the repetition test.
+    Returns:
+        ``{"overlong", "incomplete", "repetitive", "unreadable", "invalid"}`` booleans; invalid = incomplete or void.
+    """
+    incomplete = is_incomplete(plain_text, extract_answer)
+    return {"overlong": int(ids.numel()) >= int(max_new_tokens), "incomplete": incomplete,
+            "repetitive": has_repeated_ngrams(ids.tolist(), ngram, count), "unreadable": is_unreadable(text),
+            "invalid": incomplete or bool(void)}
 
 
 def _to_dict(b: RolloutBatch) -> Dict[str, Any]:
@@ -172,7 +213,8 @@ class SelfImitation(Method):
     """SPEAR's tool-call bonus and self-imitation replay (see the module docstring).
 
     Raises:
-        ConfigError: (``validate``) a negative size, step count or coefficient, or ``buffer_size < 1``.
+        ConfigError: (``validate``) a negative size, step count or coefficient, ``buffer_size < 1``,
+            ``repetition_ngram`` / ``repetition_count < 1``, or a ``rollout_filter_ratio`` outside (0, 1].
     """
 
     name = "spear"
@@ -193,12 +235,19 @@ class SelfImitation(Method):
         if int(p["buffer_size"]) < 1:
             raise ConfigError(f"algo.adv_params.buffer_size must be >= 1, got {p['buffer_size']}")
         for k in ("tolerate_steps", "baseline_buffer_size", "tool_bonus_steps", "replay_ramp_steps", "replay_coef",
-                  "tool_bonus_per_call", "tool_bonus_cap"):
+                  "tool_bonus_per_call", "tool_bonus_cap", "invalid_action_penalty"):
             if float(p[k]) < 0:
                 raise ConfigError(f"algo.adv_params.{k} must be >= 0, got {p[k]}")
+        for k in ("repetition_ngram", "repetition_count"):
+            if int(p[k]) < 1:
+                raise ConfigError(f"algo.adv_params.{k} must be >= 1, got {p[k]}")
+        ratio = float(p["rollout_filter_ratio"])
+        if not 0 < ratio <= 1:
+            raise ConfigError(f"algo.adv_params.rollout_filter_ratio={ratio} must be in (0, 1] (the share of prompt "
+                              f"groups kept). Fix: 0.75 (the authors') or 1 (off).")
 
     def needs(self) -> Needs:
-        return Needs(old_logprobs=True, provides=(TOOL_BONUS_KEY, REPLAY_KEY))
+        return Needs(old_logprobs=True, provides=(TOOL_BONUS_KEY, REPLAY_KEY, INVALID_KEY, INVALID_FRAC_KEY))
 
     def describe(self) -> str:
         return "tool-call bonus; self-imitation replay buffer (SPEAR)"
@@ -210,7 +259,70 @@ class SelfImitation(Method):
         b = tool_call_bonus(calls, int(run.step), per_call=float(self.p["tool_bonus_per_call"]),
                             cap=float(self.p["tool_bonus_cap"]), steps=int(self.p["tool_bonus_steps"]))
         batch.extras[TOOL_BONUS_KEY] = b
-        return {"spear/tool_bonus_mean": float(b.mean()) if len(b) else 0.0}
+        out = {"spear/tool_bonus_mean": float(b.mean()) if len(b) else 0.0}
+        out.update(self.filter_turns(batch, run))
+        out.update(self.filter_rollouts(batch, int(run.step)))
+        return out
+
+    def filter_turns(self, batch: Any, run: RunServices) -> Dict[str, float]:
+        """Dr.BoT's response filters (mask zeroed on flagged turns) and the invalid-turn flags (see the module docstring).
+
+        Writes ``extras['spear_invalid']`` ``[B, R]`` and ``extras['spear_invalid_frac']`` ``[B]``; returns the
+        counts of flagged turns (``spear/filtered_<kind>``) and ``spear/invalid_turn_frac``. When the filters would
+        leave the batch without any loss token they are not applied this step (``spear/filters_skipped`` 1; our
+        choice: the authors' code would make an optimizer step on an all-zero loss, which still moves Adam's
+        weights by its moments).
+        """
+        p, tok, task = self.p, run.tokenizer, run.task
+        on = {k: bool(p[f"filter_{k}"]) for k in ("overlong", "incomplete", "repetitive", "unreadable")}
+        need_flags = any(on.values()) or float(p["invalid_action_penalty"]) > 0
+        B, R = batch.response_mask.shape
+        inv, frac = torch.zeros(B, R), torch.zeros(B)
+        counts = {k: 0.0 for k in on}
+        n_turns = n_invalid = 0
+        void = batch.extras.get("turn_void")
+        extract = task.extract_answer if task is not None else (lambda _t: None)
+        mask = batch.response_mask.clone()
+        for i in range(B if need_flags else 0):
+            spans = turn_spans(batch.response_mask[i])
+            bad = 0
+            for s, e in spans:
+                ids = batch.response_ids[i, s:e]
+                f = turn_flags(ids, tok.decode(ids.tolist(), skip_special_tokens=False),
+                               tok.decode(ids.tolist(), skip_special_tokens=True),
+                               bool(void is not None and void[i, s:e].any()),
+                               max_new_tokens=int(self.cfg.rollout.max_new_tokens), extract_answer=extract,
+                               ngram=int(p["repetition_ngram"]), count=int(p["repetition_count"]))
+                if f["invalid"]:
+                    inv[i, s:e] = 1.0
+                    bad += 1
+                hit = [k for k in on if on[k] and f[k]]
+                for k in hit:
+                    counts[k] += 1.0
+                if hit:
+                    mask[i, s:e] = 0.0
+            frac[i] = bad / len(spans) if spans else 0.0
+            n_turns, n_invalid = n_turns + len(spans), n_invalid + bad
+        skipped = bool(batch.response_mask.sum() > 0 and mask.sum() == 0)
+        if not skipped:  # our choice: filters that would leave no loss token in the batch are skipped this step
+            batch.response_mask = mask
+        batch.extras[INVALID_KEY], batch.extras[INVALID_FRAC_KEY] = inv, frac
+        out = {f"spear/filtered_{k}": v for k, v in counts.items()}
+        out["spear/filters_skipped"] = float(skipped)
+        out["spear/invalid_turn_frac"] = n_invalid / n_turns if n_turns else 0.0
+        return out
+
+    def filter_rollouts(self, batch: Any, step: int) -> Dict[str, float]:
+        """SPEAR's std rollout filter on reward + bonus; keeps the batch's chosen rows in place (module docstring)."""
+        ratio = float(self.p["rollout_filter_ratio"])
+        n0 = len(batch)
+        if ratio >= 1:
+            return {"spear/rollout_rows_kept_frac": 1.0}
+        gen = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + step + 500_009)
+        scores = batch.rewards.double() + batch.extras[TOOL_BONUS_KEY].double()
+        keep = std_rollout_filter(scores, batch.group_index, ratio, gen)
+        shrink_in_place(batch, keep)
+        return {"spear/rollout_rows_kept_frac": len(batch) / max(1, n0)}
 
     def wrap_update(self, update: Any, run: RunServices, batch: Any) -> Optional[Dict[str, Any]]:
         step = int(run.step)
@@ -230,6 +342,9 @@ class SelfImitation(Method):
         out["spear/replay_coef"] = coef
         bonus = batch.extras.get(TOOL_BONUS_KEY)
         returns = batch.rewards.float() + (bonus.float() if bonus is not None else 0.0)
+        frac = batch.extras.get(INVALID_FRAC_KEY)
+        if frac is not None:  # the authors' buffer stores the penalised score
+            returns = returns - float(self.p["invalid_action_penalty"]) * frac.float()
         out["spear/buffer_added"] = float(self.buffer.add(batch, returns, step))
         out["spear/buffer_rows"] = float(sum(len(b) for _, b in self.buffer.entries))
         return out

@@ -43,6 +43,17 @@ TOOL_CALL_STOP = "</tool_call>"
 _SENTINEL = "\u2063RLPOST_MODEL_TURN\u2063"
 
 
+def normalize_turn_answer(answer: Any) -> str:
+    """A turn's extracted answer as the episode sampler records it: lower-cased, every whitespace removed.
+
+    The normalisation of the authors' ``normalize_answer`` in "DRIFT: Decoupled Rollouts and
+    Importance-Weighted Fine-Tuning for Efficient Multi-Turn Optimization" (arXiv:2605.31455;
+    github.com/2020-qqtcg/DRIFT, ``src/prompting.py``): two turns gave the same answer when these
+    strings are equal. An answer of only whitespace gives ``""``.
+    """
+    return re.sub(r"\s+", "", str(answer).strip().lower())
+
+
 def render_insert(tokenizer: Any, messages: List[Dict[str, str]], after_eos: bool) -> List[int]:
     """Token ids of environment ``messages`` inserted after a model turn, up to the next assistant header.
 
@@ -107,6 +118,8 @@ class _Episode:
     calls_skipped: int = 0  # tool calls of a turn at the turn cap, never executed
     node_path: List[int] = dataclasses.field(default_factory=list)  # branching=at2po: turn-tree node of each turn
     initial_obs: str = ""  # the environment's observation at reset (joined to the user turn of the prompt)
+    answers: List[str] = dataclasses.field(default_factory=list)  # each answering turn's answer (normalize_turn_answer)
+    void_turns: List[int] = dataclasses.field(default_factory=list)  # index of the last model token of each void turn
 
     def add(self, ids, mask: float, lps=None, temps=None) -> None:
         self.ids.extend(int(x) for x in ids)
@@ -208,6 +221,15 @@ class EpisodeSampler(Sampler):
     mean advantage of the rows sharing it (ARPO's "soft" advantage attribution, their default).
     ``extras['branch_parent']`` (row of the parent, -1 for global episodes) and
     ``extras['branch_prefix_len']`` (shared response tokens) record the tree.
+
+    **Per-turn records** for estimators and methods that judge an episode's turns: with a task
+    attached, every model turn's text goes through ``task.extract_answer``;
+    ``extras['episode_answer_turns']`` ``[B]`` counts the turns that gave an answer and
+    ``extras['episode_distinct_answers']`` ``[B]`` the distinct non-empty ones among them
+    (compared after :func:`normalize_turn_answer`; DRIFT's repeat penalty,
+    :mod:`rlpost.algos.drift`). ``extras['turn_void']`` ``[B, R]`` is 1 on the last model token of
+    every turn the environment reported void (``info['void']``: no well-formed action and no final
+    answer; SPEAR's invalid-action penalty, :mod:`rlpost.methods.spear`).
 
     Args:
         n_samples: episodes per prompt (``algo.n_samples_per_prompt``; SAO uses 1).
@@ -446,6 +468,10 @@ class EpisodeSampler(Sampler):
             e.add(ids.tolist(), 1.0, lps.tolist(), temps.tolist())
             e.turns += 1
             e.final_text = text
+            if self.task is not None:  # the turn's answer, if the task extracts one (DRIFT's repeat penalty)
+                a = self.task.extract_answer(text)
+                if a is not None:
+                    e.answers.append(normalize_turn_answer(a))
             e.transcript.append({"role": "assistant", "content": text, "tokens": len(ids)})
             if tree is not None:
                 tree.after_turn(e, lps.tolist())
@@ -477,6 +503,8 @@ class EpisodeSampler(Sampler):
             e.env_errors += int(info.get("env_errors", 0))
             e.calls_skipped += int(info.get("tool_calls_skipped", 0))
             e.void = e.void or bool(info.get("void", 0))
+            if info.get("void", 0) and len(e.ids):  # the turn's last model token (SPEAR's invalid-action penalty)
+                e.void_turns.append(len(e.ids) - 1)
             if step.done:
                 e.done, e.finished = True, True
                 continue
@@ -535,6 +563,14 @@ class EpisodeSampler(Sampler):
         # DAPO's overlong shaping of an episode compares its longest model turn with the per-turn budget
         # (rollout.max_new_tokens), never the model tokens summed over turns (docs/AGENTS.md)
         extras["overlong_lengths"] = torch.tensor([max(e.turn_lens, default=0) for e in eps], dtype=torch.long)
+        if self.task is not None:  # turns whose text held an answer, and how many distinct answers they gave
+            extras["episode_answer_turns"] = f([len(e.answers) for e in eps])
+            extras["episode_distinct_answers"] = f([len({a for a in e.answers if a}) for e in eps])
+        void = torch.zeros(B, R)
+        for i, e in enumerate(eps):
+            for t in e.void_turns:
+                void[i, t] = 1.0
+        extras["turn_void"] = void
         # the trainer and the critic attend to every real response token, environment text included (their
         # default, the loss mask, would hide the tool results the model saw when it sampled the next turn)
         attn = torch.zeros(B, R, dtype=torch.long)
