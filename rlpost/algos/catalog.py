@@ -32,3 +32,4 @@ from rlpost.algos import r3l  # noqa: F401  (R^3L: Positive Amplification, share
 from rlpost.algos import rc_grpo  # noqa: F401  (RC-GRPO: stage-1 RCTP weights, stage-2 GRPO over token-mixed groups)
 from rlpost.algos import echo  # noqa: F401  (ECHO: entropy-confidence advantage shaping, confidence-adaptive clip)
 from rlpost.algos import mopd  # noqa: F401  (Open-MOPD: domain budget weights, refreshed multi-teacher distillation)
+from rlpost.algos import t5  # noqa: F401  (T^5: twin-critic GAE, conditional-moment saddle-point mixing)

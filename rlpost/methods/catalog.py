@@ -17,3 +17,4 @@ from rlpost.methods import echo  # noqa: F401  (ECHO: old-policy token entropy a
 from rlpost.methods import n_grpo  # noqa: F401  (N-GRPO: the rollout's mixed input embeddings in every log-prob pass)
 from rlpost.methods import mopd  # noqa: F401  (Open-MOPD: each row's domain and target share for the budget weights)
 from rlpost.methods import lens  # noqa: F401  (LENS: CRPO's calibrated anchor for purified rollouts; the reference for its detector)
+from rlpost.methods import t5  # noqa: F401  (T^5: twin-critic qualification gate and saddle-point advantage mixing)
