@@ -82,7 +82,7 @@ def test_one_saddle_step_of_both_players_by_hand():
     assert z[0, :, 2].tolist() == pytest.approx([0.0, 0.5])
     met = saddle_step(mix, x, z, head_adv, mask, lr=0.1, retention_target=0.5, coef=0.0)
     assert met["moment"] == pytest.approx(0.375)  # mean(.5 * 2 - .125, 0 - .125)
-    assert float(mix.test_fn[0].bias) == pytest.approx(0.55)
+    assert float(mix.test_fn[0].bias.detach()) == pytest.approx(0.55)
     assert mix.test_fn[0].weight[0].tolist() == pytest.approx([0.0, 0.0, -0.0125])
     assert mix.mixer[0].bias.tolist() == pytest.approx([0.025, -0.025])
     assert mix.mixer[0].weight[0].tolist() == pytest.approx([0.0, 0.05, 0.0, 0.0, 0.0, 0.00625])
@@ -238,6 +238,7 @@ def test_two_head_critic_update_does_not_depend_on_micro_batch_size(compose):
         b.extras["returns"] = torch.randn(v.shape, generator=g) * b.response_mask.unsqueeze(-1)
         met = t.critic_update(b)
         assert math.isfinite(met["critic/value_loss"])
+        assert (t.critic.head.bias.detach().abs() > 0).all()  # each head was regressed (zero-initialised)
         heads.append(torch.cat([p.detach().flatten() for p in t.critic.parameters()]))
     start = torch.cat([p.detach().flatten() for p in TorchTrainer.from_config(
         copy.deepcopy(pol), compose(tiny_overrides("algo=t5")), "cpu").critic.parameters()])
