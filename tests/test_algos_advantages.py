@@ -337,6 +337,7 @@ ZERO_VARIANCE_EXCEPTIONS = {
     "mopd": "not a reward baseline: the routed teacher's minus the student's log-prob, domain-weighted (Open-MOPD)",
     "erpd": "not a reward baseline: the stage-1 teacher's minus the student's log-prob of each token (ERPD)",
     "rctp": "an SFT weight 1 on every relabelled trajectory (RC-GRPO stage 1): the reward only chose the prompt's token",
+    "t5": "single rollout (T^5): the batch-mean return until the critics qualify, then a learned mix of critic advantages",
     "r3l": "Positive Amplification: a success gets A = 1 even in an all-success group (the authors' opmd_reweight_adv)",
 }
 

@@ -34,3 +34,4 @@ from rlpost.algos import echo  # noqa: F401  (ECHO: entropy-confidence advantage
 from rlpost.algos import mopd  # noqa: F401  (Open-MOPD: domain budget weights, refreshed multi-teacher distillation)
 from rlpost.algos import flow_grpo  # noqa: F401  (Flow-GRPO: the outcome broadcast to every planner turn, group-normalised)
 from rlpost.algos import datpo  # noqa: F401  (DATPO: tree block advantages + the annealed sibling-diversity bonus)
+from rlpost.algos import t5  # noqa: F401  (T^5: twin-critic GAE, conditional-moment saddle-point mixing)

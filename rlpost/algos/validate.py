@@ -281,6 +281,14 @@ def _check_combination(algo_cfg: Any, adv: str, loss: str, agg: str, n: int) -> 
             f"algo.adv_estimator={adv} needs a critic (value model) but algo.critic.enabled is false. "
             f"Set algo.critic.enabled=true, or choose a critic-free estimator (grpo, rloo, reinforce_pp, ...)."
         )
+    heads = int(_get(critic, "num_heads", 1) or 1)
+    if heads < 1:
+        raise ConfigError(f"algo.critic.num_heads={heads} must be >= 1 (1: one critic; N: N value heads).")
+    if heads > 1 and not tags.get("multi_head_critic"):
+        raise ConfigError(
+            f"algo.critic.num_heads={heads} gives [B, R, {heads}] values, but algo.adv_estimator={adv} reads one "
+            f"critic. Fix: algo.critic.num_heads=1, or an estimator that uses several critics (t5)."
+        )
     if tags.get("needs_group") and n < 2:
         raise ConfigError(
             f"algo.adv_estimator={adv} is a group baseline and needs algo.n_samples_per_prompt >= 2 "

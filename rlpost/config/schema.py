@@ -153,6 +153,10 @@ class CriticConfig:
         shared_backbone: the value head reads the policy's own backbone instead of a copy
             (``algo=sapo_ar``); the critic's optimizer then also moves the policy's weights.
             Needs ``trainer.engine=torch``, no LoRA and ``warmup_steps=0``.
+        num_heads: value heads on the critic's backbone (one critic each). 1 = PPO's single
+            critic (values ``[B, R]``); N > 1 gives values and returns ``[B, R, N]``, each head
+            regressed on its own returns, and needs an estimator tagged ``multi_head_critic``
+            (T^5's twin critics, ``algo=t5``).
     """
 
     enabled: bool = False
@@ -164,6 +168,7 @@ class CriticConfig:
     supervised_states: int = 0
     state_spacing: StateSpacing = StateSpacing.even
     shared_backbone: bool = False
+    num_heads: int = 1
 
 
 @dataclass

@@ -19,6 +19,7 @@ Hooks, in the order a step reaches them:
 ``setup(run)``          once, after the trainer and engines exist (:class:`RunServices`)
 ``prepare(batch, run)`` the ``algo_inputs`` stage: fill ``batch.extras``; returns metrics
 ``after_old_logprobs``  the ``old_logprobs`` stage, after the trainer's pass
+``after_advantages``    the ``advantages`` stage, after the estimator: may replace ``extras['advantages']``
 ``forward(fwd, mb, ...)`` the update's forward pass for a micro-batch (None: not this one)
 ``logprob_context``     a context around every trainer log-prob pass (old, ref, update) of a batch
 ``loss_extras(fwd, mb)`` extra loss inputs of a micro-batch (``PolicyLossInput.extras``)
@@ -215,6 +216,12 @@ class Method:
         """Run after the pre-update log-prob pass; returns metrics."""
         return {}
 
+    def after_advantages(self, batch: Any, run: RunServices) -> Dict[str, Any]:
+        """Run after the advantage estimator wrote ``batch.extras['advantages']`` ``[B, R]`` (and its
+        ``returns`` and other extras), before the critic and policy updates; may replace the advantages
+        (e.g. T^5's learned mixing of several critics' estimates). Returns metrics."""
+        return {}
+
     def forward(self, fwd: ForwardPass, mb: Any, with_entropy: bool, entropy_grad: bool) -> Optional[ForwardOut]:
         """The update's forward for micro-batch ``mb`` (None: the trainer's own)."""
         return None
@@ -322,6 +329,12 @@ class MethodSet:
         out: Dict[str, Any] = {}
         for m in self.methods:
             out.update(m.after_old_logprobs(batch, run))
+        return out
+
+    def after_advantages(self, batch: Any, run: RunServices) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for m in self.methods:
+            out.update(m.after_advantages(batch, run))
         return out
 
     def forward(self, fwd: ForwardPass, mb: Any, with_entropy: bool, entropy_grad: bool) -> Optional[ForwardOut]:

@@ -19,3 +19,4 @@ from rlpost.methods import mopd  # noqa: F401  (Open-MOPD: each row's domain and
 from rlpost.methods import lens  # noqa: F401  (LENS: CRPO's calibrated anchor for purified rollouts; the reference for its detector)
 from rlpost.methods import m3po  # noqa: F401  (M3PO: the rollout's hybrid thinking embeddings in every log-prob pass)
 from rlpost.methods import empo2  # noqa: F401  (EMPO²: off-policy rows' old log-probs from the memory context, low-probability row mask)
+from rlpost.methods import t5  # noqa: F401  (T^5: twin-critic qualification gate and saddle-point advantage mixing)

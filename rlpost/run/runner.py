@@ -735,6 +735,8 @@ class Run:
             batch.extras["returns"] = out.returns
         if out.value_mask is not None:  # the critic regresses only there (e.g. turn starts)
             batch.extras["value_mask"] = out.value_mask
+        self.services.step = ctx.c.step
+        ctx.metrics.update(self.methods.after_advantages(batch, self.services))  # e.g. a learned mix of critics
 
     def _critic_update(self, ctx: "LearnContext") -> None:
         ctx.metrics.update(self.trainer.critic_update(ctx.batch))

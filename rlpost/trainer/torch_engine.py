@@ -276,7 +276,8 @@ class TorchTrainer:
             if shared and (self.lora or type(self).__name__ != "TorchTrainer"):
                 raise ConfigError("algo.critic.shared_backbone=true needs trainer.engine=torch without LoRA (the critic's "
                                   "optimizer updates the policy's own backbone). Fix: algo.critic.shared_backbone=false.")
-            self.critic = ValueModel(self.policy, shared=shared).to(self.device)
+            self.critic = ValueModel(self.policy, shared=shared,
+                                     num_heads=int(self.algo.critic.get("num_heads", 1) or 1)).to(self.device)
             self.critic_opt = self._make_optimizer(self.critic.parameters(), self.algo.critic.lr)
         # MoE routing replay (model.routing_replay; rlpost.models.moe_replay.attach_routing sets it)
         self.routing: Optional[Any] = None
@@ -480,12 +481,13 @@ class TorchTrainer:
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        """Critic values ``[B, R]`` at rollout time."""
-        out = torch.zeros(len(batch), batch.response_ids.shape[1])
+        """Critic values ``[B, R]`` at rollout time (``[B, R, N]`` with ``algo.critic.num_heads=N > 1``)."""
+        n = self.critic.num_heads
+        out = torch.zeros(len(batch), batch.response_ids.shape[1], *((n,) if n > 1 else ()))
         for rows, mb in self._split(batch):
             v = self._values(mb).float().cpu()
             out[torch.tensor(rows, dtype=torch.long), : v.shape[1]] = v
-        return out * batch.response_mask
+        return out * (batch.response_mask.unsqueeze(-1) if n > 1 else batch.response_mask)
 
     # ---------------------------------------------------------------- updates
     def _correction_weights(self, old_lp: torch.Tensor, batch: RolloutBatch):
@@ -820,7 +822,9 @@ class TorchTrainer:
         the response mask, unless a method chooses the states
         (:meth:`rlpost.methods.base.Method.critic_batch`, once per update for the
         whole batch, so every micro-batch and process uses the same ones). A
-        micro-batch whose loss is non-finite on any process is skipped.
+        micro-batch whose loss is non-finite on any process is skipped. With N value heads
+        (``algo.critic.num_heads``) values and returns are ``[B, R, N]``: each head is regressed on
+        its own returns under the same mask and the heads' token-mean losses are summed.
         """
         a = self.algo
         acc = _MetricAcc()
@@ -835,15 +839,19 @@ class TorchTrainer:
                 m = mb.extras["_critic_mask"].to(self.device)
                 v = self._values(mb)
                 old_v = mb.extras.get("values", v.detach()).to(self.device)
-                loss_mat, vm = value_loss(v, old_v, mb.extras["returns"].to(self.device), m, a.critic.clip_range)
+                mh = m.unsqueeze(-1).expand_as(v) if v.dim() == 3 else m  # N heads: one mask per head
+                loss_mat, vm = value_loss(v, old_v, mb.extras["returns"].to(self.device), mh, a.critic.clip_range)
+                if v.dim() == 3:
+                    loss_mat = loss_mat.sum(-1)  # the heads' losses add up; metrics below are per head-token
                 loss = a.critic.coef * aggregate("token-mean", loss_mat, m, denom=denom)
                 if self._any(not bool(torch.isfinite(loss))):
                     continue
                 self._critic_backward(loss)
                 if float(m.sum()) > 0:
-                    acc.add({"critic/value_loss": (loss_mat.detach() * m).sum() / m.sum().clamp(min=1),
+                    nh = v.shape[-1] if v.dim() == 3 else 1
+                    acc.add({"critic/value_loss": (loss_mat.detach() * m).sum() / m.sum().clamp(min=1) / nh,
                              **{f"critic/{k}": x for k, x in vm.items()},
-                             "critic/value_mean": masked_mean(v.detach(), m)}, float(m.sum()))
+                             "critic/value_mean": masked_mean(v.detach(), mh)}, float(m.sum()))
             acc.add({"critic/grad_norm": self._critic_step()}, 1.0)
         return self._reduce_metrics(acc).means()
 
