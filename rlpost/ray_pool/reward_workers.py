@@ -30,7 +30,8 @@ recovery policy is ours (ROLL has none):
 
 Counts per step: ``reward/worker_failures``, ``reward/worker_timeouts`` (the subset
 that hit the deadline), ``reward/worker_restarts``, ``reward/worker_rescored`` (rows
-rescored in the driver); ``reward/workers`` live workers.
+rescored in the driver), summed over the step's scoring calls; ``reward/workers`` (live
+workers) is returned per call only.
 """
 
 from __future__ import annotations
