@@ -211,4 +211,4 @@ def build_rollout_backend(launcher: Any, ec: EngineConfig, local_engine: Any, po
         n = resolve_num_workers(cfg)
         launcher = OmegaConf.merge(launcher, {"num_rollout_workers": n})
     plan = device_plan(cfg) if cfg is not None else None
-    return RayRolloutPool(launcher, ec, local_engine, policy, plan=plan)
+    return RayRolloutPool(launcher, ec, local_engine, policy, **({"plan": plan} if plan is not None else {}))
