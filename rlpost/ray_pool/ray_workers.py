@@ -192,6 +192,18 @@ class RolloutWorker:
 
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
+    def device_info(self) -> Dict[str, Any]:
+        """Where this worker runs: ``pid``, ``cuda_visible`` (its ``CUDA_VISIBLE_DEVICES``), ``device``
+        (the engine's), and on CUDA the ``uuid`` / ``pci_bus_id`` of its device 0 (what the driver compares with
+        the device the mapping named; ``scripts/gpu_check.py --part device_map``)."""
+        info: Dict[str, Any] = {"pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                "device": str(self.device)}
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(0)
+            info.update(uuid=str(getattr(p, "uuid", "")), pci_bus_id=str(getattr(p, "pci_bus_id", "")),
+                        count=torch.cuda.device_count())
+        return info
+
     def load_weights(self, ref: List[Any], version: int) -> float:
         """Load the object-store weights ``ref[0]`` (:func:`state_arrays`) as ``version``; returns seconds."""
         import ray
