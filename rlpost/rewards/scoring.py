@@ -23,16 +23,25 @@ from rlpost.rewards.models import build_model_rewards, check_estimator
 _WORKER_TASK: Any = None
 
 
-def _score_one(args: Tuple[str, Any]) -> Tuple[str, float, bool]:
-    response, example = args
+def verify(task: Any, response: str, example: Any) -> Tuple[str, float, bool]:
+    """One verifier call: ``(status, score, format_ok)``; a raising or NaN verifier is ``("error", 0.0, False)``.
+
+    The one place a row's correctness is computed, in the driver, its verifier
+    process and the Ray reward workers (:mod:`rlpost.ray_pool.reward_workers`) alike.
+    """
     try:
-        s = float(_WORKER_TASK.score(response, example))
+        s = float(task.score(response, example))
         if s != s:  # NaN
             return ("error", 0.0, False)
-        fmt = bool(_WORKER_TASK.format_ok(response))
+        fmt = bool(task.format_ok(response))
         return ("ok", s, fmt)
     except Exception:  # noqa: BLE001 - any verifier failure becomes reward 0
         return ("error", 0.0, False)
+
+
+def _score_one(args: Tuple[str, Any]) -> Tuple[str, float, bool]:
+    response, example = args
+    return verify(_WORKER_TASK, response, example)
 
 
 class _WorkerDied(Exception):
@@ -243,6 +252,13 @@ class RewardFunction:
     Attributes:
         verifier_calls: responses handed to the verifier so far (a counter for
             tests and ``reward/verifier_calls``).
+        backend: None (the verifier runs here: in the forked worker process, or
+            in-process without ``isolate``) or an object with
+            ``correctness(responses, examples, fallback)`` (same return as
+            :meth:`correctness`), ``pop_metrics()`` and ``close()`` that runs the
+            verifier elsewhere, e.g. Ray reward workers
+            (:class:`rlpost.ray_pool.reward_workers.RayRewardPool`); ``fallback`` is
+            this object's own isolated scorer, for rows the backend could not score.
 
     Raises:
         ValueError: a bad overlong buffer (:func:`resolve_overlong_buffer`, or
@@ -275,6 +291,7 @@ class RewardFunction:
         self.isolate = isolate
         self.majority_vote = majority_vote
         self.verifier_calls = 0
+        self.backend: Optional[Any] = None
         self._pool: Optional[Any] = None
         self.models: Dict[str, Any] = dict(models or {})
         self.correct_weight = float(correct_weight)
@@ -338,7 +355,11 @@ class RewardFunction:
             self._pool = None
 
     def close(self) -> None:
-        """Stop the worker process (never blocks for more than about a second) and the model rewards."""
+        """Stop the worker process (never blocks for more than about a second), the backend's workers and the
+        model rewards."""
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -376,9 +397,16 @@ class RewardFunction:
         Returns:
             ``(scores, format_ok, counts)`` where counts has ``errors`` and ``timeouts``.
         """
+        self.verifier_calls += len(responses)
+        if self.backend is not None:
+            return self.backend.correctness(responses, examples, self._local_correctness)
+        return self._local_correctness(responses, examples)
+
+    def _local_correctness(self, responses: Sequence[str], examples: Sequence[Any]
+                           ) -> Tuple[List[float], List[bool], Dict[str, int]]:
+        """:meth:`correctness` in this process: the forked verifier worker (``isolate``) or directly."""
         global _WORKER_TASK
         n = len(responses)
-        self.verifier_calls += n
         scores = [0.0] * n
         fmts = [False] * n
         errors = timeouts = 0
@@ -459,6 +487,7 @@ class RewardFunction:
             "reward/verifier_timeouts": float(counts["timeouts"]),
             **extra,
             **model_metrics,
+            **(self.backend.pop_metrics() if self.backend is not None else {}),
         }
         if self.models:
             metrics["reward/rule_correct_mean"] = float(corr.mean()) if len(corr) else 0.0
@@ -596,4 +625,5 @@ class StepScorer:
 
 
 #: per-call counts that a step sums (model-reward failures, judge requests, cache hits)
-_SUMMED = ("_errors", "_parse_errors", "_requests", "_cache_hits", "_no_step_rows", "_timeouts")
+_SUMMED = ("_errors", "_parse_errors", "_requests", "_cache_hits", "_no_step_rows", "_timeouts",
+           "_failures", "_restarts", "_rescored")

@@ -51,7 +51,8 @@ from rlpost.methods.base import MethodSet, RunServices
 from rlpost.models.loader import load_policy
 from rlpost.models.logprobs import prompt_entropy
 from rlpost.models.moe_replay import attach_routing
-from rlpost.ray_pool import build_rollout_backend, describe_pool
+from rlpost.ray_pool import (attach_reward_workers, build_rollout_backend, describe_devices, describe_pool,
+                             describe_reward, device_plan)
 from rlpost.rewards import RewardFunction, StepScorer
 from rlpost.rollout import build_engine
 from rlpost.rollout.base import EngineConfig, GenerationResult, SamplingParams
@@ -139,7 +140,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
                  if cfg.executor.get("partial_rollout", False) else "")
               + ("; " + describe_pool(cfg)
                  if cfg.get("launcher") is not None and cfg.launcher.name == "ray" else ""), phase=PRODUCE),
-        Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping", phase=PRODUCE),
+        Stage("reward", f"task verifier (timeout {cfg.task.reward.timeout_s}s, failures -> 0) + shaping"
+              + describe_reward(cfg), phase=PRODUCE),
         Stage("algo_inputs", "algorithm inputs: " + (", ".join(inputs) or "none"), bool(inputs)),
         Stage("old_logprobs", "trainer log-probs of the rollouts before the update (else: current, detached)",
               needs_old_logprobs(a, methods)),
@@ -168,6 +170,8 @@ def build_graph(cfg: DictConfig) -> List[Stage]:
               + (str(cfg.checkpoint.keep_last) if cfg.checkpoint.keep_last is not None
                  else "1 (CPU, full fine-tuning) or 2 (checkpoint.keep_last=null)"), phase=FINISH),
     ]
+    for st in graph:  # launcher.device_mapping: where each stage's model runs
+        st.description += describe_devices(cfg, st.name)
     return graph
 
 
@@ -294,7 +298,8 @@ class Run:
         validate_config(cfg)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.device = pick_device(cfg.device)
+        self.devices = device_plan(cfg)  # launcher.device_mapping resolved (rlpost.ray_pool.device_mapping), or None
+        self.device = pick_device(self.devices.device("actor") if self.devices is not None else cfg.device)
 
         resolve_precision(cfg, self.device)  # precision=auto -> concrete dtypes, printed once
 
@@ -323,8 +328,9 @@ class Run:
         preflight(cfg, self.device)  # per-GPU memory budget: stop with the cheapest fix before loading 8B weights
         self.policy, self.tokenizer = load_policy(cfg.model, torch.float32, seed=cfg.seed)
         self.trainer = self._build_trainer()
-        self.reward_fn.attach(self.tokenizer, getattr(self.trainer, "dtype", torch.float32),
-                              getattr(self.trainer, "device", self.device))  # reward models load in the trainer's dtype
+        self.reward_fn.attach(self.tokenizer, getattr(self.trainer, "dtype", torch.float32),  # the trainer's dtype
+                              (self.devices.device("reward") if self.devices is not None and "reward" in self.devices.stages
+                               else getattr(self.trainer, "device", self.device)))
         self.methods.attach_trainer(self.trainer.policy)  # before any copy of the weights is made
         self.teacher = None  # the frozen distillation teacher (model.teacher): owns its parameters
         if cfg.model.get("teacher", None):
@@ -364,6 +370,7 @@ class Run:
         # launcher=ray: generation in a pool of Ray actors behind the same engine interface (rlpost.ray_pool)
         self.engine = build_rollout_backend(cfg.get("launcher"), self.engine_cfg, self.engine, self.trainer.policy,
                                             cfg=cfg)
+        attach_reward_workers(cfg.get("launcher"), self.reward_fn, self.task)  # launcher.reward_workers > 0: Ray verifiers
         self._prompt_cache: Dict[int, List[int]] = {}
         self._eval_tasks: Optional[Dict[str, Any]] = None
         self.services = self._services()
