@@ -71,7 +71,8 @@ def run_preset(name: str, steps: int, overrides: List[str], keep: bool = False,
         cfg = compose_config([*base, *overrides])
         from rlpost.algos.validate import uses_teacher
 
-        if uses_teacher(cfg.algo) and not cfg.model.get("teacher"):  # distillation: the model is its own teacher
+        # distillation without a teacher (one, or one per domain in model.teachers): the model is its own teacher
+        if uses_teacher(cfg.algo) and not cfg.model.get("teacher") and not cfg.model.get("teachers"):
             base.append(f"model.teacher={cfg.model.name}")
             cfg = compose_config([*base, *overrides])
         if off_policy and int(cfg.algo.mini_batches) == 1 and int(cfg.algo.ppo_epochs) == 1:
