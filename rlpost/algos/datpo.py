@@ -108,6 +108,12 @@ class DatpoAdvParams:
     anneal_steps: int = param(0, "steps of the linear anneal from coef to coef_min (0: constant coef; the authors "
                               "anneal over the whole run: set it to steps)")
 
+    def __post_init__(self) -> None:
+        if float(self.sibling_diversity_coef) < 0 or float(self.sibling_diversity_coef_min) < 0 \
+                or int(self.anneal_steps) < 0:
+            raise ValueError(f"datpo: sibling_diversity_coef={self.sibling_diversity_coef}, sibling_diversity_coef_min="
+                             f"{self.sibling_diversity_coef_min} and anneal_steps={self.anneal_steps} must be >= 0")
+
 
 @ADV_ESTIMATORS.register("datpo", paper=PAPER, params=DatpoAdvParams, needs_group=True, sampler="datpo")
 def datpo_advantage(inp: AdvantageInput, *, sibling_diversity_coef: float, sibling_diversity_coef_min: float,

@@ -130,6 +130,14 @@ class DriftParams:
     repeat_penalty: float = param(0.5, "lambda of the repeat penalty lambda (1 - distinct answers / answering turns) "
                                        "subtracted from the return, 0 off (authors: 0.5)")
 
+    def __post_init__(self) -> None:
+        if not float(self.beta) > 0:
+            raise ValueError(f"drift: beta must be > 0, got {self.beta}")
+        if not 0.0 <= float(self.gamma) <= 1.0:
+            raise ValueError(f"drift: gamma must be in [0, 1], got {self.gamma}")
+        if float(self.repeat_penalty) < 0:
+            raise ValueError(f"drift: repeat_penalty must be >= 0, got {self.repeat_penalty}")
+
 
 @ADV_ESTIMATORS.register(
     "drift",

@@ -1653,6 +1653,9 @@ class NATParams:
     eps_low: float = param(0.2, "PPO clip floor of the kept tokens (PPO's 0.2)")
     eps_high: float = param(0.2, "PPO clip cap of the kept tokens (PPO's 0.2)")
 
+    def __post_init__(self) -> None:
+        _nat_check(str(getattr(self.selector, "name", self.selector)), float(self.keep_prob))
+
 
 def nat_inclusion(mask: torch.Tensor, selector: str, keep_prob: float, gen: Optional[torch.Generator]):
     """``(keep [N, R] bool, pi [N, R] inclusion probability)`` of NAT's token selectors.

@@ -149,7 +149,8 @@ class MOPDParams:
     gap_clamp_high: float = param(20.0, "upper bound of the gap factor")
 
 
-@ADV_ESTIMATORS.register("mopd", paper=_PAPER, params=MOPDParams, needs_teacher=True, provides=(WEIGHT,))
+@ADV_ESTIMATORS.register("mopd", paper=_PAPER, params=MOPDParams, needs_teacher=True, routed_teachers=True,
+                         provides=(WEIGHT,))
 def mopd_advantage(
     inp: AdvantageInput,
     *,

@@ -281,7 +281,8 @@ def _check_combination(algo_cfg: Any, adv: str, loss: str, agg: str, n: int) -> 
             f"algo.adv_estimator={adv} needs a critic (value model) but algo.critic.enabled is false. "
             f"Set algo.critic.enabled=true, or choose a critic-free estimator (grpo, rloo, reinforce_pp, ...)."
         )
-    heads = int(_get(critic, "num_heads", 1) or 1)
+    heads = _get(critic, "num_heads", 1)
+    heads = 1 if heads is None else int(heads)
     if heads < 1:
         raise ConfigError(f"algo.critic.num_heads={heads} must be >= 1 (1: one critic; N: N value heads).")
     if heads > 1 and not tags.get("multi_head_critic"):
@@ -477,6 +478,11 @@ def check_teacher_config(cfg: Any) -> None:
     if routed:
         check_routed_teachers(cfg, routed, need)
         return
+    if need and not spec and ADV_ESTIMATORS.tag(str(cfg.algo.adv_estimator), "routed_teachers", False):
+        raise ConfigError(f"algo.adv_estimator={cfg.algo.adv_estimator} routes each prompt to its domain's teacher, but "
+                          f"model.teachers is not set. Fix: model.teachers.<domain>=<model preset or HF dir> for every "
+                          f"domain of the task (e.g. task=arithmetic_mix: model.teachers.basic_arithmetic=smollm2-135m "
+                          f"model.teachers.chain_sum=smollm2-135m).")
     if need and not spec:
         raise ConfigError(f"algo={cfg.algo.name} (loss={cfg.algo.loss}, adv_estimator={cfg.algo.adv_estimator}) "
                           f"distils from a teacher but model.teacher is not set. Fix: model.teacher=<model preset or "

@@ -95,8 +95,9 @@ def resolve_params(params: type, overrides: Mapping[str, Any], key: str = "", ow
     Args:
         key: config path of the overrides, for messages; owner: who declares them.
     Raises:
-        ConfigError: an unknown key (listing the valid ones), a wrong type, or a
-            value outside a :class:`Choice`.
+        ConfigError: an unknown key (listing the valid ones), a wrong type, a
+            value outside a :class:`Choice`, or a value the dataclass's own
+            ``__post_init__`` refuses (its ``ValueError`` message, with ``key``).
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -123,6 +124,8 @@ def resolve_params(params: type, overrides: Mapping[str, Any], key: str = "", ow
         else:
             msg = f"{where} ({owner or params.__name__}): {msg}."
         raise ConfigError(msg) from None
+    except ValueError as e:  # a range check of the dataclass itself (__post_init__)
+        raise ConfigError(f"{key or 'parameters'} ({owner or params.__name__}): {e}. Fix: set a value in range.") from None
 
 
 def _kw_targets(obj: Any) -> Tuple[Dict[str, Callable], bool]:

@@ -175,9 +175,17 @@ class PolicyOfThoughts(TestTimeStrategy):
                            clip_eps=float(clip_eps), kl_coef=float(kl_coef), std_eps=float(std_eps),
                            adv_clip=None if adv_clip is None else float(adv_clip),
                            check_restored=bool(check_restored))
-        if self.p.iterations < 0 or self.p.group_size < 2 or self.p.lora_rank < 1 or self.p.ppo_epochs < 1:
-            raise ConfigError(f"eval.test_time_params: iterations >= 0, group_size >= 2, lora_rank >= 1 and "
-                              f"ppo_epochs >= 1 are needed (got {self.p}).")
+        p = self.p
+        bad = [f"{k}={v}" for k, v, ok in (("iterations", p.iterations, p.iterations >= 0),
+                                           ("group_size", p.group_size, p.group_size >= 2),
+                                           ("lora_rank", p.lora_rank, p.lora_rank >= 1),
+                                           ("ppo_epochs", p.ppo_epochs, p.ppo_epochs >= 1),
+                                           ("temperature", p.temperature, p.temperature > 0),
+                                           ("lr", p.lr, p.lr > 0)) if not ok]
+        if bad:
+            raise ConfigError(f"eval.test_time_params: {', '.join(bad)} out of range (PoT needs iterations >= 0, "
+                              f"group_size >= 2, lora_rank >= 1, ppo_epochs >= 1, temperature > 0, lr > 0). "
+                              f"Fix: +eval.test_time_params.<name>=<value in range>.")
         super().__init__()
 
     def _trainer(self, policy: torch.nn.Module, ctx: TestTimeContext, max_new: int) -> Any:

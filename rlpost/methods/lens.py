@@ -82,6 +82,11 @@ class LENS(Method):
         if str(trainer_loss_params(self.cfg.algo).proximal) == "a3po":
             raise ConfigError("sampler=lens writes CRPO's ratio denominator into the old log-probs, which "
                               "algo.offpolicy.proximal=a3po never computes. Fix: algo.offpolicy.proximal=recompute.")
+        lora = self.cfg.model.get("lora", None)
+        if lora is not None and int(lora.get("rank", 0) or 0) > 0:
+            raise ConfigError(f"sampler=lens scores prompt tokens against a frozen reference copy of the policy, which a "
+                              f"LoRA run (model.lora.rank={lora.rank}) does not keep. Fix: model.lora.rank=0 (full "
+                              f"fine-tuning), or another sampler.")
         corr = str(self.cfg.precision.get("correction", "none") or "none")
         if corr != "none":
             raise ConfigError(f"sampler=lens already anchors purified rows on the engine's log-probs (CRPO's "

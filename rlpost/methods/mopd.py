@@ -54,8 +54,8 @@ class DomainLabels(Method):
         domains = self._domains()
         if not domains:
             raise ConfigError("algo.adv_estimator=mopd routes each prompt to its domain's teacher, but model.teachers "
-                              "is not set. Fix: model.teachers={<domain>: <model preset or HF dir>, ...} (one per "
-                              "domain of the task; e.g. task=arithmetic_mix has basic_arithmetic and chain_sum).")
+                              "is not set. Fix: model.teachers.<domain>=<model preset or HF dir>, one per domain of the "
+                              "task (e.g. task=arithmetic_mix has basic_arithmetic and chain_sum).")
         t = self._targets()
         if set(t) != set(domains):
             raise ConfigError(f"algo.adv_params.target_shares names {sorted(t)} but model.teachers has the domains "

@@ -420,4 +420,8 @@ def plan_from_config(cfg: Any) -> Plan:
     p = check_provisioning(cfg.launcher.get("provisioning"))
     r = int(cfg.selector.prompts_per_step) * int(cfg.algo.n_samples_per_prompt)
     s = int(cfg.executor.max_staleness) if str(cfg.executor.name) == "async" else 0
-    return plan(p, r, s)
+    try:
+        return plan(p, r, s)
+    except (TypeError, ValueError) as e:  # a setting that is not a number (e.g. worker_rollouts_per_s=abc)
+        raise ConfigError(f"launcher.provisioning: {e}. Fix: every time, size and rate is a number "
+                          f"(docs/SCALING.md, \"ECHO-2\").") from None
