@@ -166,12 +166,7 @@ def evaluate(
     t0 = time.monotonic()
     max_new, n_samples, temperature, ks, batch_size, stop, top_k, top_p = _settings(eval_cfg, rollout_cfg)
     n_boot = int(n_boot if n_boot is not None else _cfg_get(eval_cfg, "n_boot", 1000))
-    examples = list(task.eval_examples())
-    limit = _cfg_get(eval_cfg, "limit", None)
-    if limit is not None:
-        examples = examples[: int(limit)]
-    if not examples:
-        raise DataError(f"task {task.name!r} has no evaluation examples (check task.path / task.eval_size / eval.limit)")
+    examples = _eval_examples(task, eval_cfg)
     own_reward = reward_fn is None
     if own_reward:
         rcfg = getattr(task.cfg, "reward", None)
@@ -179,15 +174,8 @@ def evaluate(
     bar = progress_bar(progress, len(examples) * (1 + (n_samples if n_samples > 1 else 0)), leave=leave)
     try:
         prompts = [task.render_prompt(ex, tokenizer) for ex in examples]
-        if test_time is not None:
-            strategy, ctx = test_time
-            greedy = strategy.respond(task, examples, prompts, ctx, max_new, stop, seed, bar)
-            greedy["scores"], greedy["format"], greedy["counts"] = reward_fn.correctness(greedy["texts"], examples)
-        else:
-            greedy = _generate_scored(
-                engine, prompts, examples, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed, stop=stop),
-                reward_fn, batch_size, bar,
-            )
+        greedy = _answers(test_time, engine, task, examples, prompts, reward_fn,
+                          SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed, stop=stop), batch_size, bar)
         sampled = None
         if n_samples > 1:
             rep_prompts = [p for p in prompts for _ in range(n_samples)]
@@ -208,6 +196,33 @@ def evaluate(
             rec["test_time"] = info
     out["time_s"] = time.monotonic() - t0
     return out
+
+
+def _answers(test_time: Any, engine: Any, task: Any, examples: List[Any], prompts: List[Any], reward_fn: Any,
+             greedy: SamplingParams, batch_size: int, bar: Any) -> Dict[str, Any]:
+    """Each problem's scored answer: greedy decoding, or the ``(strategy, context)`` of ``eval.test_time``
+    (its ``respond`` gives the texts, scored by the same verifier; :mod:`rlpost.eval.test_time`)."""
+    if test_time is None:
+        return _generate_scored(engine, prompts, examples, greedy, reward_fn, batch_size, bar)
+    strategy, ctx = test_time
+    out = strategy.respond(task, examples, prompts, ctx, greedy.max_new_tokens, greedy.stop, greedy.seed, bar)
+    out["scores"], out["format"], out["counts"] = reward_fn.correctness(out["texts"], examples)
+    return out
+
+
+def _eval_examples(task: Any, eval_cfg: Any) -> List[Any]:
+    """The task's held-out examples, the first ``eval.limit`` of them when it is set.
+
+    Raises:
+        DataError: none are left.
+    """
+    examples = list(task.eval_examples())
+    limit = _cfg_get(eval_cfg, "limit", None)
+    if limit is not None:
+        examples = examples[: int(limit)]
+    if not examples:
+        raise DataError(f"task {task.name!r} has no evaluation examples (check task.path / task.eval_size / eval.limit)")
+    return examples
 
 
 def _settings(eval_cfg: Any, rollout_cfg: Any) -> tuple:
