@@ -209,3 +209,26 @@ def test_config_errors(compose, extra, match):
 
     with pytest.raises(ConfigError, match=match):
         validate_config(compose(["launcher=ray", *extra]))
+
+
+def test_a_plan_above_max_workers_names_the_units(compose):
+    """A worker rate given per hour instead of per second plans 7,200x the pool: refused, naming both units."""
+    from rlpost.config.compose import validate_config
+
+    slow = [a for a in AUTO if "worker_rollouts_per_s" not in a] + ["launcher.provisioning.worker_rollouts_per_s=0.001"]
+    with pytest.raises(ConfigError, match=r"needs 6400 workers .*provisioning.max_workers=1024.*rollouts per\s+second"):
+        validate_config(compose(slow))
+    # 6.4/s at 0.01/s = 640 workers: under the cap; a lower cap refuses the same plan
+    ok = [a for a in AUTO if "worker_rollouts_per_s" not in a] + ["launcher.provisioning.worker_rollouts_per_s=0.01"]
+    from rlpost.ray_pool import resolve_num_workers
+
+    assert resolve_num_workers(compose(ok)) == 640
+    with pytest.raises(ConfigError, match="max_workers=100"):
+        validate_config(compose(ok + ["launcher.provisioning.max_workers=100"]))
+
+
+def test_auto_without_ray_is_refused(compose):
+    from rlpost.config.compose import validate_config
+
+    with pytest.raises(ConfigError, match="launcher=none has none of"):
+        validate_config(compose(["launcher.num_rollout_workers=auto"]))

@@ -37,6 +37,9 @@ def check_launcher(cfg: Any) -> None:
         if lc is not None and (lc.get("device_mapping") is not None or int(lc.get("reward_workers", 0) or 0) != 0):
             raise ConfigError("launcher.device_mapping and launcher.reward_workers place Ray actors, which launcher=none "
                               "has none of. Fix: launcher=ray, or leave them out.")
+        if lc is not None and str(lc.get("num_rollout_workers", "")).strip().lower() == "auto":
+            raise ConfigError("launcher.num_rollout_workers=auto sizes a pool of Ray rollout workers, which launcher=none "
+                              "has none of (rollouts run in the driver). Fix: launcher=ray, or leave it out.")
         return
     if lc.name not in LAUNCHERS:  # the schema's enum already rejects this; kept for plain dict configs
         raise ConfigError(f"Unknown launcher={lc.name!r}. Valid choices: {', '.join(LAUNCHERS)}.")

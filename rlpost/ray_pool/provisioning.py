@@ -50,6 +50,7 @@ PROVISIONING_DEFAULTS: Dict[str, Any] = {
     "chunks": 1,                   # chunks the snapshot is cut into for the pipeline
     "worker_rollouts_per_s": None,  # mu of one worker of a homogeneous pool
     "worker_kinds": [],            # heterogeneous pool: [{name, rollouts_per_s, cost_per_hour, count}]
+    "max_workers": 1024,           # a homogeneous plan above this stops the run (our choice: a unit slip, not a pool)
 }
 KIND_KEYS = ("name", "rollouts_per_s", "cost_per_hour", "count")
 
@@ -404,6 +405,12 @@ def plan(p: Mapping[str, Any], rollouts_per_step: float, staleness: int) -> Plan
         else:
             m = workers_needed(req, float(mu))
             thr = m * float(mu)
+            if m > int(p["max_workers"]):
+                raise ConfigError(
+                    f"launcher.num_rollout_workers=auto: the rule needs {m} workers of {float(mu):.4g} rollouts/s each "
+                    f"({req:.4g} rollouts/s), above launcher.provisioning.max_workers={int(p['max_workers'])}. Fix: "
+                    f"check the units of train_s (seconds per learner step) and worker_rollouts_per_s (rollouts per "
+                    f"second of one worker), or raise launcher.provisioning.max_workers if the pool is meant.")
         if m <= n or not modelled:  # m >= n always (T_bcast only grows with the pool): m == n here
             n = m
             break
