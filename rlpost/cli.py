@@ -443,7 +443,11 @@ REGISTRY_GROUPS = {
     "verifier": ("rlpost.tasks.verifiers", "VERIFIERS"),
     "reward_model_kind": ("rlpost.rewards.kinds", "REWARD_MODELS"),  # task.reward.models.<name>.kind
     "step_segment": ("rlpost.tasks.steps", "SEGMENTERS"),  # a PRM's segment= rule
+    "tool": ("rlpost.envs.tools", "TOOLS"),  # an agent's tools (sampler.params.tools)
+    "test_time": ("rlpost.eval.test_time_catalog", "TEST_TIME"),  # rlpost eval eval.test_time=<name>
 }
+# config directories composed with `+`/`=` but without a schema group of their own (env=, reward_model=)
+EXTRA_CONF_GROUPS = ("env", "reward_model")
 
 
 def _preset_description(path: Path) -> str:
@@ -499,7 +503,7 @@ def list_cmd(group: Optional[str] = typer.Argument(None, help="A config group (a
     from rlpost.config.schema import GROUP_SCHEMAS
     from rlpost.core.registry import param_rows
 
-    conf_groups = list(GROUP_SCHEMAS) + ["recipe"]
+    conf_groups = list(GROUP_SCHEMAS) + list(EXTRA_CONF_GROUPS) + ["recipe"]
     groups = [group] if group else conf_groups + list(REGISTRY_GROUPS)
     for g in groups:
         if g in conf_groups:

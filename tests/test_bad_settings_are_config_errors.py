@@ -22,6 +22,15 @@ CASES = [
     (["algo=t5", "algo.critic.num_heads=0"], "num_heads=0 must be >= 1"),
     (["launcher=ray", "launcher.num_rollout_workers=auto", "launcher.provisioning.train_s=10",
       "launcher.provisioning.publish_every=1", "launcher.provisioning.worker_rollouts_per_s=abc"], "launcher.provisioning"),
+    (["algo=t5", "algo.adv_params.lams=[1,2]"], "every GAE lambda must be in [0, 1]"),
+    (["algo=mopd", "task=arithmetic_mix", "model.teachers.basic_arithmetic=tiny", "model.teachers.chain_sum=tiny",
+      "algo.adv_params.gap_clamp_low=5", "algo.adv_params.gap_clamp_high=1"], "0 < low <= high"),
+    # a sampler's constructor range checks run at config time (rlpost.samplers.check_config builds it once)
+    (["sampler=m3po", "sampler.params.mix_lambda=2"], "mix_lambda=2 must be in [0, 1]"),
+    (["sampler=empo2", "sampler.params.off_policy_prob=1.5"], "off_policy_prob=1.5"),
+    (["sampler=agentflow", "sampler.params.tools=[calculater]"], "calculater"),
+    (["sampler=datpo", "sampler.params.ngram=0"], "ngram=0 must be >= 1"),
+    (["sampler=scope"], "prm_model_path"),
 ]
 
 

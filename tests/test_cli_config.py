@@ -78,6 +78,9 @@ def test_list_shows_groups_and_registries():
     res = _run("list", "loss")
     assert "ppo_clip" in res.output and "strict_double_clip" in res.output
     assert _run("list", "nosuchgroup").exit_code == 2
+    res = _run("list")  # the groups without a schema of their own and the registries of tools and test-time strategies
+    for line in ("env:", "  calculator", "reward_model:", "tool (registry):", "test_time (registry):", "  pot"):
+        assert "\n" + line in res.output, line
 
 
 def test_help_examples_quote_hydra_ranges_for_the_shell():

@@ -34,11 +34,22 @@ def _card(name: str) -> R.Card:
 # --------------------------------------------------------------------------- composition
 
 
+# recipes that need a local checkpoint no package ships: the setting, given a tiny one here
+NEEDS_CHECKPOINT = {"scope": "sampler.params.prm_model_path"}
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_every_recipe_composes_with_rlpost_config(name):
+def test_every_recipe_composes_with_rlpost_config(name, tmp_path):
     from rlpost.cli import app
 
-    r = CliRunner().invoke(app, ["config", f"+recipe={name}", "logger=none"])
+    extra = []
+    if name in NEEDS_CHECKPOINT:
+        from test_reward_models import _tiny_classifier
+
+        bare = CliRunner().invoke(app, ["config", f"+recipe={name}", "logger=none"])
+        assert bare.exit_code != 0 and NEEDS_CHECKPOINT[name] in bare.output, bare.output  # names the missing setting
+        extra = [f"{NEEDS_CHECKPOINT[name]}={_tiny_classifier(tmp_path, token=True)}"]
+    r = CliRunner().invoke(app, ["config", f"+recipe={name}", "logger=none", *extra])
     assert r.exit_code == 0, r.output
     assert "# effective component parameters" in r.output
 

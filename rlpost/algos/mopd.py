@@ -148,6 +148,17 @@ class MOPDParams:
     gap_clamp_low: float = param(0.05, "lower bound of the gap factor (m_d / m_ref)^alpha")
     gap_clamp_high: float = param(20.0, "upper bound of the gap factor")
 
+    def __post_init__(self) -> None:
+        """Range checks (a ``ValueError`` here is reported as a ConfigError naming ``algo.adv_params``)."""
+        if float(self.gap_alpha) < 0:
+            raise ValueError(f"gap_alpha={self.gap_alpha} must be >= 0 (0: gap-following off)")
+        if not 0.0 < float(self.gap_clamp_low) <= float(self.gap_clamp_high):
+            raise ValueError(f"gap_clamp_low={self.gap_clamp_low} and gap_clamp_high={self.gap_clamp_high} must satisfy "
+                             f"0 < low <= high")
+        bad = {d: g for d, g in (self.target_shares or {}).items() if not float(g) > 0}
+        if bad:
+            raise ValueError(f"target_shares {bad}: every domain's share must be > 0")
+
 
 @ADV_ESTIMATORS.register("mopd", paper=_PAPER, params=MOPDParams, needs_teacher=True, routed_teachers=True,
                          provides=(WEIGHT,))

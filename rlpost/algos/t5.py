@@ -63,6 +63,21 @@ class T5Params:
     signal_retention_coef: float = param(1.0, "c: weight of the penalty c * relu(kappa - S)^2")
     whiten: bool = param(False, "whiten the mixed advantage over the batch (off: keep its centring)")
 
+    def __post_init__(self) -> None:
+        """Range checks (a ``ValueError`` here is reported as a ConfigError naming ``algo.adv_params``)."""
+        if not 0.0 <= float(self.gamma) <= 1.0:
+            raise ValueError(f"gamma={self.gamma} must be in [0, 1]")
+        bad = [x for x in self.lams if not 0.0 <= float(x) <= 1.0]
+        if bad:
+            raise ValueError(f"lams={list(self.lams)}: every GAE lambda must be in [0, 1] (got {bad})")
+        if int(self.mixer_hidden) < 0 or int(self.saddle_steps) < 0:
+            raise ValueError(f"mixer_hidden={self.mixer_hidden} and saddle_steps={self.saddle_steps} must be >= 0")
+        if not float(self.mixer_lr) > 0:
+            raise ValueError(f"mixer_lr={self.mixer_lr} must be > 0")
+        if not 0.0 <= float(self.retention_target) <= 1.0 or float(self.signal_retention_coef) < 0:
+            raise ValueError(f"retention_target={self.retention_target} must be in [0, 1] and signal_retention_coef="
+                             f"{self.signal_retention_coef} >= 0")
+
 
 def head_values(values: torch.Tensor, n: int) -> torch.Tensor:
     """``[B, R, n]`` critic values: ``values`` itself, or one head ``[B, R]`` repeated for every critic.

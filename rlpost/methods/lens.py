@@ -76,9 +76,6 @@ class LENS(Method):
         return str(cfg.sampler.name) == "lens"
 
     def validate(self) -> None:
-        from rlpost.samplers.base import build_sampler
-
-        build_sampler(self.cfg.sampler, int(self.cfg.algo.n_samples_per_prompt))  # its value ranges, at config time
         if str(trainer_loss_params(self.cfg.algo).proximal) == "a3po":
             raise ConfigError("sampler=lens writes CRPO's ratio denominator into the old log-probs, which "
                               "algo.offpolicy.proximal=a3po never computes. Fix: algo.offpolicy.proximal=recompute.")

@@ -10,13 +10,22 @@ from rlpost.core.registry import as_dict
 
 
 def check_config(cfg) -> None:
-    """``sampler``: registered, ``sampler.params`` holds only its declared parameters (types checked).
+    """``sampler``: registered, ``sampler.params`` holds only its declared parameters (types checked),
+    and the sampler accepts their values.
+
+    The sampler is built once and dropped, so a range check in its constructor (M3PO's
+    ``mix_lambda`` in [0, 1], an unknown AgentFlow tool) stops ``rlpost config`` instead of the
+    run's build. Constructors only check and store their parameters; engines, models and tools'
+    processes are attached later (``Sampler.setup``, ``attach``).
 
     Raises:
-        ConfigError: an unknown sampler or parameter.
+        ConfigError: an unknown sampler or parameter, or a value the sampler refuses.
     """
 
     SAMPLERS.resolve(cfg.sampler.name, as_dict(cfg.sampler.params), "sampler.params")
+    algo = cfg.get("algo", None)
+    if algo is not None and algo.get("n_samples_per_prompt", None) is not None:
+        build_sampler(cfg.sampler, int(algo.n_samples_per_prompt))
 from rlpost.samplers import xrpo_icl  # noqa: F401,E402  (XRPO: in-context seeding of prompts whose probes all failed)
 from rlpost.samplers import r3l  # noqa: F401,E402  (R^3L: reflect on failed attempts, retry from the failure step)
 from rlpost.samplers import rc_grpo  # noqa: F401,E402  (RC-GRPO: reward tokens in the prompt, stage 1 rctp and stage 2 rc_grpo)
