@@ -131,6 +131,25 @@ def test_method_replaces_offpolicy_denominators_and_masks_rows(compose):
     assert not MethodSet.for_config(compose(tiny_overrides("sampler=episode", "algo=empo2"))).methods
 
 
+def test_a_step_whose_every_row_is_masked_warns_once(compose, caplog):
+    """On the tiny model every row has a token below -5: the step has no gradient, and the log says so once."""
+    from rlpost.methods.base import MethodSet
+
+    ms = MethodSet.for_config(compose(tiny_overrides("sampler=empo2", "algo=empo2")))
+
+    def batch():
+        return SimpleNamespace(extras={"old_logprobs": torch.tensor([[-6.0, -1.0], [-1.0, -8.0]])},
+                               rollout_logprobs=torch.zeros(2, 2), response_mask=torch.ones(2, 2))
+
+    with caplog.at_level("WARNING", logger="rlpost"):
+        b = batch()
+        assert ms.after_old_logprobs(b, SimpleNamespace(step=3))["empo2/low_prob_masked_frac"] == 1.0
+        ms.after_old_logprobs(batch(), SimpleNamespace(step=4))
+    assert b.response_mask.sum() == 0
+    warned = [r.getMessage() for r in caplog.records if "masked every row" in r.getMessage()]
+    assert len(warned) == 1 and "step 3" in warned[0] and "low_prob_threshold=null" in warned[0]
+
+
 # ------------------------------------------------------------------ the sampler on the tiny model
 @pytest.fixture(scope="module")
 def tiny_engine():

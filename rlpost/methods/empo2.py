@@ -21,6 +21,7 @@ advantages; the outcome estimators' row advantages do not read the mask, so it a
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -108,4 +109,11 @@ class EMPO2Update(Method):
             if bool(drop.any()):
                 batch.response_mask = mask * (~drop).to(mask.dtype).unsqueeze(1)
             out["empo2/low_prob_masked_frac"] = float(drop.float().mean())
+            if drop.numel() and bool(drop.all()) and not getattr(self, "_warned_all_masked", False):
+                self._warned_all_masked = True  # once a run: the metric above counts every later step
+                logging.getLogger("rlpost").warning(
+                    f"EMPO²: sampler.params.low_prob_threshold={thr} masked every row of step {getattr(run, 'step', '?')} "
+                    f"(each has a token whose old log-prob is below it), so the step has no gradient. Fix: "
+                    f"sampler.params.low_prob_threshold=null (the authors' ScienceWorld setting) or a lower threshold; "
+                    f"empo2/low_prob_masked_frac shows the share each step.")
         return out
