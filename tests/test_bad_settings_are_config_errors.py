@@ -25,6 +25,9 @@ CASES = [
     (["algo=t5", "algo.adv_params.lams=[1,2]"], "every GAE lambda must be in [0, 1]"),
     (["algo=mopd", "task=arithmetic_mix", "model.teachers.basic_arithmetic=tiny", "model.teachers.chain_sum=tiny",
       "algo.adv_params.gap_clamp_low=5", "algo.adv_params.gap_clamp_high=1"], "0 < low <= high"),
+    # an env preset sets its own sampler: naming another one beside it is refused (it was silently replaced)
+    (["env=calculator", "sampler=empo2"], "Fix: sampler.name=empo2"),
+    (["env=agentflow", "sampler=group"], "replaces sampler=group"),
     # a sampler's constructor range checks run at config time (rlpost.samplers.check_config builds it once)
     (["sampler=m3po", "sampler.params.mix_lambda=2"], "mix_lambda=2 must be in [0, 1]"),
     (["sampler=empo2", "sampler.params.off_policy_prob=1.5"], "off_policy_prob=1.5"),
@@ -41,6 +44,12 @@ def test_bad_setting_is_a_config_error_that_names_it(overrides, message):
     assert message in str(e.value)
     if "routes each prompt" in str(e.value):  # the routed-teacher case offers only the routed fix
         assert "model.teacher=" not in str(e.value)
+
+
+def test_an_env_with_its_sampler_named_as_a_key_composes():
+    cfg = compose_config(["model=tiny", "env=calculator", "sampler.name=empo2"])
+    validate_config(cfg)
+    assert cfg.sampler.name == "empo2" and cfg.sampler.params.env == "tools"  # the env's episode settings kept
 
 
 def test_a_type_error_keeps_its_own_message():

@@ -176,7 +176,33 @@ COMPOSE_RULES = (
     "rlpost.methods.hapo:sampler_overrides",  # a per-token temperature loss gets the sampler that owns it
     "rlpost.algos.validate:window_rollout_overrides",  # an estimator on window-cut rollouts (T-PPO's EGAE)
     "rlpost.algos.validate:estimator_sampler_overrides",  # an estimator that reads its sampler's data (Shuffle-R1)
+    "rlpost.config.compose:env_sampler_check",  # adds nothing: refuses sampler=X that an env preset would replace
 )
+
+
+def env_sampler_check(cfg: DictConfig, overrides: List[str]) -> List[str]:
+    """Refuse ``sampler=X`` beside an ``env=`` preset that sets another sampler; adds no override.
+
+    An env preset (``conf/env``) is global and sets ``sampler.name`` after the sampler group is
+    composed, so ``env=calculator sampler=empo2`` would run the plain episode sampler without a word.
+    ``sampler.name=X`` (a key, applied last) keeps the env's episode settings and is the fix.
+
+    Raises:
+        ConfigError: both are named and the composed sampler is not the one asked for.
+    """
+    import re
+
+    chosen = env = None
+    for o in overrides:
+        m = re.match(r"^\+{0,2}(sampler|env)=([A-Za-z0-9_]+)$", o.strip())
+        if m:
+            chosen, env = (m.group(2), env) if m.group(1) == "sampler" else (chosen, m.group(2))
+    got = str(cfg.get("sampler", {}).get("name", ""))
+    if chosen and env and got != chosen:
+        raise ConfigError(f"env={env} sets the sampler to {got!r}, which replaces sampler={chosen} on the same command "
+                          f"line. Fix: sampler.name={chosen} (keeps env={env}'s episode settings; the sampler must "
+                          f"accept them), or drop sampler={chosen}.")
+    return []
 
 
 def rule_overrides(cfg: DictConfig, overrides: List[str]) -> List[str]:
