@@ -28,6 +28,10 @@ CASES = [
     # an env preset sets its own sampler: naming another one beside it is refused (it was silently replaced)
     (["env=calculator", "sampler=empo2"], "Fix: sampler.name=empo2"),
     (["env=agentflow", "sampler=group"], "replaces sampler=group"),
+    # a sampler whose decoding hook keeps state in this process, with rollouts decoded elsewhere
+    (["sampler=neighbor_mixing", "launcher=ray"], "launcher=ray decodes in Ray workers"),
+    (["sampler=m3po", "trainer=deepspeed", "trainer.num_procs=2"], "trainer.num_procs=2 splits the rows"),
+    (["sampler=adaptive_temperature", "trainer=deepspeed", "trainer.num_procs=2"], "token entropies"),
     # a sampler's constructor range checks run at config time (rlpost.samplers.check_config builds it once)
     (["sampler=m3po", "sampler.params.mix_lambda=2"], "mix_lambda=2 must be in [0, 1]"),
     (["sampler=empo2", "sampler.params.off_policy_prob=1.5"], "off_policy_prob=1.5"),

@@ -29,8 +29,9 @@ def check_launcher(cfg: Any) -> None:
     Raises:
         ConfigError: ``launcher=ray`` without Ray installed, ``num_rollout_workers < 1``,
             an unknown ``placement`` / ``weight_sync``, negative resources or restarts,
-            ``trainer.num_procs > 1`` (the trainer is one driver process under Ray), or a
-            sampler whose per-token temperature hook keeps state in the driver.
+            or ``trainer.num_procs > 1`` (the trainer is one driver process under Ray). A sampler
+            whose decoding hook keeps state in this process is refused by
+            :func:`rlpost.samplers.check_process_local_hooks`.
     """
     lc = cfg.get("launcher")
     if lc is None or lc.name == "none":
@@ -72,9 +73,6 @@ def check_launcher(cfg: Any) -> None:
                           "trainer.num_procs>1 is not supported with it. Fix: trainer.num_procs=1, or launcher=none "
                           "for torchrun data-parallel rollouts.")
     check_roll_settings(cfg)
-    if cfg.sampler.name == "adaptive_temperature":
-        raise ConfigError("sampler=adaptive_temperature keeps entropy statistics of every generated token in the driver, "
-                          "which Ray rollout workers cannot update. Fix: launcher=none, or another sampler.")
 
 
 def check_roll_settings(cfg: Any) -> None:

@@ -6,6 +6,7 @@ from rlpost.samplers import scope  # noqa: F401,E402  (SCOPE: PRM-located repair
 from rlpost.samplers import elpo  # noqa: F401,E402  (ELPO: binary-search tree to the first irrecoverable step)
 from rlpost.samplers import shuffle_r1  # noqa: F401,E402  (Shuffle-R1: PTS + ABS)
 from rlpost.samplers import trace  # noqa: F401,E402  (TRACE: tree rollout allocation over turn prefixes)
+from rlpost.core.errors import ConfigError
 from rlpost.core.registry import as_dict
 
 
@@ -23,6 +24,7 @@ def check_config(cfg) -> None:
     """
 
     SAMPLERS.resolve(cfg.sampler.name, as_dict(cfg.sampler.params), "sampler.params")
+    check_process_local_hooks(cfg)
     algo = cfg.get("algo", None)
     if algo is not None and algo.get("n_samples_per_prompt", None) is not None:
         build_sampler(cfg.sampler, int(algo.n_samples_per_prompt))
@@ -37,3 +39,29 @@ from rlpost.samplers import m3po  # noqa: F401,E402  (M3PO: a group's thinking p
 from rlpost.samplers import empo2  # noqa: F401,E402  (EMPO²: memory of self-written tips, on-/off-policy rollout modes)
 from rlpost.samplers import agentflow  # noqa: F401,E402  (AgentFlow: planner / executor / verifier / generator, one row per planner turn)
 from rlpost.samplers import datpo  # noqa: F401,E402  (DATPO: difficulty-adaptive sentence-entropy tree, sibling diversities)
+
+
+def check_process_local_hooks(cfg) -> None:
+    """Refuse a sampler whose decoding hook keeps state in this process when rollouts run elsewhere.
+
+    A sampler registered with the tag ``process_local_hooks="<what the hook keeps>"`` (HAPO's
+    per-token temperature, N-GRPO's and M3PO's mixed inputs) fills that state while the engine
+    decodes. Ray rollout workers (``launcher=ray``) decode in other processes, and data-parallel
+    ranks (``trainer.num_procs > 1``) each decode a slice of the rows and update on another split,
+    so the state would be partial or missing where it is read (the trainer's log-probs would be
+    computed on inputs the rollouts did not see).
+
+    Raises:
+        ConfigError: such a sampler with ``launcher=ray`` or ``trainer.num_procs > 1``.
+    """
+    name = str(cfg.sampler.name)
+    what = SAMPLERS.tag(name, "process_local_hooks", None)
+    if not what:
+        return
+    lc = cfg.get("launcher", None)
+    ray = lc is not None and str(lc.get("name", "none")) != "none"
+    procs = int(cfg.get("trainer", {}).get("num_procs", 1) or 1)
+    if ray or procs > 1:
+        where = "launcher=ray decodes in Ray workers" if ray else f"trainer.num_procs={procs} splits the rows across ranks"
+        raise ConfigError(f"sampler={name} keeps {what} in the process that decodes, but {where}, so they would be "
+                          f"partial or lost. Fix: launcher=none trainer.num_procs=1 (one process), or another sampler.")

@@ -130,6 +130,7 @@ class M3POSamplerParams:
     description="Group sampling whose paths, while thinking, are fed their token's embedding mixed with their "
                 "peers', weighted by next-token distribution similarity.",
     params=M3POSamplerParams,
+    process_local_hooks="the mixed inputs its decode hook records for the trainer",
 )
 class M3POSampler(Sampler):
     """``n_samples`` rollouts per prompt with M3PO's cross-path mixing (see the module docstring).

@@ -120,6 +120,7 @@ class NeighborMixingSamplerParams:
     description="Group sampling that feeds, at a random fraction of steps, a mixture of the top token's "
                 "embedding-space neighbours.",
     params=NeighborMixingSamplerParams,
+    process_local_hooks="the mixed inputs its decode hook records for the trainer",
 )
 class NeighborMixingSampler(Sampler):
     """``n_samples`` rollouts per prompt with N-GRPO's neighbour mixing (see the module docstring).

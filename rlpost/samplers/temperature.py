@@ -35,6 +35,7 @@ class AdaptiveTemperatureSamplerParams:
     paper="HAPO: From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature (arXiv:2509.16591)",
     description="Group sampling with HAPO's entropy-driven per-token temperature.",
     params=AdaptiveTemperatureSamplerParams,
+    process_local_hooks="the token entropies its temperature hook collects",
 )
 class AdaptiveTemperatureSampler(Sampler):
     """``n_samples`` rollouts per prompt with ``T = T0 (1 + tau * h_hat)`` per token.
