@@ -233,6 +233,30 @@ def test_summarize_pairs_seeds_and_problems_and_records(tmp_path):
     assert "reproduced direction: +50.0 pts" in R.status_text(rec)
 
 
+def test_a_method_arm_that_never_updated_is_not_resolved(tmp_path):
+    """RC-GRPO from a weak stage 1 had reward 0 and gradient 0 on every step: equal accuracies are no evidence."""
+    card = _card("vade")
+    m, b = [], []
+    for s in (0, 1):
+        _eval_file(tmp_path / "b" / str(s), [1, 0, 0, 0], s)
+        _eval_file(tmp_path / "m" / str(s), [1, 1, 1, 1], s)
+        m.append(tmp_path / "m" / str(s))
+        b.append(tmp_path / "b" / str(s))
+    assert R.steps_with_gradient(m[0]) is None  # no metrics.jsonl: nothing known, the verdict stands
+    assert R.summarize("vade", card, m, b, [0, 1])["verdict"] == "reproduced direction"
+    steps = [{"step": 1, "actor/grad_norm": 0.0}, {"step": 1, "eval/accuracy": 0.5}, {"step": 2, "actor/grad_norm": 0.0}]
+    for p in m:
+        (p / "metrics.jsonl").write_text("\n".join(json.dumps(d) for d in steps) + "\n")
+    assert R.steps_with_gradient(m[0]) == 0
+    rec = R.summarize("vade", card, m, b, [0, 1])
+    assert rec["verdict"] == "not resolved" and "never updated" in rec["caveat"]
+    assert "caveat: the method arm never updated" in R.format_result({**rec, "seeds": [0, 1]})
+    # one step with a gradient in one seed: the method ran, the CI decides again
+    (m[1] / "metrics.jsonl").write_text(json.dumps({"step": 1, "actor/grad_norm": 0.3}) + "\n")
+    assert R.steps_with_gradient(m[1]) == 1
+    assert R.summarize("vade", card, m, b, [0, 1])["verdict"] == "reproduced direction"
+
+
 # --------------------------------------------------------------------------- running
 
 

@@ -614,6 +614,25 @@ def _git_commit() -> Optional[str]:
         return None
 
 
+def steps_with_gradient(run_dir: Path) -> Optional[int]:
+    """Steps of the run in ``run_dir`` whose update had a non-zero gradient (``actor/grad_norm > 0``
+    in ``metrics.jsonl``); None when the run left no such metric (a run not trained by rlpost here)."""
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    seen, n = False, 0
+    for line in f.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        g = d.get("actor/grad_norm") if isinstance(d, dict) else None
+        if isinstance(g, (int, float)):
+            seen = True
+            n += int(math.isfinite(g) and g > 0)
+    return n if seen else None
+
+
 def summarize(name: str, card: Card, method_runs: List[Path], base_evals: List[Path], seeds: Sequence[int],
               n_boot: int = 2000, metric: str = "correct") -> Dict[str, Any]:
     """Paired comparison of the two arms' held-out evaluations and the verdict (no training).
@@ -648,6 +667,12 @@ def summarize(name: str, card: Card, method_runs: List[Path], base_evals: List[P
         "diff": st["diff"], "ci_low": st["ci_low"], "ci_high": st["ci_high"], "p_value": st["p_value"],
         "verdict": verdict,
     }
+    grads = [steps_with_gradient(p) for p in method_runs]
+    if grads and all(g == 0 for g in grads):  # the method never updated: the arms compare starting checkpoints
+        verdict = rec["verdict"] = VERDICTS[1]
+        rec["caveat"] = ("the method arm never updated (every step's gradient was 0 in every seed, e.g. no reward "
+                         "signal), so the comparison tests the starting checkpoint, not the method; verdict held at "
+                         "'not resolved'")
     if verdict == VERDICTS[1]:  # distance to the bar the CI must clear: 0, or -margin for no_worse
         shift = abs(card.cpu.margin) if card.cpu.expect == "no_worse" else 0.0
         rec["power"] = seeds_to_resolve(B - A + shift)
@@ -672,6 +697,8 @@ def format_result(rec: Dict[str, Any]) -> str:
         f"  verdict: {rec['verdict']}" + (f" (non-inferiority margin {100 * rec['margin']:.0f} points)"
                                           if rec["expect"] == "no_worse" else ""),
     ]
+    if "caveat" in rec:
+        lines.append(f"  caveat: {rec['caveat']}")
     if "power" in rec:
         pw = rec["power"]
         lines.append(f"  power: {pw['reason']}" + (f" (need {pw['seeds']} seeds)" if pw.get("seeds") else ""))
