@@ -135,16 +135,21 @@ def sharded_rows(group_index: torch.Tensor, r: Optional[int] = None, world: Opti
 
 
 def gather_rows(local: Optional[torch.Tensor], rows: List[int], B: int, width: int) -> torch.Tensor:
-    """Assemble the full ``[B, width]`` tensor from every rank's ``[len(rows), w]`` block (zeros elsewhere). Collective.
+    """Assemble the full ``[B, width, ...]`` tensor from every rank's ``[len(rows), w, ...]`` block (zeros
+    elsewhere). Collective.
+
+    Trailing dimensions after the token axis are kept (a critic with ``algo.critic.num_heads > 1``
+    gives ``[B, R, heads]`` values).
 
     Args:
         local: this rank's rows (None when it has none); ``w <= width``.
         rows: this rank's row indices into the batch.
-        B, width: the full tensor's shape.
+        B, width: the full tensor's first two sizes.
     """
     parts = all_gather_object((rows, None if local is None else local.detach().cpu()))
-    dtype = next((t.dtype for _, t in parts if t is not None), torch.float32)
-    full = torch.zeros(B, width, dtype=dtype)
+    first = next((t for _, t in parts if t is not None), None)
+    dtype = torch.float32 if first is None else first.dtype
+    full = torch.zeros(B, width, *([] if first is None else first.shape[2:]), dtype=dtype)
     for rs, t in parts:
         if t is not None and rs:
             full[torch.tensor(rs, dtype=torch.long), : t.shape[1]] = t

@@ -1,6 +1,7 @@
 """Worker for tests/test_data_parallel.py: two RL steps of one config, run in-process or under torchrun.
 
-Usage: torchrun --nproc_per_node=2 tests/dp_worker.py OUT_DIR   (trainer=deepspeed, sharded rollouts)
+Usage: torchrun --nproc_per_node=2 tests/dp_worker.py OUT_DIR [OVERRIDE ...]   (trainer=deepspeed, sharded
+rollouts; the overrides replace the default config's, e.g. ``algo=t5`` for a two-head critic)
 Writes (rank 0) ``OUT_DIR/result.pt``: per step the batch's prompt indices, response ids
 and mask, rewards, advantages, old/ref log-probs and the logged metrics; the policy weights
 after the last step; the rows each rank generated.
@@ -27,12 +28,12 @@ OVERRIDES = ["algo=reinforce_pp", "algo.mini_batches=2", "task.reward.length_pen
              "eval.at_end=false", "checkpoint.every=0", "rollout.stop=[k]"]
 
 
-def run(out: Path, engine: str) -> dict:
-    """Two steps with ``trainer=<engine>``; returns what the test compares."""
+def run(out: Path, engine: str, overrides=None) -> dict:
+    """Two steps with ``trainer=<engine>``; returns what the test compares (``values`` too with a critic)."""
     from rlpost.config.compose import compose_config
     from rlpost.run.runner import Run
 
-    cfg = compose_config(tiny_overrides(*OVERRIDES, f"trainer={engine}"))
+    cfg = compose_config(tiny_overrides(*(OVERRIDES if overrides is None else overrides), f"trainer={engine}"))
     r = Run(cfg, out / f"run_{engine}")
     steps = []
     try:
@@ -43,7 +44,7 @@ def run(out: Path, engine: str) -> dict:
             steps.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {
                 "prompt_index": b.prompt_index, "response_ids": b.response_ids, "response_mask": b.response_mask,
                 "rewards": b.rewards, "advantages": b.extras["advantages"], "old_logprobs": b.extras["old_logprobs"],
-                "ref_logprobs": b.extras["ref_logprobs"], "metrics": m}.items()})
+                "ref_logprobs": b.extras.get("ref_logprobs"), "values": b.extras.get("values"), "metrics": m}.items()})
         from rlpost.distributed import all_gather_object
 
         return {"steps": steps, "shard": r.shard, "rows_per_rank": all_gather_object(getattr(r.engine, "rows_generated", -1)),
@@ -56,6 +57,6 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     out_dir = Path(sys.argv[1])
-    res = run(out_dir, "deepspeed")
+    res = run(out_dir, "deepspeed", sys.argv[2:] or None)
     if dist.get_rank() == 0:
         torch.save(res, out_dir / "result.pt")

@@ -41,6 +41,40 @@ def results(tmp_path_factory):
     return one, two
 
 
+# T^5's two value heads ([B, R, 2] critic values) through the gathered critic pass; a length penalty and a stop
+# string give rewards that differ between rows, as above
+T5 = ["algo=t5", "task.reward.length_penalty=0.02", "selector.prompts_per_step=3", "trainer.micro_batch_size=4",
+      "steps=2", "eval.at_end=false", "checkpoint.every=0", "rollout.stop=[k]"]
+
+
+def test_a_two_head_critic_gathers_the_same_values_as_one_process(tmp_path):
+    """gather_rows kept only [B, R]: T^5 under trainer.num_procs=2 stopped with a shape mismatch at step 1."""
+    from dp_worker import run
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_port()}",
+           str(HERE / "dp_worker.py"), str(tmp_path), *T5]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    two = torch.load(tmp_path / "result.pt", weights_only=False)
+    one = run(tmp_path, "torch", T5)
+    s1, s2 = one["steps"][0], two["steps"][0]  # step 1: both start from the same weights and critic
+    assert s2["values"].shape == (len(s2["rewards"]), s2["response_mask"].shape[1], 2)
+    assert torch.equal(s1["response_ids"], s2["response_ids"]) and torch.equal(s1["rewards"], s2["rewards"])
+    torch.testing.assert_close(s1["values"], s2["values"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s1["advantages"], s2["advantages"], atol=1e-5, rtol=1e-5)
+
+
+def test_gather_rows_keeps_trailing_dimensions():
+    from rlpost.distributed import gather_rows
+
+    local = torch.arange(12, dtype=torch.float32).reshape(2, 3, 2)  # rows 0 and 2 of a [3, 4, 2] tensor
+    full = gather_rows(local, [0, 2], 3, 4)
+    assert full.shape == (3, 4, 2)
+    assert full[0, :3].tolist() == [[0, 1], [2, 3], [4, 5]] and full[2, :3].tolist() == [[6, 7], [8, 9], [10, 11]]
+    assert full[1].abs().sum() == 0 and full[:, 3].abs().sum() == 0  # other rows and the padded column stay 0
+    assert gather_rows(None, [], 2, 3).shape == (2, 3)  # no rank had rows: [B, width]
+
+
 def test_two_processes_shard_rollouts_and_each_generates_its_share(results):
     one, two = results
     assert two["shard"] is True and one["shard"] is False
