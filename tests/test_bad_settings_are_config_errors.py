@@ -23,11 +23,23 @@ CASES = [
     (["launcher=ray", "launcher.num_rollout_workers=auto", "launcher.provisioning.train_s=10",
       "launcher.provisioning.publish_every=1", "launcher.provisioning.worker_rollouts_per_s=abc"], "launcher.provisioning"),
     (["algo=t5", "algo.adv_params.lams=[1,2]"], "every GAE lambda must be in [0, 1]"),
+    (["algo=t5", "algo.adv_params.qualification_threshold=2"], "no critic would ever qualify"),
+    (["algo=t5", "algo.adv_params.mixer_hidden=-1"], "mixer_hidden=-1 must be >= 0"),
     (["algo=mopd", "task=arithmetic_mix", "model.teachers.basic_arithmetic=tiny", "model.teachers.chain_sum=tiny",
       "algo.adv_params.gap_clamp_low=5", "algo.adv_params.gap_clamp_high=1"], "0 < low <= high"),
     # an env preset sets its own sampler: naming another one beside it is refused (it was silently replaced)
     (["env=calculator", "sampler=empo2"], "Fix: sampler.name=empo2"),
-    (["env=agentflow", "sampler=group"], "replaces sampler=group"),
+    (["env=agentflow", "sampler=group"], "replaces the requested sampler=group"),
+    # ... also when a recipe composes the env, and when an algorithm's rule asked for the sampler
+    (["+recipe=agent_multiply_grpo", "sampler=trace_tree"], "+recipe=agent_multiply_grpo (through the env preset"),
+    (["algo=hapo", "env=calculator"], "algo=hapo does not run on env episodes"),
+    # NaN passes `x >= 0` checks: refused for every declared parameter
+    (["algo=grpo", "algo.loss_params.eps_high=nan"], "eps_high=nan is not a number"),
+    (["algo=t5", "algo.adv_params.signal_retention_coef=nan"], "signal_retention_coef=nan is not a number"),
+    (["trainer.num_procs=0"], "trainer.num_procs=0 must be >= 1"),
+    (["launcher=ray", "launcher.num_rollout_workers=auto", "executor=async", "executor.max_staleness=3",
+      "launcher.provisioning.train_s=10", "launcher.provisioning.worker_rollouts_per_s=2",
+      "launcher.provisioning.max_workers=0"], "max_workers=0 must be an integer >= 1, or null"),
     # a sampler whose decoding hook keeps state in this process, with rollouts decoded elsewhere
     (["sampler=neighbor_mixing", "launcher=ray"], "launcher=ray decodes in Ray workers"),
     (["sampler=m3po", "trainer=deepspeed", "trainer.num_procs=2"], "trainer.num_procs=2 splits the rows"),

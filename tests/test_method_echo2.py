@@ -225,6 +225,7 @@ def test_a_plan_above_max_workers_names_the_units(compose):
     assert resolve_num_workers(compose(ok)) == 640
     with pytest.raises(ConfigError, match="max_workers=100"):
         validate_config(compose(ok + ["launcher.provisioning.max_workers=100"]))
+    assert resolve_num_workers(compose(slow + ["launcher.provisioning.max_workers=null"])) == 6400  # null: no cap
 
 
 def test_auto_without_ray_is_refused(compose):

@@ -70,13 +70,18 @@ class T5Params:
         bad = [x for x in self.lams if not 0.0 <= float(x) <= 1.0]
         if bad:
             raise ValueError(f"lams={list(self.lams)}: every GAE lambda must be in [0, 1] (got {bad})")
-        if int(self.mixer_hidden) < 0 or int(self.saddle_steps) < 0:
-            raise ValueError(f"mixer_hidden={self.mixer_hidden} and saddle_steps={self.saddle_steps} must be >= 0")
+        for name in ("mixer_hidden", "saddle_steps"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if not float(self.mixer_lr) > 0:
             raise ValueError(f"mixer_lr={self.mixer_lr} must be > 0")
-        if not 0.0 <= float(self.retention_target) <= 1.0 or float(self.signal_retention_coef) < 0:
-            raise ValueError(f"retention_target={self.retention_target} must be in [0, 1] and signal_retention_coef="
-                             f"{self.signal_retention_coef} >= 0")
+        if not 0.0 <= float(self.retention_target) <= 1.0:
+            raise ValueError(f"retention_target={self.retention_target} must be in [0, 1]")
+        if float(self.signal_retention_coef) < 0:
+            raise ValueError(f"signal_retention_coef={self.signal_retention_coef} must be >= 0")
+        if float(self.qualification_threshold) > 1.0:
+            raise ValueError(f"qualification_threshold={self.qualification_threshold}: an explained variance is at most "
+                             f"1, so no critic would ever qualify (<= 1)")
 
 
 def head_values(values: torch.Tensor, n: int) -> torch.Tensor:

@@ -181,28 +181,42 @@ COMPOSE_RULES = (
 
 
 def env_sampler_check(cfg: DictConfig, overrides: List[str]) -> List[str]:
-    """Refuse ``sampler=X`` beside an ``env=`` preset that sets another sampler; adds no override.
+    """Refuse ``sampler=X`` that a preset composed on the same command line replaces; adds no override.
 
-    An env preset (``conf/env``) is global and sets ``sampler.name`` after the sampler group is
-    composed, so ``env=calculator sampler=empo2`` would run the plain episode sampler without a word.
-    ``sampler.name=X`` (a key, applied last) keeps the env's episode settings and is the fix.
+    An env preset (``conf/env``, named as ``env=`` or composed by a ``+recipe=``) is global and sets
+    ``sampler.name`` after the sampler group is composed, so ``env=calculator sampler=empo2`` would
+    run the plain episode sampler without a word. ``sampler=X`` may also come from a composition
+    rule (``algo=hapo`` adds its sampler). When X takes the env's episode settings,
+    ``sampler.name=X`` (a key, applied last) is the fix; otherwise the two cannot be combined.
 
     Raises:
-        ConfigError: both are named and the composed sampler is not the one asked for.
+        ConfigError: the composed sampler is not the last ``sampler=X`` asked for.
     """
-    import re
-
-    chosen = env = None
+    chosen = env = recipe = None
     for o in overrides:
-        m = re.match(r"^\+{0,2}(sampler|env)=([A-Za-z0-9_]+)$", o.strip())
+        m = re.match(r"^\+{0,2}(sampler|env|recipe)=([A-Za-z0-9_.-]+)$", o.strip())
         if m:
-            chosen, env = (m.group(2), env) if m.group(1) == "sampler" else (chosen, m.group(2))
+            kind, value = m.group(1), m.group(2)
+            chosen, env, recipe = (value if kind == "sampler" else chosen, value if kind == "env" else env,
+                                   value if kind == "recipe" else recipe)
     got = str(cfg.get("sampler", {}).get("name", ""))
-    if chosen and env and got != chosen:
-        raise ConfigError(f"env={env} sets the sampler to {got!r}, which replaces sampler={chosen} on the same command "
-                          f"line. Fix: sampler.name={chosen} (keeps env={env}'s episode settings; the sampler must "
-                          f"accept them), or drop sampler={chosen}.")
-    return []
+    if not chosen or got == chosen:
+        return []
+    src = f"env={env}" if env else (f"+recipe={recipe} (through the env preset it composes)" if recipe
+                                    else "a preset on this command line")
+    algo = cfg.get("algo", {}).get("name", "?")
+    from rlpost.core.registry import param_rows
+    from rlpost.samplers import SAMPLERS
+
+    given = set((cfg.sampler.get("params", None) or {}).keys())
+    valid = {r[0] for r in param_rows(SAMPLERS.params_of(chosen))} if chosen in SAMPLERS else set()
+    if valid and given <= valid:
+        raise ConfigError(f"{src} sets the sampler to {got!r}, which replaces the requested sampler={chosen}. Fix: "
+                          f"sampler.name={chosen} (keeps the preset's episode settings), or drop sampler={chosen}.")
+    raise ConfigError(f"{src} sets the sampler to {got!r}, which replaces the requested sampler={chosen}; {chosen} does "
+                      f"not take the preset's episode settings ({', '.join(sorted(given - valid))}), so the two cannot "
+                      f"run together. Fix: drop one of them (if algo={algo} asked for sampler={chosen}, algo={algo} "
+                      f"does not run on env episodes).")
 
 
 def rule_overrides(cfg: DictConfig, overrides: List[str]) -> List[str]:
@@ -249,6 +263,7 @@ def check_ranges(cfg: DictConfig) -> None:
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         (cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+        (cfg.trainer.num_procs >= 1, f"trainer.num_procs={cfg.trainer.num_procs} must be >= 1"),
         (cfg.trainer.max_tokens_per_micro_batch >= 0,
          "trainer.max_tokens_per_micro_batch must be >= 0 (0 = micro-batches of trainer.micro_batch_size sequences)"),
         (cfg.trainer.lr > 0, "trainer.lr must be > 0"),

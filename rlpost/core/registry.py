@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -89,6 +90,27 @@ def defaults_of(params: type) -> Dict[str, Any]:
     return {k: plain(v) for k, v in dataclasses.asdict(params()).items()}
 
 
+def _has_nan(v: Any) -> bool:
+    """Whether ``v`` is a NaN float or holds one (in a list, tuple or mapping, at any depth; a string
+    ``"nan"`` counts, since OmegaConf converts it for a float field)."""
+    if isinstance(v, float):
+        return math.isnan(v)
+    if isinstance(v, str):
+        return v.strip().lower() in ("nan", "+nan", "-nan")
+    if isinstance(v, Mapping):
+        return any(_has_nan(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_nan(x) for x in v)
+    try:  # OmegaConf containers
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(v, (DictConfig, ListConfig)):
+            return _has_nan(OmegaConf.to_container(v, resolve=True))
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return False
+
+
 def resolve_params(params: type, overrides: Mapping[str, Any], key: str = "", owner: str = "") -> Any:
     """Instance of the params dataclass ``params`` with ``overrides`` applied, types checked by OmegaConf.
 
@@ -108,6 +130,10 @@ def resolve_params(params: type, overrides: Mapping[str, Any], key: str = "", ow
     if bad:
         raise ConfigError(f"{key or 'parameters'}: unknown parameter(s) {', '.join(bad)} of {owner or params.__name__}. "
                           f"Valid keys: {', '.join(valid)}.")
+    nan = sorted(k for k, v in overrides.items() if _has_nan(v))
+    if nan:  # NaN passes every `x >= 0` range check and reaches the loss
+        raise ConfigError(f"{key or 'parameters'}: {', '.join(f'{k}={overrides[k]!r}' for k in nan)} is not a number "
+                          f"({owner or params.__name__}). Fix: set a number.")
     node = OmegaConf.structured(params)
     OmegaConf.set_readonly(node, False)
     try:

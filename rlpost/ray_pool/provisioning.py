@@ -50,7 +50,7 @@ PROVISIONING_DEFAULTS: Dict[str, Any] = {
     "chunks": 1,                   # chunks the snapshot is cut into for the pipeline
     "worker_rollouts_per_s": None,  # mu of one worker of a homogeneous pool
     "worker_kinds": [],            # heterogeneous pool: [{name, rollouts_per_s, cost_per_hour, count}]
-    "max_workers": 1024,           # a homogeneous plan above this stops the run (our choice: a unit slip, not a pool)
+    "max_workers": 1024,           # a homogeneous plan above this stops the run (our choice: a unit slip, not a pool); null: no cap
 }
 KIND_KEYS = ("name", "rollouts_per_s", "cost_per_hour", "count")
 
@@ -394,6 +394,10 @@ def plan(p: Mapping[str, Any], rollouts_per_step: float, staleness: int) -> Plan
         return pipelined_broadcast_s(float(p["model_bytes"]), float(p["link_bytes_per_s"]), n, int(p["chunks"]),
                                      float(p["hop_latency_s"]))
 
+    cap_workers = p.get("max_workers")
+    if cap_workers is not None and (isinstance(cap_workers, bool) or not isinstance(cap_workers, int) or cap_workers < 1):
+        raise ConfigError(f"launcher.provisioning.max_workers={cap_workers!r} must be an integer >= 1, or null for no cap. "
+                          f"Fix: launcher.provisioning.max_workers=1024.")
     n, act = 1, None
     cap = sum(k.count for k in kinds) if kinds else 100_000
     while True:  # T_bcast grows with the pool under the chain model: iterate to the pool that satisfies itself
@@ -405,10 +409,10 @@ def plan(p: Mapping[str, Any], rollouts_per_step: float, staleness: int) -> Plan
         else:
             m = workers_needed(req, float(mu))
             thr = m * float(mu)
-            if m > int(p["max_workers"]):
+            if cap_workers is not None and m > cap_workers:
                 raise ConfigError(
                     f"launcher.num_rollout_workers=auto: the rule needs {m} workers of {float(mu):.4g} rollouts/s each "
-                    f"({req:.4g} rollouts/s), above launcher.provisioning.max_workers={int(p['max_workers'])}. Fix: "
+                    f"({req:.4g} rollouts/s), above launcher.provisioning.max_workers={cap_workers}. Fix: "
                     f"check the units of train_s (seconds per learner step) and worker_rollouts_per_s (rollouts per "
                     f"second of one worker), or raise launcher.provisioning.max_workers if the pool is meant.")
         if m <= n or not modelled:  # m >= n always (T_bcast only grows with the pool): m == n here
