@@ -176,47 +176,8 @@ COMPOSE_RULES = (
     "rlpost.methods.hapo:sampler_overrides",  # a per-token temperature loss gets the sampler that owns it
     "rlpost.algos.validate:window_rollout_overrides",  # an estimator on window-cut rollouts (T-PPO's EGAE)
     "rlpost.algos.validate:estimator_sampler_overrides",  # an estimator that reads its sampler's data (Shuffle-R1)
-    "rlpost.config.compose:env_sampler_check",  # adds nothing: refuses sampler=X that an env preset would replace
+    "rlpost.samplers:env_sampler_check",  # adds nothing: refuses sampler=X that an env preset would replace
 )
-
-
-def env_sampler_check(cfg: DictConfig, overrides: List[str]) -> List[str]:
-    """Refuse ``sampler=X`` that a preset composed on the same command line replaces; adds no override.
-
-    An env preset (``conf/env``, named as ``env=`` or composed by a ``+recipe=``) is global and sets
-    ``sampler.name`` after the sampler group is composed, so ``env=calculator sampler=empo2`` would
-    run the plain episode sampler without a word. ``sampler=X`` may also come from a composition
-    rule (``algo=hapo`` adds its sampler). When X takes the env's episode settings,
-    ``sampler.name=X`` (a key, applied last) is the fix; otherwise the two cannot be combined.
-
-    Raises:
-        ConfigError: the composed sampler is not the last ``sampler=X`` asked for.
-    """
-    chosen = env = recipe = None
-    for o in overrides:
-        m = re.match(r"^\+{0,2}(sampler|env|recipe)=([A-Za-z0-9_.-]+)$", o.strip())
-        if m:
-            kind, value = m.group(1), m.group(2)
-            chosen, env, recipe = (value if kind == "sampler" else chosen, value if kind == "env" else env,
-                                   value if kind == "recipe" else recipe)
-    got = str(cfg.get("sampler", {}).get("name", ""))
-    if not chosen or got == chosen:
-        return []
-    src = f"env={env}" if env else (f"+recipe={recipe} (through the env preset it composes)" if recipe
-                                    else "a preset on this command line")
-    algo = cfg.get("algo", {}).get("name", "?")
-    from rlpost.core.registry import param_rows
-    from rlpost.samplers import SAMPLERS
-
-    given = set((cfg.sampler.get("params", None) or {}).keys())
-    valid = {r[0] for r in param_rows(SAMPLERS.params_of(chosen))} if chosen in SAMPLERS else set()
-    if valid and given <= valid:
-        raise ConfigError(f"{src} sets the sampler to {got!r}, which replaces the requested sampler={chosen}. Fix: "
-                          f"sampler.name={chosen} (keeps the preset's episode settings), or drop sampler={chosen}.")
-    raise ConfigError(f"{src} sets the sampler to {got!r}, which replaces the requested sampler={chosen}; {chosen} does "
-                      f"not take the preset's episode settings ({', '.join(sorted(given - valid))}), so the two cannot "
-                      f"run together. Fix: drop one of them (if algo={algo} asked for sampler={chosen}, algo={algo} "
-                      f"does not run on env episodes).")
 
 
 def rule_overrides(cfg: DictConfig, overrides: List[str]) -> List[str]:

@@ -1,5 +1,8 @@
 """Rollout samplers. Importing registers the built-in ones."""
 
+import re
+from typing import List
+
 from rlpost.samplers.base import SAMPLERS, Sampler, SamplerContext, SampleResult, build_sampler, runs_episodes  # noqa: F401
 from rlpost.samplers import adaptive, bandit, episode, hdl, perturb, prune, speculative, temperature, tree  # noqa: F401,E402
 from rlpost.samplers import scope  # noqa: F401,E402  (SCOPE: PRM-located repair of failed rollouts)
@@ -7,7 +10,7 @@ from rlpost.samplers import elpo  # noqa: F401,E402  (ELPO: binary-search tree t
 from rlpost.samplers import shuffle_r1  # noqa: F401,E402  (Shuffle-R1: PTS + ABS)
 from rlpost.samplers import trace  # noqa: F401,E402  (TRACE: tree rollout allocation over turn prefixes)
 from rlpost.core.errors import ConfigError
-from rlpost.core.registry import as_dict
+from rlpost.core.registry import as_dict, param_rows
 
 
 def check_config(cfg) -> None:
@@ -65,3 +68,39 @@ def check_process_local_hooks(cfg) -> None:
         where = "launcher=ray decodes in Ray workers" if ray else f"trainer.num_procs={procs} splits the rows across ranks"
         raise ConfigError(f"sampler={name} keeps {what} in the process that decodes, but {where}, so they would be "
                           f"partial or lost. Fix: launcher=none trainer.num_procs=1 (one process), or another sampler.")
+
+
+def env_sampler_check(cfg, overrides: List[str]) -> List[str]:
+    """Refuse ``sampler=X`` that a preset composed on the same command line replaces; adds no override.
+
+    An env preset (``conf/env``, named as ``env=`` or composed by a ``+recipe=``) is global and sets
+    ``sampler.name`` after the sampler group is composed, so ``env=calculator sampler=empo2`` would
+    run the plain episode sampler without a word. ``sampler=X`` may also come from a composition
+    rule (``algo=hapo`` adds its sampler). When X takes the env's episode settings,
+    ``sampler.name=X`` (a key, applied last) is the fix; otherwise the two cannot be combined.
+
+    Raises:
+        ConfigError: the composed sampler is not the last ``sampler=X`` asked for.
+    """
+    chosen = env = recipe = None
+    for o in overrides:
+        m = re.match(r"^\+{0,2}(sampler|env|recipe)=([A-Za-z0-9_.-]+)$", o.strip())
+        if m:
+            kind, value = m.group(1), m.group(2)
+            chosen, env, recipe = (value if kind == "sampler" else chosen, value if kind == "env" else env,
+                                   value if kind == "recipe" else recipe)
+    got = str(cfg.get("sampler", {}).get("name", ""))
+    if not chosen or got == chosen:
+        return []
+    src = f"env={env}" if env else (f"+recipe={recipe} (through the env preset it composes)" if recipe
+                                    else "a preset on this command line")
+    algo = cfg.get("algo", {}).get("name", "?")
+    given = set((cfg.sampler.get("params", None) or {}).keys())
+    valid = {r[0] for r in param_rows(SAMPLERS.params_of(chosen))} if chosen in SAMPLERS else set()
+    if valid and given <= valid:
+        raise ConfigError(f"{src} sets the sampler to {got!r}, which replaces the requested sampler={chosen}. Fix: "
+                          f"sampler.name={chosen} (keeps the preset's episode settings), or drop sampler={chosen}.")
+    raise ConfigError(f"{src} sets the sampler to {got!r}, which replaces the requested sampler={chosen}; {chosen} does "
+                      f"not take the preset's episode settings ({', '.join(sorted(given - valid))}), so the two cannot "
+                      f"run together. Fix: drop one of them (if algo={algo} asked for sampler={chosen}, algo={algo} "
+                      f"does not run on env episodes).")
