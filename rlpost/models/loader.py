@@ -17,7 +17,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -111,23 +111,50 @@ def resolve_model_dir(model_cfg: Any) -> str:
     raise ModelLoadError(f"Unknown model.source={src!r}; valid: gguf_wheel, hf, tiny.")
 
 
+#: tokenizers loaded in this process, by (directory, stamp of its files): see :func:`load_tokenizer`
+_TOKENIZERS: Dict[Tuple[str, Tuple[Tuple[str, int, int], ...]], Any] = {}
+
+
+def _tokenizer_stamp(path: str) -> Tuple[Tuple[str, int, int], ...]:
+    """``(name, size, mtime_ns)`` of the tokenizer files in local directory ``path`` (empty for a hub id)."""
+    d = Path(path)
+    if not d.is_dir():
+        return ()
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(d.iterdir())
+                 if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab",
+                                                       "merges")))
+
+
 def load_tokenizer(model_cfg: Any):
     """Load the tokenizer with left padding and a pad token (EOS when it has none).
+
+    A process parses a tokenizer directory once (SmolLM2's 49k-token ``tokenizer.json`` takes about 2 s on
+    2 cores; a sweep, ``rlpost reproduce`` or the test suite trains many runs in one process). Each call
+    returns its own shallow copy of the parsed tokenizer: Python-side settings a caller changes
+    (``padding_side``, ``truncation_side``) stay with its copy, and the underlying ``tokenizers`` object,
+    which each encode call configures for itself, is shared. A changed file in the directory (size or
+    modification time) is parsed again.
 
     Raises:
         ModelLoadError: as :func:`load_model`.
     """
+    import copy
+
     from transformers import AutoTokenizer
 
     path = resolve_model_dir(model_cfg)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except OSError as e:
-        raise ModelLoadError(_hub_message(path, e)) from None
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
+    key = (path, _tokenizer_stamp(path))
+    tok = _TOKENIZERS.get(key)
+    if tok is None:
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except OSError as e:
+            raise ModelLoadError(_hub_message(path, e)) from None
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "left"
+        _TOKENIZERS[key] = tok
+    return copy.copy(tok)
 
 
 def _hub_message(path: str, err: Exception) -> str:
