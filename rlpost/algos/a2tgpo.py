@@ -145,6 +145,7 @@ class A2TGPOClipParams:
     params=A2TGPOClipParams,
     extras=(TURN_IG_KEY,),
     optional_extras=(TURN_IG_KEY,),
+    example_inputs=lambda logprobs, generator: {"overrides": ["algo.adv_estimator=a2tgpo"]},  # the only estimator
 )
 def a2tgpo_clip_loss(inp: PolicyLossInput, *, eps_low: float, eps_high: float, beta: float) -> Tuple[torch.Tensor, Metrics]:
     """PPO's clipped surrogate with a per-token clip range scaled by the turn's IG.

@@ -430,6 +430,7 @@ def discounted_gae(
     params=GAEParams,
     needs_critic=True,
     uses_token_rewards=True,
+    zero_variance="critic baseline",
 )
 def gae_advantage(
     inp: AdvantageInput, *, gamma: float, lam: float, whiten: bool
@@ -458,6 +459,7 @@ def gae_advantage(
     params=SAOParams,
     needs_critic=True,
     uses_token_rewards=True,
+    zero_variance="critic baseline",
 )
 def sao_advantage(
     inp: AdvantageInput,
@@ -516,6 +518,8 @@ def reverse_cumsum(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
     "reinforce",
     paper="Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement Learning "
     "(REINFORCE, Williams 1992); no baseline",
+    no_baseline=True,
+    zero_variance="no baseline",
 )
 def reinforce_advantage(inp: AdvantageInput) -> AdvantageOutput:
     """Plain REINFORCE without a baseline: ``A_i = r_i`` on every response token.
@@ -564,6 +568,7 @@ def rloo_advantage(inp: AdvantageInput, *, baseline: str) -> AdvantageOutput:
     "(arXiv:2501.03262)",
     params=ReinforcePPParams,
     uses_token_rewards=True,
+    zero_variance="global whitening over the batch",
 )
 def reinforce_pp_advantage(inp: AdvantageInput, *, gamma: float) -> AdvantageOutput:
     """REINFORCE++: token reward-to-go, whitened over the whole batch.
@@ -595,6 +600,7 @@ def reinforce_pp_advantage(inp: AdvantageInput, *, gamma: float) -> AdvantageOut
     params=ReinforcePPBaselineParams,
     needs_group=True,
     uses_token_rewards=True,
+    zero_variance="group mean, then global whitening shifts every token",
 )
 def reinforce_pp_baseline_advantage(
     inp: AdvantageInput, *, gamma: float, baseline: str
@@ -630,6 +636,7 @@ def reinforce_pp_baseline_advantage(
     "(arXiv:2310.10505)",
     needs_baseline_rollout=True,
     uses_token_rewards=True,
+    zero_variance="greedy-rollout baseline",
 )
 def remax_advantage(inp: AdvantageInput) -> AdvantageOutput:
     """ReMax: the reward of the greedy response to the same prompt is the baseline.
@@ -816,6 +823,7 @@ def hapo_advantage(
     "shaping of Reasoning with Exploration: An Entropy Perspective (arXiv:2506.14758)",
     params=MSSRParams,
     needs_entropy=True,
+    zero_variance="per-prompt running baseline",
 )
 def mssr_advantage(
     inp: AdvantageInput,
@@ -1141,12 +1149,18 @@ def max_at_k_estimate(r: torch.Tensor, k: int) -> float:
     return float(sum(math.comb(q - 1, k - 1) * float(rs[q - 1]) for q in range(1, n + 1)) / math.comb(n, k))
 
 
+def _max_at_k_example(logprobs: torch.Tensor, generator: torch.Generator) -> Dict[str, Any]:
+    """Generic tests' groups hold 3 or 4 samples: k = 2 (k + 1 samples for the leave-one-out baseline)."""
+    return {"params": {"k": 2}}
+
+
 @ADV_ESTIMATORS.register(
     "max_at_k",
     paper="The Best of N Worlds: Aligning Reinforcement Learning with Best-of-N Sampling via max@k Optimization "
     "(arXiv:2510.23393); the same U-statistic as Pass@K Policy Optimization (arXiv:2505.15201)",
     params=MaxAtKParams,
     needs_group=True,
+    example_inputs=_max_at_k_example,
 )
 def max_at_k_advantage(inp: AdvantageInput, *, k: int, baseline: str) -> AdvantageOutput:
     """Unbiased on-policy gradient of max@k (pass@k for 0/1 rewards) as a per-sample advantage.

@@ -336,7 +336,14 @@ def capo_forward(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool,
 
 
 # ----------------------------------------------------------------------------- the loss
-@POLICY_LOSSES.register("capo", paper=_CAPO_PAPER, params=CAPOParams, capo_forward=True, after_step=capo_after_step, extras=("predicted_change", "predicted_kl", "loss_state"))
+def _capo_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """Per-token predicted objective change and Fisher KL (its forward pass computes them in a run)."""
+    return {"extras": {"predicted_change": 1e-3 * torch.randn(logprobs.shape, generator=generator),
+                       "predicted_kl": 2e-3 * torch.rand(logprobs.shape, generator=generator)}}
+
+
+@POLICY_LOSSES.register("capo", paper=_CAPO_PAPER, params=CAPOParams, capo_forward=True, after_step=capo_after_step,
+                        extras=("predicted_change", "predicted_kl", "loss_state"), example_inputs=_capo_example)
 def capo_loss(inp: PolicyLossInput, *, eps_low: float, eps_high: float, top_k: int, tau_update: float, tau_kl: float,
               symmetric: bool) -> Tuple[torch.Tensor, Metrics]:
     """PPO's clipped surrogate on the tokens CAPO keeps; masked tokens get zero loss and zero gradient.

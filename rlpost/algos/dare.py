@@ -125,7 +125,10 @@ def dare_rewards(
 
 
 @ADV_ESTIMATORS.register("dare", paper=_PAPER, params=DAREParams, needs_group=True, needs_answers=True,
-                         needs_entropy=True)
+                         needs_entropy=True,
+                         no_baseline=True,
+                         zero_variance=("label-free: the reward is the group's answer distribution and entropy, not "
+                                        "the verifier's reward"))
 def dare_advantage(
     inp: AdvantageInput, *, alpha: float, prune_threshold: float, uncertainty_eps: float, clip_bonus: bool,
     norm_by_std: bool, eps: float,

@@ -57,13 +57,28 @@ class TopKReverseKLParams:
     renormalise: bool = param(True, "renormalise student and teacher over the K tokens before the KL (authors: true)")
 
 
+def _topk_reverse_kl_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """A random teacher: log-probs of K = top_k distinct tokens of a vocabulary of 3K for the student (a leaf with
+    grad) and the teacher on the support; for a trainer-level test, the teacher stage's top-K record."""
+    K = TopKReverseKLParams().top_k
+    shape = tuple(logprobs.shape)
+    s = torch.log_softmax(torch.randn(*shape, 3 * K, generator=generator), -1)[..., :K]
+    t = torch.log_softmax(torch.randn(*shape, 3 * K, generator=generator), -1)[..., :K]
+    return {"extras": {"teacher_logprobs": logprobs + 0.1 * torch.randn(shape, generator=generator),
+                       "support_logprobs": s.clone().requires_grad_(True), "teacher_support_logprobs": t},
+            "batch_extras": {"teacher_topk_ids": torch.randint(0, 1000, (*shape, K), generator=generator),
+                             "teacher_topk_logprobs": -torch.rand(*shape, K, generator=generator) * 8,
+                             "teacher_logprobs": -torch.rand(shape, generator=generator)}}
+
+
 @POLICY_LOSSES.register(
     "topk_reverse_kl",
     paper="Revisiting On-Policy Distillation: Empirical Failure Modes and Simple Fixes (arXiv:2603.25562); "
     "code https://github.com/hhh675597/revisiting_opd",
     params=TopKReverseKLParams,
     needs_teacher=True,
-    teacher_topk="top_k", extras=("support_logprobs", "teacher_support_logprobs"))
+    teacher_topk="top_k", extras=("support_logprobs", "teacher_support_logprobs"),
+    example_inputs=_topk_reverse_kl_example)
 def topk_reverse_kl_loss(inp: PolicyLossInput, *, top_k: int, renormalise: bool) -> Tuple[torch.Tensor, Metrics]:
     """On-policy distillation by teacher top-K local support matching: a truncated reverse KL per token.
 
@@ -127,6 +142,7 @@ def topk_reverse_kl_loss(inp: PolicyLossInput, *, top_k: int, renormalise: bool)
     paper="Revisiting On-Policy Distillation: Empirical Failure Modes and Simple Fixes (arXiv:2603.25562), "
     "its sampled-token OPD baseline",
     needs_teacher=True,
+    zero_variance="not a reward baseline: the teacher's minus the student's log-prob of each token",
 )
 def opd_token_advantage(inp: AdvantageInput) -> AdvantageOutput:
     """Sampled-token on-policy distillation: ``A_t = log q(y_t | s_t) - log pi_old(y_t | s_t)`` per token.

@@ -146,6 +146,8 @@ class DriftParams:
     params=DriftParams,
     needs_group=True,
     needs_frozen_rollouts=True,
+    no_baseline=True,
+    zero_variance="an importance weight exp(R / beta) / group mean, not a baseline: equal returns weigh 1 each",
 )
 def drift_advantage(inp: AdvantageInput, *, beta: float, gamma: float, repeat_penalty: float) -> AdvantageOutput:
     """DRIFT's per-row importance weight on every loss token (the ``gpg`` loss then gives weighted SFT).

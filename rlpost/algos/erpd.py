@@ -96,7 +96,9 @@ def extreme_region_keep(delta: torch.Tensor, response_mask: torch.Tensor, max_lo
     return ((delta.abs() <= max_log_ratio) & (response_mask > 0)).double()
 
 
-@ADV_ESTIMATORS.register("erpd", paper=_PAPER, params=ERPDParams, needs_teacher=True)
+@ADV_ESTIMATORS.register("erpd", paper=_PAPER, params=ERPDParams, needs_teacher=True,
+                         zero_variance=("not a reward baseline: the stage-1 teacher's minus the student's log-prob of "
+                                        'each token (ERPD)'))
 def erpd_advantage(inp: AdvantageInput, *, signal: str, direction: int, max_log_ratio: float) -> AdvantageOutput:
     """ERPD stage 2's token advantage from a frozen teacher (our reading; see the module docstring).
 

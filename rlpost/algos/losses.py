@@ -617,6 +617,7 @@ class ClipCovParams:
     paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov, arXiv:2505.22617)",
     params=ClipCovParams,
     batch_statistics=True,
+    clip_frac_counts="the covariance-selected tokens whose gradient is cut, besides the ratio clip",
 )
 def clip_cov_loss(
     inp: PolicyLossInput,
@@ -677,6 +678,7 @@ class KLCovParams:
     paper="The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov, arXiv:2505.22617)",
     params=KLCovParams,
     batch_statistics=True,
+    clip_frac_counts="the top-covariance tokens that get the KL penalty (no ratio clip)",
 )
 def kl_cov_loss(
     inp: PolicyLossInput, *, kl_cov_ratio: float, kl_coef: float

@@ -160,8 +160,16 @@ class MOPDParams:
             raise ValueError(f"target_shares {bad}: every domain's share must be > 0")
 
 
+def _mopd_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """A smoke run routes each prompt to its domain's teacher: a two-domain task and a tiny teacher each."""
+    return {"overrides": ["task=arithmetic_mix", "model.teachers.basic_arithmetic=tiny",
+                          "model.teachers.chain_sum=tiny"]}
+
+
 @ADV_ESTIMATORS.register("mopd", paper=_PAPER, params=MOPDParams, needs_teacher=True, routed_teachers=True,
-                         provides=(WEIGHT,))
+                         provides=(WEIGHT,), example_inputs=_mopd_example,
+                         zero_variance=("not a reward baseline: the routed teacher's minus the student's log-prob, "
+                                        'domain-weighted (Open-MOPD)'))
 def mopd_advantage(
     inp: AdvantageInput,
     *,
@@ -229,8 +237,15 @@ class MOPDLossParams:
     dual_clip: Optional[float] = param(3.0, "dual-clip constant c for A < 0 (verl's clip_ratio_c), or null (off)")
 
 
+def _mopd_loss_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """A routed teacher's log-probs near the student's and per-row domain weights (its estimator's output in a run)."""
+    ex = {"teacher_logprobs": logprobs + 0.3 * torch.randn(logprobs.shape, generator=generator),
+          WEIGHT: 0.5 + torch.rand(logprobs.shape[0], generator=generator)}
+    return {"extras": ex, "batch_extras": dict(ex)}
+
+
 @POLICY_LOSSES.register("mopd", paper=_PAPER, params=MOPDLossParams, needs_teacher=True,
-                        extras=("teacher_logprobs", WEIGHT))
+                        extras=("teacher_logprobs", WEIGHT), example_inputs=_mopd_loss_example)
 def mopd_loss(inp: PolicyLossInput, *, refresh: bool, eps_low: float, eps_high: float,
               dual_clip: Optional[float]) -> Tuple[torch.Tensor, Metrics]:
     """PPO's clipped surrogate on Open-MOPD's advantage, refreshed against the current student.

@@ -27,7 +27,7 @@ agentic tasks; here they come from the shared segmentation rule
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -90,7 +90,17 @@ def step_rewards(lp_phi: torch.Tensor, lp_old: torch.Tensor, segment: torch.Tens
     return out.float()
 
 
-@ADV_ESTIMATORS.register("oprl", paper=PAPER, params=OPRLParams, needs_group=True, needs_implicit_prm=True)
+def _oprl_example(logprobs: torch.Tensor, generator: torch.Generator) -> Dict[str, Any]:
+    """Implicit-PRM step rewards per position and steps of two tokens (segments 1, 2, ...), what the method writes."""
+    B, R = logprobs.shape
+    return {"extras": {"oprl_step_rewards": torch.rand(B, R, generator=generator),
+                       "oprl_segment": (torch.arange(R) // 2 + 1).expand(B, R).clone()}}
+
+
+@ADV_ESTIMATORS.register("oprl", paper=PAPER, params=OPRLParams, needs_group=True, needs_implicit_prm=True,
+                         example_inputs=_oprl_example,
+                         zero_variance=('a zero-variance group keeps its implicit-PRM step advantages (dense credit '
+                                        'where the outcome gives none)'))
 def oprl_advantage(inp: AdvantageInput, *, segment: str, beta: float, step_weight: float, prm_lr: float,
                    prm_updates: int, eps: float) -> AdvantageOutput:
     """``A_it = A^E_i + step_weight * A^S_ik(t)``: episode advantage plus the step's implicit-reward advantage.

@@ -90,7 +90,10 @@ def success_weights(correct: torch.Tensor, group_index: torch.Tensor, weight: st
     return w, p_hat
 
 
-@ADV_ESTIMATORS.register("osw_ft", paper=_PAPER, params=OSWFTParams, needs_group=True)
+@ADV_ESTIMATORS.register("osw_ft", paper=_PAPER, params=OSWFTParams, needs_group=True,
+                         no_baseline=True,
+                         zero_variance=("an SFT weight 1 - p_hat (the probes' success rate), not a baseline: 0.9 "
+                                        'success weighs 0.1'))
 def osw_ft_advantage(inp: AdvantageInput, *, weight: str) -> AdvantageOutput:
     """The expert trajectory's advantage ``1 - p_hat(q)`` (OSW-FT's weight) on every response token.
 
@@ -108,7 +111,8 @@ def osw_ft_advantage(inp: AdvantageInput, *, weight: str) -> AdvantageOutput:
     return AdvantageOutput(advantages=_broadcast(w, inp.response_mask))
 
 
-@POLICY_LOSSES.register("osw_ft", paper=_PAPER, needs_expert_trajectories=True)
+@POLICY_LOSSES.register("osw_ft", paper=_PAPER, needs_expert_trajectories=True,
+                        example_inputs=lambda logprobs, generator: {"overrides": ["algo.adv_estimator=osw_ft"]})
 def osw_ft_loss(inp: PolicyLossInput) -> Tuple[torch.Tensor, Metrics]:
     """Weighted negative log-likelihood ``-w * log pi(o*_t)`` of the expert trajectory's tokens.
 

@@ -148,12 +148,21 @@ def otr_forward(fwd: Any, mb: Any, with_entropy: bool, entropy_grad: bool,
     return grid(lp_flat), ent, {"support_logprobs": grid(sup_flat, K), "support_rewards": grid(rew, K)}
 
 
+def _otr_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """8 candidate tokens per position: the policy's log-probs on them (a leaf with grad) and a reward each
+    (1 for a hit, beta = -0.1 otherwise); otr_forward computes both in a run."""
+    s = torch.log_softmax(torch.randn(*logprobs.shape, 24, generator=generator), -1)[..., :8]
+    hit = torch.rand(*logprobs.shape, 8, generator=generator) < 0.3
+    return {"extras": {"support_logprobs": s.clone().requires_grad_(True),
+                       "support_rewards": torch.where(hit, torch.ones_like(s), torch.full_like(s, -0.1))}}
+
+
 @POLICY_LOSSES.register(
     "otr",
     paper="One-Token Rollout: Guiding Supervised Fine-Tuning of LLMs with Policy Gradient (OTR, arXiv:2509.26313)",
     params=OTRParams,
     needs_reference_responses=True,
-    one_token_rollout=True, extras=("support_logprobs", "support_rewards"))
+    one_token_rollout=True, extras=("support_logprobs", "support_rewards"), example_inputs=_otr_example)
 def otr_loss(inp: PolicyLossInput, *, k: int = 256, kappa: float = 1.3, beta: float = -0.1) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """``loss_t = -(1/K) sum_j R_j log pi(a_{t,j} | s_t)`` over the K candidates of each reference position.
 

@@ -53,8 +53,14 @@ class EXOParams:
     beta_r: float = param(0.5, "temperature of the reward softmax, exp(r / beta_r) (authors: 0.5)")
 
 
+def _exo_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """The reference policy's log-probs near the current ones (the ref_logprobs stage's output in a run)."""
+    ref = logprobs + 0.2 * torch.randn(logprobs.shape, generator=generator)
+    return {"extras": {"ref_logprobs": ref}, "batch_extras": {"ref_logprobs": ref}}
+
+
 @POLICY_LOSSES.register("exo", paper=_EXO_PAPER, params=EXOParams, batch_statistics=True, needs_group=True,
-                        sequence_sum=True, needs_ref=True, extras=("ref_logprobs",))
+                        sequence_sum=True, needs_ref=True, extras=("ref_logprobs",), example_inputs=_exo_example)
 def exo_loss(inp: PolicyLossInput, *, beta_pi: float, beta_r: float) -> Tuple[torch.Tensor, Metrics]:
     """EXO with rewards (``exo-rw``): reverse KL from the policy's group distribution to the reward's.
 

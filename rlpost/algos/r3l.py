@@ -130,7 +130,9 @@ def retry_importance_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.
     return torch.exp(mean.clamp(max=math.log(cap)))
 
 
-@ADV_ESTIMATORS.register("r3l", paper=PAPER, params=R3LParams, needs_group=True)
+@ADV_ESTIMATORS.register("r3l", paper=PAPER, params=R3LParams, needs_group=True,
+                         zero_variance=('Positive Amplification: a success gets A = 1 even in an all-success group '
+                                        "(the authors' opmd_reweight_adv)"))
 def r3l_advantage(inp: AdvantageInput, *, positive_weight: float, success_threshold: float,
                   success_advantage: float, norm_by_std: bool, eps: float, pivotal_mask: bool,
                   retry_is_cap: float) -> AdvantageOutput:

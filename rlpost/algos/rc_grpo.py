@@ -121,7 +121,10 @@ class RCTPParams:
     """Stage 1 (RCTP) weighs every relabelled trajectory alike (maximum likelihood); no parameters."""
 
 
-@ADV_ESTIMATORS.register("rctp", paper=PAPER + ", stage 1 (RCTP)", params=RCTPParams, sampler="rctp")
+@ADV_ESTIMATORS.register("rctp", paper=PAPER + ", stage 1 (RCTP)", params=RCTPParams, sampler="rctp",
+                         no_baseline=True,
+                         zero_variance=('an SFT weight 1 on every relabelled trajectory (RC-GRPO stage 1): the reward '
+                                        "only chose the prompt's token"))
 def rctp_advantage(inp: AdvantageInput) -> AdvantageOutput:
     """Weight 1 on every response token: with loss ``gpg`` the loss is ``-log pi(y_t | x, token)``.
 

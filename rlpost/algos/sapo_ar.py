@@ -94,7 +94,9 @@ class SapoARParams:
     adv_norm: bool = param(True, "normalise the turn advantages over the batch (mean 0, std 1), as the method")
 
 
-@ADV_ESTIMATORS.register("sapo_ar", paper=_PAPER, params=SapoARParams, needs_critic=True, uses_token_rewards=True)
+@ADV_ESTIMATORS.register("sapo_ar", paper=_PAPER, params=SapoARParams, needs_critic=True, uses_token_rewards=True,
+                         zero_variance=('turn-level critic baseline (one rollout per prompt: no group), normalised '
+                                        "over the batch's turns"))
 def sapo_ar_advantage(inp: AdvantageInput, *, gamma: float, lam: float, adv_norm: bool) -> AdvantageOutput:
     """Turn-level trajectory GAE with batch normalisation and SARSA value targets at turn starts (module docstring).
 

@@ -124,12 +124,18 @@ class SeedLossParams:
     dual_clip: Optional[float] = param(None, "dual-clip constant, or null (off)")
 
 
+def _seed_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """The skill-context log-probs (the self-teacher) near the plain ones (the seed method's stage in a run)."""
+    t = logprobs + 0.3 * torch.randn(logprobs.shape, generator=generator)
+    return {"extras": {"teacher_logprobs": t}, "batch_extras": {"teacher_logprobs": t}}
+
+
 @POLICY_LOSSES.register(
     "seed",
     paper="SEED: Self-Evolving On-Policy Distillation for Agentic Reinforcement Learning (arXiv:2607.14777); "
     "code https://github.com/jinyangwu/SEED",
     params=SeedLossParams,
-    needs_skill="skill_tokens", extras=("teacher_logprobs",))
+    needs_skill="skill_tokens", extras=("teacher_logprobs",), example_inputs=_seed_example)
 def seed_loss(inp: PolicyLossInput, *, opd_coef: float, gate_beta: float, skill_tokens: int, eps_low: float,
               eps_high: float, dual_clip: Optional[float]) -> Tuple[torch.Tensor, dict]:
     """PPO-clip outcome loss plus SEED's gated on-policy distillation toward the skill-conditioned policy.

@@ -268,7 +268,8 @@ class SpearClipCovParams:
 
 
 @POLICY_LOSSES.register("spear_clip_cov", paper=PAPER, params=SpearClipCovParams, batch_statistics=True,
-                        extras=(REPLAY_KEY,), optional_extras=(REPLAY_KEY,))
+                        extras=(REPLAY_KEY,), optional_extras=(REPLAY_KEY,),
+                        clip_frac_counts="the covariance-selected tokens whose gradient is cut, besides the ratio clip")
 def spear_clip_cov_loss(inp: PolicyLossInput, *, clip_cov_ratio: float, cov_lb: float, cov_ub: float,
                         replay_clip_cov_ratio: float, replay_cov_lb: float, replay_cov_ub: float,
                         eps_low: float, eps_high: float) -> Tuple[torch.Tensor, Metrics]:

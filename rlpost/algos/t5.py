@@ -99,7 +99,9 @@ def head_values(values: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @ADV_ESTIMATORS.register("t5", paper=PAPER, params=T5Params, needs_critic=True, uses_token_rewards=True,
-                         multi_head_critic=True)
+                         multi_head_critic=True,
+                         zero_variance=('single rollout (T^5): the batch-mean return until the critics qualify, then a'
+                                        ' learned mix of critic advantages'))
 def t5_advantage(inp: AdvantageInput, *, gamma: float, lams: List[float], whiten: bool,
                  qualification_threshold: float, mixer_hidden: int, mixer_lr: float, saddle_steps: int,
                  retention_target: float, signal_retention_coef: float) -> AdvantageOutput:

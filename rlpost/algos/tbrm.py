@@ -121,8 +121,17 @@ class TBRMParams:
     beta: float = param(0.01, "beta: KL-regularisation strength of the Bellman target (not confirmed from the paper)")
 
 
+def _tbrm_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """The reference log-probs near the current ones, and ``log Z(s_1)`` ``[B]`` as a leaf with grad (the trainer
+    computes it from the first position's logits in a run; the batch-level record is the reference only)."""
+    ref = logprobs + 0.2 * torch.randn(logprobs.shape, generator=generator)
+    z = (5.0 + torch.randn(logprobs.shape[0], generator=generator)).requires_grad_(True)
+    return {"extras": {"ref_logprobs": ref, "first_log_normaliser": z}, "batch_extras": {"ref_logprobs": ref}}
+
+
 @POLICY_LOSSES.register("tbrm", paper=_PAPER, params=TBRMParams, needs_ref=True, sequence_sum=True,
-                        needs_first_log_normaliser=True, extras=("ref_logprobs", "first_log_normaliser"))
+                        needs_first_log_normaliser=True, extras=("ref_logprobs", "first_log_normaliser"),
+                        example_inputs=_tbrm_example)
 def tbrm_loss(inp: PolicyLossInput, *, beta: float) -> Tuple[torch.Tensor, Metrics]:
     """TBRM: ``delta(x, y)^2`` per trajectory, the squared trajectory Bellman residual (module docstring).
 

@@ -64,7 +64,8 @@ class EGAEParams:
 
 
 @ADV_ESTIMATORS.register("egae", paper=_PAPER, params=EGAEParams, needs_critic=True, uses_token_rewards=True,
-                         needs_window_rollouts=True)
+                         needs_window_rollouts=True,
+                         zero_variance="critic baseline (T-PPO's Extended GAE; gae on whole responses)")
 def egae_advantage(inp: AdvantageInput, *, gamma: float, lam: float, whiten: bool) -> AdvantageOutput:
     """Extended GAE (T-PPO, arXiv:2506.15050) over complete and window-truncated responses (module docstring).
 

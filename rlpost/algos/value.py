@@ -59,7 +59,8 @@ class AStarParams:
     num_value_samples: int = param(8, "reference-policy samples per prompt for V* (authors: 8)")
 
 
-@ADV_ESTIMATORS.register("a_star", paper=_PAPER, params=AStarParams, needs_reference_rewards="num_value_samples")
+@ADV_ESTIMATORS.register("a_star", paper=_PAPER, params=AStarParams, needs_reference_rewards="num_value_samples",
+                         zero_variance="baseline V* from the reference policy's samples, not the group")
 def a_star_advantage(inp: AdvantageInput, *, beta1: float, num_value_samples: int) -> AdvantageOutput:
     """The optimal advantage ``A*(x, y) = r(x, y) - V*(x)`` of each sequence, broadcast to its tokens.
 
@@ -85,7 +86,15 @@ class AStarPOParams:
     beta2: float = param(1e-3, "beta2: scale of the log-ratio log pi/pi_ref regressed onto A* (authors: 1e-3)")
 
 
-@POLICY_LOSSES.register("a_star_po", paper=_PAPER, params=AStarPOParams, needs_ref=True, sequence_sum=True, extras=("ref_logprobs",))
+def _a_star_po_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """The reference policy's log-probs near the current ones (the ref_logprobs stage's output in a run)."""
+    ref = logprobs + 0.2 * torch.randn(logprobs.shape, generator=generator)
+    return {"extras": {"ref_logprobs": ref}, "batch_extras": {"ref_logprobs": ref}}
+
+
+@POLICY_LOSSES.register("a_star_po", paper=_PAPER, params=AStarPOParams, needs_ref=True, sequence_sum=True,
+                        extras=("ref_logprobs",),
+                        example_inputs=_a_star_po_example)
 def a_star_po_loss(inp: PolicyLossInput, *, beta2: float) -> Tuple[torch.Tensor, Metrics]:
     """A*-PO's least squares: ``(beta2 sum_t (log pi - log pi_ref) - A*)^2`` per sequence.
 

@@ -266,7 +266,15 @@ def outcome_plus_steps(inp: AdvantageInput, name: str, keys: Tuple[str, str], pr
     return AdvantageOutput(advantages=((A[:, None] + weight * z) * m).float())
 
 
-@ADV_ESTIMATORS.register("grpo_vps", paper=PAPER, params=VPSParams, needs_group=True, needs_answer_probes=True)
+def _vps_example(logprobs: torch.Tensor, generator: torch.Generator) -> Dict[str, Any]:
+    """A probe's progress per position and steps of two tokens (segments 1, 2, ...), what the method writes."""
+    B, R = logprobs.shape
+    return {"extras": {"vps_progress": torch.rand(B, R, generator=generator),
+                       "vps_segment": (torch.arange(R) // 2 + 1).expand(B, R).clone()}}
+
+
+@ADV_ESTIMATORS.register("grpo_vps", paper=PAPER, params=VPSParams, needs_group=True, needs_answer_probes=True,
+                         example_inputs=_vps_example)
 def vps_advantage(inp: AdvantageInput, *, segment: str, answer_prefix: str, progress_weight: float,
                   eps: float) -> AdvantageOutput:
     """``A_it = A_i + progress_weight * z(d_ik(t))``: GRPO's z-scored outcome advantage plus the step's progress.

@@ -14,6 +14,13 @@ agree and installs the declaration's defaults on it, so a direct call and a
 config-driven call see the same values. A config sets only the fields that
 differ (:meth:`Registry.resolve`): an unknown or misspelt key, a wrong type or a
 value outside a :class:`Choice` raises :class:`ConfigError` naming the valid keys.
+
+What generic tests need to know, declared beside the component (a kernel feature, docs/ARCHITECTURE.md,
+"What a component declares for the generic tests"): the registry-wide tests run every entry on one
+small batch, and a component whose inputs that batch lacks says so at its registration, not in the
+tests. ``example_inputs=fn`` (:data:`ExampleInputs`) returns the extra inputs, parameters and config
+overrides a generic test or a smoke run passes it; ``zero_variance="..."`` is the paper's reason an
+advantage estimator gives a group of equal rewards a non-zero advantage (the default property: exactly 0).
 """
 
 from __future__ import annotations
@@ -26,6 +33,21 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+#: ``example_inputs(logprobs, generator) -> dict``: what a generic test adds for this component on a small
+#: batch. ``logprobs`` ``[B, R]`` are the batch's current-policy log-probs (no grad; a teacher or reference
+#: may sit near them), ``generator`` a seeded ``torch.Generator`` for every random draw. The dict holds any of
+#: :data:`EXAMPLE_KEYS`.
+ExampleInputs = Callable[[Any, Any], Dict[str, Any]]
+
+#: the keys an ``example_inputs`` result may hold, and what each is for
+EXAMPLE_KEYS: Dict[str, str] = {
+    "params": "component parameters the small batch needs (e.g. a smaller k than the groups hold)",
+    "extras": "entries of the input's extras dict (AdvantageInput.extras / PolicyLossInput.extras); a tensor "
+              "that requires grad is a leaf whose gradient the test checks beside the log-probs'",
+    "batch_extras": "RolloutBatch.extras a trainer-level test records before the update (a sampler's record)",
+    "overrides": "Hydra overrides a smoke run of a preset using the component needs (a list of strings)",
+}
 
 from rlpost.core.errors import ConfigError
 
@@ -222,6 +244,12 @@ class Entry:
             validation reads.
         params: the frozen dataclass declaring the component's parameters
             (:class:`NoParams` when it has none).
+        example_inputs: :data:`ExampleInputs` of a component whose inputs a
+            generic test's small batch lacks, or None (read through
+            :meth:`Registry.example`).
+        zero_variance: for an advantage estimator, the paper's reason a group
+            whose rewards are all equal gets a non-zero advantage; "" means it
+            gets exactly 0 (the generic property).
     """
 
     name: str
@@ -230,6 +258,8 @@ class Entry:
     description: str = ""
     tags: Dict[str, Any] = field(default_factory=dict)
     params: type = NoParams
+    example_inputs: Optional[ExampleInputs] = None
+    zero_variance: str = ""
 
 
 class Registry:
@@ -270,7 +300,8 @@ class Registry:
             importlib.import_module(self.catalog)
 
     def register(
-        self, name: str, *, paper: str = "", description: str = "", params: Optional[type] = None, **tags: Any
+        self, name: str, *, paper: str = "", description: str = "", params: Optional[type] = None,
+        example_inputs: Optional[ExampleInputs] = None, zero_variance: str = "", **tags: Any
     ) -> Callable[[Any], Any]:
         """Decorator registering ``obj`` under ``name``.
 
@@ -278,11 +309,19 @@ class Registry:
             params: frozen dataclass declaring the parameters (see the module
                 docstring); None for plumbing whose calling convention is fixed
                 (aggregation modes, KL estimators, tasks, verifiers).
+            example_inputs: what a generic test passes this component beyond its
+                small shared batch (:data:`ExampleInputs`, keys
+                :data:`EXAMPLE_KEYS`); None when the shared batch is enough.
+            zero_variance: an advantage estimator's reason (the paper's) for a
+                non-zero advantage on a group of equal rewards; "" = exactly 0.
 
         Raises:
-            ValueError: ``name`` registered twice, or ``params`` disagrees with
-                ``obj`` (see :func:`bind_params`); both programming errors.
+            ValueError: ``name`` registered twice, ``params`` disagrees with
+                ``obj`` (see :func:`bind_params`), or ``example_inputs`` is not
+                callable; all programming errors.
         """
+        if example_inputs is not None and not callable(example_inputs):
+            raise ValueError(f"{self.kind} {name!r}: example_inputs must be a function (logprobs, generator) -> dict")
 
         def deco(obj: Any) -> Any:
             if name in self._entries:
@@ -292,10 +331,37 @@ class Registry:
                 desc = obj.__doc__.strip().splitlines()[0]
             if params is not None or self.typed_params:
                 bind_params(self.kind, name, obj, params or NoParams)
-            self._entries[name] = Entry(name, obj, paper, desc, dict(tags), params or NoParams)
+            self._entries[name] = Entry(name, obj, paper, desc, dict(tags), params or NoParams, example_inputs,
+                                        zero_variance)
             return obj
 
         return deco
+
+    def example(self, name: str, logprobs: Any, generator: Any) -> Dict[str, Any]:
+        """The declared example inputs of ``name`` with every key of :data:`EXAMPLE_KEYS` present.
+
+        Args:
+            logprobs: ``[B, R]`` current-policy log-probs of the test's batch (no grad).
+            generator: a seeded ``torch.Generator`` for the component's random draws.
+        Returns:
+            ``{"params": {}, "extras": {}, "batch_extras": {}, "overrides": [], ...}`` updated with
+            what ``example_inputs`` returns (all empty when the entry declares none).
+        Raises:
+            ConfigError: unknown name (see :meth:`entry`).
+            ValueError: the declaration returned a key outside :data:`EXAMPLE_KEYS`
+                (a programming error in the component's file).
+        """
+        out: Dict[str, Any] = {"params": {}, "extras": {}, "batch_extras": {}, "overrides": []}
+        fn = self.entry(name).example_inputs
+        if fn is None:
+            return out
+        got = dict(fn(logprobs, generator))
+        bad = sorted(set(got) - set(EXAMPLE_KEYS))
+        if bad:
+            raise ValueError(f"{self.kind} {name!r}: example_inputs returned {bad}; "
+                             f"valid keys: {', '.join(EXAMPLE_KEYS)}")
+        out.update(got)
+        return out
 
     def params_of(self, name: str) -> type:
         """The params dataclass of entry ``name`` (see :meth:`entry` for errors)."""

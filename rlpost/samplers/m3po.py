@@ -124,6 +124,17 @@ class M3POSamplerParams:
                            "text (the paper's answer delimiter); empty: the whole response thinks.")
 
 
+def _m3po_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """What the decode hook records on a third of the positions: the path's own token at 1 - lambda and three
+    peers' tokens sharing lambda = .1 (token ids below 100, inside every test vocabulary)."""
+    shape = tuple(logprobs.shape)
+    m = (torch.rand(shape, generator=generator) < 0.33).float()
+    rec = {"m3po_mixed": m, "m3po_w0": 0.9 * m, "m3po_w1": 0.06 * m, "m3po_w2": 0.03 * m, "m3po_w3": 0.01 * m}
+    for j in range(4):
+        rec[f"m3po_id{j}"] = torch.randint(10, 100, shape, generator=generator)
+    return {"batch_extras": rec}
+
+
 @SAMPLERS.register(
     "m3po",
     paper="Multi-Path Collaborative Reasoning via Reinforcement Learning (M3PO, arXiv:2512.01485)",
@@ -131,6 +142,7 @@ class M3POSamplerParams:
                 "peers', weighted by next-token distribution similarity.",
     params=M3POSamplerParams,
     process_local_hooks="the mixed inputs its decode hook records for the trainer",
+    example_inputs=_m3po_example,
 )
 class M3POSampler(Sampler):
     """``n_samples`` rollouts per prompt with M3PO's cross-path mixing (see the module docstring).

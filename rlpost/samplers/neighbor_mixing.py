@@ -114,6 +114,16 @@ class NeighborMixingSamplerParams:
                                 "(the answer marker); empty: mix the whole response.")
 
 
+def _neighbor_mixing_example(logprobs: torch.Tensor, generator: torch.Generator) -> dict:
+    """What the decode hook records on a third of the positions: anchor and one neighbour, weights .7 / .3
+    (token ids below 100, inside every test vocabulary)."""
+    shape = tuple(logprobs.shape)
+    m = (torch.rand(shape, generator=generator) < 0.33).float()
+    return {"batch_extras": {"nm_mixed": m, "nm_id0": torch.randint(10, 100, shape, generator=generator),
+                             "nm_w0": 0.7 * m, "nm_w1": 0.3 * m,
+                             "nm_id1": torch.randint(0, 100, shape, generator=generator)}}
+
+
 @SAMPLERS.register(
     "neighbor_mixing",
     paper="N-GRPO: Embedding-Level Neighbor Mixing for Enhanced Policy Optimization (arXiv:2606.10768)",
@@ -121,6 +131,7 @@ class NeighborMixingSamplerParams:
                 "embedding-space neighbours.",
     params=NeighborMixingSamplerParams,
     process_local_hooks="the mixed inputs its decode hook records for the trainer",
+    example_inputs=_neighbor_mixing_example,
 )
 class NeighborMixingSampler(Sampler):
     """``n_samples`` rollouts per prompt with N-GRPO's neighbour mixing (see the module docstring).
