@@ -8,8 +8,6 @@ import torch
 from rlpost.algos.aggregation import aggregate
 from rlpost.algos.hapo import adaptive_clip_range, entropy_hhat, make_temperature_hook, redistribute_advantage
 from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
-from rlpost.algos.registries import POLICY_LOSSES
-from teacher_inputs import teacher_inputs  # noqa: E402  (tests/teacher_inputs.py)
 from rlpost.algos.regularizers import kl_penalty, kl_reward_penalty
 
 
@@ -217,19 +215,6 @@ def test_temperature_hook_range_and_first_step():
     peaked = torch.tensor([[50.0] + [0.0] * 49])  # ~0 entropy -> coolest
     t = hook(torch.cat([flat, peaked]), 3)
     assert torch.allclose(t, torch.tensor([1.05, 0.95]), atol=1e-5)
-
-
-@pytest.mark.parametrize("name", POLICY_LOSSES.names())
-def test_on_policy_ratio_is_one_and_loss_is_finite(name):
-    """With old = current log-probs (first micro-batch of an on-policy update), every ratio is 1."""
-    torch.manual_seed(0)
-    lp = torch.randn(3, 4) - 2.0
-    x = PolicyLossInput(logprobs=lp.clone().requires_grad_(True), old_logprobs=lp.clone(), advantages=torch.randn(3, 4), response_mask=torch.ones(3, 4), entropy=torch.rand(3, 4), group_index=torch.tensor([0, 0, 1]), extras={**teacher_inputs(name, lp), 'segment_ids': torch.tensor([[0, 0, 1, 1]] * 3)})
-    loss, met = compute_policy_loss(name, x)
-    assert torch.isfinite(loss).all()
-    assert torch.isclose(met["ratio_mean"], torch.tensor(1.0)) and torch.isclose(met["ratio_max"], torch.tensor(1.0))
-    if name not in ("clip_cov", "kl_cov", "sapo", "spear_clip_cov"):  # clip_frac counts covariance-selected tokens
-        assert met["clip_frac"] == 0
 
 
 def test_aggregation_modes_differ_on_unequal_lengths():

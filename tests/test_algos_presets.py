@@ -6,28 +6,47 @@ import math
 import pytest
 import yaml
 
+from preset_configs import preset_config  # noqa: E402  (tests/preset_configs.py)
 from rlpost.config.compose import compose_config, conf_dir, group_choices
 
 PRESETS = group_choices("algo")
 
 
-#: presets that route each prompt to its domain's teacher (model.teachers): a two-domain task, a tiny teacher each
-ROUTED_TEACHERS = {"mopd": ["task=arithmetic_mix", "model.teachers.basic_arithmetic=tiny",
-                            "model.teachers.chain_sum=tiny"]}
+def component_overrides(name: str) -> list:
+    """What the preset's estimator and loss declare a smoke run needs (``example_inputs`` overrides: e.g. a routed
+    teacher per domain on a two-domain task)."""
+    import torch
+
+    from rlpost.algos.registries import ADV_ESTIMATORS, POLICY_LOSSES
+
+    algo = preset_config(name).algo
+    out = []
+    for reg, key in ((ADV_ESTIMATORS, algo.adv_estimator), (POLICY_LOSSES, algo.loss)):
+        out += [o for o in reg.example(str(key), torch.zeros(1, 1), torch.Generator())["overrides"] if o not in out]
+    return out
+
+
+def teacher_and_component_overrides(name: str) -> list:
+    """The components' declared overrides, and a tiny ``model.teacher`` for a distillation preset that routes to no
+    per-domain teachers (``model.teachers``)."""
+    out = component_overrides(name)
+    if uses_teacher_preset(name) and not any(o.startswith("model.teachers.") for o in out):
+        out.append("model.teacher=tiny")
+    return out
 
 
 def uses_teacher_preset(name: str) -> bool:
     """Distillation presets need ``model.teacher`` (a tiny teacher here)."""
     from rlpost.algos.validate import uses_teacher
 
-    return uses_teacher(compose_config([f"algo={name}"]).algo)
+    return uses_teacher(preset_config(name).algo)
 
 
 def episode_overrides(name: str) -> list:
     """Presets whose estimator matches turns across episodes (tag ``needs_episodes``) run on ``env=calculator``."""
     from rlpost.algos.registries import ADV_ESTIMATORS
 
-    adv = str(compose_config([f"algo={name}"]).algo.adv_estimator)
+    adv = str(preset_config(name).algo.adv_estimator)
     return ["env=calculator"] if ADV_ESTIMATORS.tag(adv, "needs_episodes", False) else []
 
 
@@ -39,7 +58,9 @@ def test_every_preset_names_its_paper_and_only_registered_parts():
     for name in PRESETS:
         raw = yaml.safe_load((conf_dir() / "algo" / f"{name}.yaml").read_text())
         assert raw["name"] == name
-        assert "arXiv:" in raw["paper"] or name == "sft", (name, raw["paper"])  # a reader can follow it
+        # a reader can follow it: an arXiv paper, unless neither its loss nor its estimator has one
+        cited = "arXiv:" in POLICY_LOSSES.entry(raw["loss"]).paper + ADV_ESTIMATORS.entry(raw["adv_estimator"]).paper
+        assert "arXiv:" in raw["paper"] or not cited, (name, raw["paper"])
         assert raw["adv_estimator"] in ADV_ESTIMATORS and raw["loss"] in POLICY_LOSSES
         assert raw["loss_agg"] in LOSS_AGGS
 
@@ -51,8 +72,7 @@ def test_preset_two_steps_on_tiny(name, tmp_path):
     cfg = compose_config([
         f"algo={name}", "model=tiny", "steps=2", "logger=jsonl", "rollout.max_new_tokens=6",
         "selector.prompts_per_step=1", "eval.at_end=false", "checkpoint.every=0", "trainer.lr=1e-4",
-    ] + (ROUTED_TEACHERS.get(name) or (["model.teacher=tiny"] if uses_teacher_preset(name) else []))
-      + episode_overrides(name))
+    ] + teacher_and_component_overrides(name) + episode_overrides(name))
     train(cfg, tmp_path)
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if l.strip()]
     rows = [r for r in rows if "reward/mean" in r]
