@@ -4,6 +4,10 @@ rows is the same with ``trainer.micro_batch_size`` 1 and 8, on-policy and off-po
 
 Measured on this code: every preset within 3e-6 relative (fp32 rounding of different matmul shapes); the
 bound 1e-4 still catches a split-dependent statistic, which moved the gradient by ~1e-3 relative.
+
+Generic: names no method. What a preset's components need (a routed teacher per domain, a teacher's record) is
+their registration's ``example_inputs``; what its methods record from the old policy (an anchor's top-K support,
+entropy statistics, the old entropy) comes from their own ``after_old_logprobs`` hooks, run as in a step.
 """
 
 from __future__ import annotations
