@@ -126,3 +126,68 @@ class CharTok:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
+
+
+# ---------------------------------------------------------------- parallel runs (pytest-xdist)
+#
+# The README's test command runs the suite on every core (`-n auto`; pyproject.toml adds `--dist loadgroup`). The unit of
+# work is a test file (its module-scoped fixtures are built once), except the files below.
+
+#: files whose tests start a Ray cluster, a vLLM engine or server, or torchrun/DeepSpeed process groups:
+#: one worker runs them one after another. Two at once would each want both cores, race for free ports,
+#: Ray's /tmp/ray session and vLLM's per-process parallel state.
+ENGINE_FILES = {
+    "test_ray_launcher.py", "test_ray_console.py", "test_vllm_runs.py", "test_vllm_engine.py",
+    "test_judge_vllm_serve.py", "test_method_roll.py", "test_deepspeed.py", "test_data_parallel.py",
+    "test_async.py",
+}
+#: files with many independent, self-contained cases (no module-scoped fixture worth sharing): their
+#: tests are spread over the workers one by one, and scheduled last, so the short units fill the end
+#: of the run on both cores
+SPREAD_FILES = {"test_recipes.py"}
+#: groups scheduled first, longest first (docs/TESTING.md's profile), so that no long group starts last
+FIRST = ["engines"]
+
+
+def _group(item) -> str:
+    name = item.path.name
+    if name in ENGINE_FILES or item.get_closest_marker("vllm") is not None:
+        return "engines"
+    if name in SPREAD_FILES:
+        return item.nodeid
+    return name
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: the cores this process may run on (``os.cpu_count()`` counts the host's in a container)."""
+    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Give each test its xdist group (:func:`_group`); order the groups: :data:`FIRST`, then the other
+    files as collected, then the tests of :data:`SPREAD_FILES` (a stable sort; run with
+    ``--no-loadscope-reorder`` so xdist keeps this order)."""
+    rank = {g: i for i, g in enumerate(FIRST)}
+    for item in items:
+        item.stash[_GROUP] = g = _group(item)
+        item.add_marker(pytest.mark.xdist_group(g))
+
+    def key(it):
+        g = it.stash[_GROUP]
+        if g in rank:
+            return (0, rank[g])
+        return (2, 0) if it.path.name in SPREAD_FILES else (1, 0)
+
+    items.sort(key=key)
+
+
+_GROUP = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Under xdist each worker runs torch on one thread: two workers on two cores, no spin-waiting."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(1)
