@@ -265,7 +265,7 @@ FAULTS: Tuple[Fault, ...] = (
           "last = torch.where(m > 0, delta + gamma * lam * last, last)",
           "last = torch.where(m > 0, delta + gamma * last, last)",
           "GAE ignores lambda (always lambda = 1)",
-          (T + "test_algos_advantages.py",)),
+          (T + "test_gae_by_hand.py", T + "test_algos_advantages.py", T + "test_value.py")),
     # ---------------------------------------------------------------- importance corrections
     Fault("tis-cap-ignored", "correction", "rlpost/algos/corrections.py",
           "w = ratio.clamp(max=cap) * response_mask",
