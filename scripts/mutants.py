@@ -538,7 +538,8 @@ def table(results: Sequence[Result]) -> str:
     lines = ["| id | category | fault | caught by | stage | seconds |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         caught = f"`{r.caught_by}`" if r.caught_by else "NOT CAUGHT" + (f" ({r.note})" if r.note else "")
-        lines.append(f"| {r.id} | {r.category} | {r.means} | {caught} | {r.stage or '-'} | {r.seconds:.0f} |")
+        cells = (r.id, r.category, r.means, caught, str(r.stage or "-"), f"{r.seconds:.0f}")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")  # KL(a || b) stays one cell
     n = sum(1 for r in results if r.caught_by)
     lines.append("")
     lines.append(f"{n} of {len(results)} faults caught.")
