@@ -1,6 +1,6 @@
 """rollout=hf_mtp: Bebop's MTP draft head as a rollout.speculative drafter (settings, pre-RL fit, head files).
 
-The exactness of the MTP verify loop is tested in tests/test_rollout_mtp_vllm_spec_mipu.py; here: the config
+The exactness of the MTP verify loop is tested in tests/test_method_bebop.py; here: the config
 errors, the fit and its save/load round trip, and a 2-step training run through the runner.
 """
 
@@ -14,7 +14,7 @@ from rlpost.core.errors import ConfigError
 from rlpost.rollout.base import SamplingParams
 from rlpost.rollout.hf import HFRolloutEngine
 from rlpost.rollout.self_spec import MTP_KEYS, check_speculative, spec_config
-from test_rollout_self_spec_otr_hif4 import _tiny_llama, _Tok
+from spec_helpers import _tiny_llama, _Tok
 from conftest import tiny_overrides
 
 

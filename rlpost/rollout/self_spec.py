@@ -21,7 +21,7 @@ Exactness. Every emitted token is distributed as the policy's own next-token dis
 the first rejection is replaced by a draw from the normalised residual ``max(0, p - q)``; a fully
 accepted draft gets a bonus token from ``p`` (speculative sampling, "Fast Inference from
 Transformers via Speculative Decoding", arXiv:2211.17192; "Accelerating Large Language Model
-Decoding with Speculative Sampling", arXiv:2302.01318). ``tests/test_rollout_self_spec_otr_hif4.py`` checks whole
+Decoding with Speculative Sampling", arXiv:2302.01318). ``tests/test_method_self_spec.py`` checks whole
 responses of a tiny model with a chi-square test. The reported rollout log-probs are the policy's
 (``log p``), as the plain engine reports them.
 
