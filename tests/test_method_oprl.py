@@ -89,7 +89,9 @@ def test_prm_update_lowers_the_dpo_loss_exactly_chunked_and_round_trips(compose,
             g = torch.linspace(-1, 1, len(b))
             m._seq_logprobs(fwd, m.prm, b, rows, grad_of=g)
             grads.append(torch.cat([q.grad.flatten() for q in m.prm.parameters() if q.grad is not None]))
-        assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+        # fp32 sums in another order (row chunks, one or two threads): ~1e-7 relative; a chunk-dependent
+        # scale or a dropped chunk moves it by 1e-1 and more
+        assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-5
         sd = m.state_dict()
         w = next(iter(sd["prm"].values())).clone()
         m2 = type(m)(run.cfg)
