@@ -107,13 +107,13 @@ FAULTS: Tuple[Fault, ...] = (
           "return (loss_mat * mask).sum() / _denom(mask.sum(), denom)",
           "return loss_mat.sum() / _denom(mask.sum(), denom)",
           "token-mean sums the loss of padding tokens too",
-          (T + "test_aggregation_by_hand.py", T + "test_algos_losses.py", T + "test_losses_fipo_holderpo_p3o_erc.py")),
+          (T + "test_aggregation_by_hand.py", T + "test_algos_losses.py")),
     Fault("token-mean-pad-denominator", "masking", "rlpost/algos/aggregation.py",
           "return float(mask.sum())",
           "return float(mask.numel())",
           "the trainer's token-mean denominator counts padding positions",
-          (T + "test_aggregation_by_hand.py", T + "test_trainer_gradient_by_hand.py", T + "test_losses_fipo_holderpo_p3o_erc.py", T + "test_algos_losses.py",
-           T + "test_microbatch_invariance.py::test_gradient_and_logged_loss_do_not_depend_on_micro_batch_size[ppo_clip-token-mean]")),
+          (T + "test_aggregation_by_hand.py", T + "test_trainer_gradient_by_hand.py", T + "test_algos_losses.py",
+           T + "test_microbatch_invariance.py")),
     Fault("prompt-in-sft-mask", "masking", "rlpost/experiments/warmstart.py",
           "w[i, len(d.prompt_ids): len(r)] = torch.tensor(d.loss_mask)",
           "w[i, : len(r)] = torch.tensor([1.0] * len(d.prompt_ids) + d.loss_mask)",
@@ -123,19 +123,19 @@ FAULTS: Tuple[Fault, ...] = (
           "return (mask.sum(-1) > 0).sum().to(mask.dtype if mask.is_floating_point() else torch.float32)",
           "return torch.tensor(float(mask.shape[0]))",
           "seq-* aggregations count all-masked (padding) rows in their denominator",
-          (T + "test_aggregation_by_hand.py", T + "test_trainer_gradient_by_hand.py", T + "test_algos_losses.py", T + "test_losses_fipo_holderpo_p3o_erc.py",
-           T + "test_microbatch_invariance.py::test_gradient_and_logged_loss_do_not_depend_on_micro_batch_size[ppo_clip-seq-mean-token-mean]")),
+          (T + "test_aggregation_by_hand.py", T + "test_trainer_gradient_by_hand.py", T + "test_algos_losses.py",
+           T + "test_microbatch_invariance.py")),
     Fault("seq-norm-const-ignored", "aggregation", "rlpost/algos/aggregation.py",
           "c = float(norm_const) if norm_const else float(loss_mat.shape[-1])",
           "c = float(loss_mat.shape[-1])",
           "Dr. GRPO's seq-mean-token-sum-norm divides by the batch's padded width, not the fixed constant",
           (T + "test_aggregation_by_hand.py", T + "test_trainer_gradient_by_hand.py", T + "test_algos_losses.py",
-           T + "test_microbatch_invariance.py::test_gradient_and_logged_loss_do_not_depend_on_micro_batch_size[ppo_clip-seq-mean-token-sum-norm]")),
+           T + "test_microbatch_invariance.py")),
     Fault("seq-token-mean-width", "aggregation", "rlpost/algos/aggregation.py",
           "per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)",
           "per_seq = (loss_mat * mask).sum(-1) / float(mask.shape[-1])",
           "seq-mean-token-mean divides each sequence by the padded width instead of its length",
-          (T + "test_aggregation_by_hand.py", T + "test_algos_losses.py", T + "test_microbatch_invariance.py::test_gradient_and_logged_loss_do_not_depend_on_micro_batch_size[ppo_clip-seq-mean-token-mean]")),
+          (T + "test_aggregation_by_hand.py", T + "test_algos_losses.py", T + "test_microbatch_invariance.py")),
     # ---------------------------------------------------------------- groups
     Fault("group-rows-shifted", "groups", "rlpost/samplers/base.py",
           "group_index=torch.tensor(gi, dtype=torch.long)",
@@ -248,7 +248,7 @@ FAULTS: Tuple[Fault, ...] = (
           "loss = aggregate(a.loss_agg, loss_mat, m, denom=denom,",
           "loss = aggregate(a.loss_agg, loss_mat, m, denom=None,",
           "each micro-batch's loss is its own mean, not its share of the mini-batch's (gradient scales with #micro-batches)",
-          (T + "test_trainer_gradient_by_hand.py", T + "test_microbatch_invariance.py::test_gradient_and_logged_loss_do_not_depend_on_micro_batch_size[ppo_clip-token-mean]", T + "test_token_budget.py")),
+          (T + "test_trainer_gradient_by_hand.py", T + "test_microbatch_invariance.py", T + "test_token_budget.py")),
     # ---------------------------------------------------------------- episodes
     Fault("episode-tool-tokens-trained", "episode", "rlpost/samplers/episode.py",
           "e.add(ins, 0.0)",
@@ -460,7 +460,12 @@ def run_pytest(root: Path, targets: Sequence[str], python: str, timeout: float,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
-        failed = proc.returncode not in (0, 5) and not timed_out  # 5: no tests collected
+        # only exit 1 (tests failed) is a catch: 2-4 are an interrupted run, an internal error or a usage error
+        # (a target that does not exist), 5 no tests collected
+        if proc.returncode in (2, 3, 4) and not timed_out:
+            raise RuntimeError(f"pytest exit {proc.returncode} in {root} for {' '.join(targets)} (not a catch; "
+                               f"fix the fault's first tests):\n{out[-1500:]}")
+        failed = proc.returncode == 1 and not timed_out
         node = _first_failure(junit, out) if failed else None
         if failed and node is None:
             node = f"pytest exit {proc.returncode} (no failing test named)"
