@@ -81,6 +81,21 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def train_rows(tmp_path, overrides):
+    """Train ``model=tiny`` (6 new tokens, 2 prompts x 4 samples, no final evaluation or checkpoint) with
+    ``overrides`` in ``tmp_path``; returns the logged step rows (dicts with ``reward/mean``)."""
+    import json
+
+    from rlpost.config.compose import compose_config
+    from rlpost.run.runner import train
+
+    cfg = compose_config(["model=tiny", "logger=jsonl", "rollout.max_new_tokens=6", "selector.prompts_per_step=2",
+                          "algo.n_samples_per_prompt=4", "eval.at_end=false", "checkpoint.every=0", *overrides])
+    train(cfg, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if "reward/mean" in r]
+
+
 def update_with_gradient(trainer, batch):
     """Run ``trainer.policy_update(batch)`` with the optimizer step replaced by a capture.
 

@@ -1,6 +1,7 @@
 """The micro-batch split check of a policy loss with given parameters: a 4-row batch's loss and gradient equal the
 sums over two 2-row micro-batches with the mini-batch denominator (moved unchanged from the bundle file
-tests/test_losses_fipo_holderpo_p3o_erc.py; every loss with its defaults is checked in tests/test_algo_properties.py)."""
+tests/test_losses_fipo_holderpo_p3o_erc.py; every loss with its defaults is checked in tests/test_algo_properties.py),
+and the hand-made inputs of the per-loss tests (:func:`make`, :func:`grad_of`)."""
 
 import torch
 
@@ -40,3 +41,22 @@ def split_invariance(name, agg, **params):
     assert torch.isclose(whole, a + b, atol=1e-6)
     assert torch.allclose(g, ga + gb, atol=1e-6)
 
+
+
+def make(ratios, adv, mask=None, step=None, dtype=torch.float32, **fields):
+    """A :class:`PolicyLossInput` in ``dtype`` with old log-probs 0 and current log-probs ``log(ratio)`` as a leaf
+    with grad (shapes as given: ``[B, R]`` or ``[R]``); the mask is all ones unless given; ``fields`` are further
+    fields of the input (``group_index``, ``extras``, ...)."""
+    r = torch.tensor(ratios, dtype=dtype)
+    lp = torch.log(r).clone().requires_grad_(True)
+    A = torch.tensor(adv, dtype=dtype)
+    m = torch.ones_like(r) if mask is None else torch.tensor(mask, dtype=dtype)
+    return PolicyLossInput(logprobs=lp, old_logprobs=torch.zeros_like(r), advantages=A, response_mask=m, step=step,
+                           **fields)
+
+
+def grad_of(name, x, **p):
+    """``(loss matrix, d(sum of masked loss)/d logprobs, metrics)`` of loss ``name`` on input ``x``."""
+    loss, met = compute_policy_loss(name, x, **p)
+    (loss * x.response_mask).sum().backward()
+    return loss.detach(), x.logprobs.grad.clone(), met

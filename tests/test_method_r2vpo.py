@@ -8,33 +8,16 @@ import pytest
 import torch
 
 from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
+from loss_split import grad_of, make as _make  # noqa: E402  (tests/loss_split.py)
 
 
 def make(ratios, adv, mask=None, **kw):
-    """Old log-probs 0, current log-probs log(ratio) as a leaf with grad."""
-    r = torch.tensor(ratios, dtype=torch.float64)
-    lp = torch.log(r).clone().requires_grad_(True)
-    A = torch.tensor(adv, dtype=torch.float64)
-    m = torch.ones_like(r) if mask is None else torch.tensor(mask, dtype=torch.float64)
-    return PolicyLossInput(logprobs=lp, old_logprobs=torch.zeros_like(r), advantages=A, response_mask=m, **kw)
+    """:func:`loss_split.make` in float64."""
+    return _make(ratios, adv, mask, dtype=torch.float64, **kw)
 
 
-def grad_of(name, x, **p):
-    loss, met = compute_policy_loss(name, x, **p)
-    (loss * x.response_mask).sum().backward()
-    return loss.detach(), x.logprobs.grad.clone(), met
 
-
-def train_rows(tmp_path, overrides):
-    """Train on model=tiny and return the logged step rows."""
-    from rlpost.config.compose import compose_config
-    from rlpost.run.runner import train
-
-    cfg = compose_config(["model=tiny", "logger=jsonl", "rollout.max_new_tokens=6", "selector.prompts_per_step=2",
-                          "algo.n_samples_per_prompt=4", "eval.at_end=false", "checkpoint.every=0", *overrides])
-    train(cfg, tmp_path)
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if "reward/mean" in r]
+from conftest import train_rows  # noqa: E402  (tests/conftest.py)
 
 
 # --- R²VPO, ratio-variance Lagrangian with dual ascent (arXiv:2601.03320) -----------------------

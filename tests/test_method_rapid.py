@@ -6,21 +6,13 @@ import pytest
 import torch
 
 from rlpost.algos.losses import PolicyLossInput, compute_policy_loss
+from loss_split import grad_of, make as _make  # noqa: E402  (tests/loss_split.py)
 
 
 def make(ratios, adv, mask=None, **kw):
-    """Old log-probs 0, current log-probs log(ratio) as a leaf with grad."""
-    r = torch.tensor(ratios, dtype=torch.float64)
-    lp = torch.log(r).clone().requires_grad_(True)
-    A = torch.tensor(adv, dtype=torch.float64)
-    m = torch.ones_like(r) if mask is None else torch.tensor(mask, dtype=torch.float64)
-    return PolicyLossInput(logprobs=lp, old_logprobs=torch.zeros_like(r), advantages=A, response_mask=m, **kw)
+    """:func:`loss_split.make` in float64."""
+    return _make(ratios, adv, mask, dtype=torch.float64, **kw)
 
-
-def grad_of(name, x, **p):
-    loss, met = compute_policy_loss(name, x, **p)
-    (loss * x.response_mask).sum().backward()
-    return loss.detach(), x.logprobs.grad.clone(), met
 
 
 # --- RAPID, off-policy group-relative policy gradient (arXiv:2510.03515) ------------------------

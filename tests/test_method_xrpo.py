@@ -9,16 +9,7 @@ import pytest
 import torch
 
 
-def train_rows(tmp_path, overrides):
-    """Train on model=tiny and return the logged step rows."""
-    from rlpost.config.compose import compose_config
-    from rlpost.run.runner import train
-
-    cfg = compose_config(["model=tiny", "logger=jsonl", "rollout.max_new_tokens=6", "selector.prompts_per_step=2",
-                          "algo.n_samples_per_prompt=4", "eval.at_end=false", "checkpoint.every=0", *overrides])
-    train(cfg, tmp_path)
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if "reward/mean" in r]
+from conftest import train_rows  # noqa: E402  (tests/conftest.py)
 
 
 # --- XRPO, novelty-aware advantage sharpening and the rollout allocator (arXiv:2510.06672) ------
