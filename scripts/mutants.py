@@ -172,7 +172,8 @@ FAULTS: Tuple[Fault, ...] = (
           "T = self._temperature(batch)",
           "T = 1.0",
           "the trainer's log-probs ignore the sampling temperature (ratio != 1 on-policy)",
-          (T + "test_trainer_gradient_by_hand.py", T + "test_sampling_parity.py", T + "test_runner.py::test_rollout_logprobs_match_trainer_logprobs_fp32")),
+          (T + "test_trainer_gradient_by_hand.py", T + "test_sampling_parity.py",
+           T + "test_runner.py::test_rollout_logprobs_match_trainer_logprobs_fp32")),
     Fault("logprob-position-shift", "logprobs", "rlpost/models/logprobs.py",
           "h = hidden[:, P - 1 : P + R - 1]",
           "h = hidden[:, P : P + R]",
@@ -247,7 +248,8 @@ FAULTS: Tuple[Fault, ...] = (
     Fault("microbatch-loss-not-scaled", "microbatch", "rlpost/trainer/torch_engine.py",
           "loss = aggregate(a.loss_agg, loss_mat, m, denom=denom,",
           "loss = aggregate(a.loss_agg, loss_mat, m, denom=None,",
-          "each micro-batch's loss is its own mean, not its share of the mini-batch's (gradient scales with #micro-batches)",
+          "each micro-batch's loss is its own mean, not its share of the mini-batch's "
+          "(gradient scales with #micro-batches)",
           (T + "test_trainer_gradient_by_hand.py", T + "test_microbatch_invariance.py", T + "test_token_budget.py")),
     # ---------------------------------------------------------------- episodes
     Fault("episode-tool-tokens-trained", "episode", "rlpost/samplers/episode.py",

@@ -145,8 +145,8 @@ class CharTok:
 
 # ---------------------------------------------------------------- parallel runs (pytest-xdist)
 #
-# The README's test command runs the suite on every core (`-n auto`; pyproject.toml adds `--dist loadgroup`). The unit of
-# work is a test file (its module-scoped fixtures are built once), except the files below.
+# The README's test command runs the suite on every core (`-n auto`; pyproject.toml adds `--dist loadgroup`).
+# The unit of work is a test file (its module-scoped fixtures are built once), except the files below.
 
 #: files whose tests start a Ray cluster, a vLLM engine or server, or torchrun/DeepSpeed process groups:
 #: one worker runs them one after another. Two at once would each want both cores, race for free ports,

@@ -27,7 +27,8 @@ def split_invariance(name, agg, **params):
 
     def run(rows):
         lp = lp0.clone().requires_grad_(True)
-        x = PolicyLossInput(logprobs=lp[rows], old_logprobs=old[rows], advantages=A[rows], response_mask=m[rows], step=7,
+        x = PolicyLossInput(logprobs=lp[rows], old_logprobs=old[rows], advantages=A[rows], response_mask=m[rows],
+                            step=7,
                             batch=full, rows=torch.arange(4)[rows])
         loss_mat, _ = compute_policy_loss(name, x, **params)
         loss = aggregate(agg, loss_mat, m[rows], denom=denom)

@@ -120,9 +120,9 @@ def _tokenizer_stamp(path: str) -> Tuple[Tuple[str, int, int], ...]:
     d = Path(path)
     if not d.is_dir():
         return ()
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(d.iterdir())
-                 if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab",
-                                                       "merges")))
+    names = ("tokenizer", "special_tokens", "chat_template", "vocab", "merges")
+    files = [f for f in sorted(d.iterdir()) if f.is_file() and f.name.startswith(names)]
+    return tuple((f.name, st.st_size, st.st_mtime_ns) for f, st in ((f, f.stat()) for f in files))
 
 
 def load_tokenizer(model_cfg: Any):
