@@ -148,25 +148,29 @@ class CharTok:
 # The README's test command runs the suite on every core (`-n auto`; pyproject.toml adds `--dist loadgroup`).
 # The unit of work is a test file (its module-scoped fixtures are built once), except the files below.
 
-#: files whose tests start a Ray cluster, a vLLM engine or server, or torchrun/DeepSpeed process groups:
-#: one worker runs them one after another. Two at once would each want both cores, race for free ports,
-#: Ray's /tmp/ray session and vLLM's per-process parallel state.
-ENGINE_FILES = {
-    "test_ray_launcher.py", "test_ray_console.py", "test_vllm_runs.py", "test_vllm_engine.py",
-    "test_judge_vllm_serve.py", "test_method_roll.py", "test_deepspeed.py", "test_data_parallel.py",
-    "test_async.py",
+#: files whose tests start engines, by kind: one worker runs a kind's files one after another (a Ray
+#: cluster at a time: Ray's /tmp/ray session and its 2-CPU cluster; the vLLM engines, servers and
+#: torchrun/DeepSpeed process groups likewise), while another worker may run the other kind. A file
+#: with both kinds goes under ``ray``. Every test marked ``vllm`` elsewhere joins ``engines``.
+ENGINE_GROUPS = {
+    "ray": {"test_ray_launcher.py", "test_ray_console.py", "test_method_roll.py", "test_vllm_runs.py"},
+    "engines": {"test_vllm_engine.py", "test_judge_vllm_serve.py", "test_deepspeed.py", "test_data_parallel.py",
+                "test_async.py"},
 }
+ENGINE_FILES = {f: g for g, files in ENGINE_GROUPS.items() for f in files}
 #: files with many independent, self-contained cases (no module-scoped fixture worth sharing): their
 #: tests are spread over the workers one by one, and scheduled last, so the short units fill the end
 #: of the run on both cores
 SPREAD_FILES = {"test_recipes.py"}
 #: groups scheduled first, longest first (docs/TESTING.md's profile), so that no long group starts last
-FIRST = ["engines"]
+FIRST = ["engines", "ray"]
 
 
 def _group(item) -> str:
     name = item.path.name
-    if name in ENGINE_FILES or item.get_closest_marker("vllm") is not None:
+    if name in ENGINE_FILES:
+        return ENGINE_FILES[name]
+    if item.get_closest_marker("vllm") is not None:
         return "engines"
     if name in SPREAD_FILES:
         return item.nodeid

@@ -72,6 +72,7 @@ def test_preset_two_steps_on_tiny(name, tmp_path):
     cfg = compose_config([
         f"algo={name}", "model=tiny", "steps=2", "logger=jsonl", "rollout.max_new_tokens=6",
         "selector.prompts_per_step=1", "eval.at_end=false", "checkpoint.every=0", "trainer.lr=1e-4",
+        "eval.limit=4",  # the held-out evaluation at the start runs, on 4 problems (200 cost 3 s of each 4-s run)
     ] + teacher_and_component_overrides(name) + episode_overrides(name))
     train(cfg, tmp_path)
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if l.strip()]

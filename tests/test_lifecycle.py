@@ -340,7 +340,11 @@ def test_task_presets_read_a_local_file_and_name_the_fix_without_one(compose, ta
     from rlpost.core.errors import DataError
     from rlpost.tasks import build_task
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # no hub: HF_HUB_OFFLINE=1 set here would not reach a `datasets` imported earlier in this process (it reads
+    # the variable at import), which then retried the network for ~24 s a case
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr("rlpost.tasks.file_task.hub_reachable", lambda *a, **k: False)
     with pytest.raises(DataError, match="task.path"):
         build_task(compose([f"task={task}"]).task).eval_examples()
     f = SHARED_DATA / task / "test.jsonl"

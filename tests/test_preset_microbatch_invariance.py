@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
 import sys
 from pathlib import Path
 
@@ -97,8 +98,15 @@ def _update(preset: str, mb: int, off_policy: bool):
     return update_with_gradient(t, b)
 
 
-@pytest.mark.parametrize("off_policy", [False, True], ids=["on_policy", "off_policy"])
-@pytest.mark.parametrize("preset", group_choices("algo"))
+#: every preset off-policy (old, rollout and current log-probs all differ: ratios away from 1, clips that bind),
+#: and a fixed-seed sample of 16 on-policy (ratio 1 exactly): the on-policy case is the off-policy one with the
+#: perturbations at zero, so a full second grid bought no catch (docs/TESTING.md, "What changed the time")
+_PRESETS = group_choices("algo")
+CASES = ([pytest.param(p, True, id=f"{p}-off_policy") for p in _PRESETS]
+         + [pytest.param(p, False, id=f"{p}-on_policy") for p in sorted(random.Random(0).sample(_PRESETS, 16))])
+
+
+@pytest.mark.parametrize("preset,off_policy", CASES)
 def test_preset_gradient_does_not_depend_on_micro_batch_size(preset, off_policy):
     _, g1 = _update(preset, 1, off_policy)
     _, g8 = _update(preset, 8, off_policy)
