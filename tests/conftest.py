@@ -151,13 +151,19 @@ class CharTok:
 #: files whose tests start engines, by kind: one worker runs a kind's files one after another (a Ray
 #: cluster at a time: Ray's /tmp/ray session and its 2-CPU cluster; the vLLM engines, servers and
 #: torchrun/DeepSpeed process groups likewise), while another worker may run the other kind. A file
-#: with both kinds goes under ``ray``. Every test marked ``vllm`` elsewhere joins ``engines``.
+#: with both kinds goes under ``ray``.
 ENGINE_GROUPS = {
     "ray": {"test_ray_launcher.py", "test_ray_console.py", "test_method_roll.py", "test_vllm_runs.py"},
     "engines": {"test_vllm_engine.py", "test_judge_vllm_serve.py", "test_deepspeed.py", "test_data_parallel.py",
                 "test_async.py"},
 }
 ENGINE_FILES = {f: g for g, files in ENGINE_GROUPS.items() for f in files}
+#: tests marked ``vllm`` in other files (``file::test``): they join ``engines``. The collection checks that
+#: every ``vllm`` test is in an engine group, so a new one outside these files is named here.
+VLLM_ELSEWHERE = {
+    "test_lora.py::test_vllm_engine_runs_the_adapter_through_lora_requests",
+    "test_vllm.py::test_engine_on_the_cpu_platform_drives_the_calls_the_real_cpu_engine_needs",
+}
 #: files with many independent, self-contained cases (no module-scoped fixture worth sharing): their
 #: tests are spread over the workers one by one, and scheduled last, so the short units fill the end
 #: of the run on both cores
@@ -166,15 +172,18 @@ SPREAD_FILES = {"test_recipes.py"}
 FIRST = ["engines", "ray"]
 
 
-def _group(item) -> str:
-    name = item.path.name
+def group_of(nodeid: str) -> str:
+    """The unit of work of test ``nodeid`` (``tests/FILE.py::name[params]``): its engine group, the test itself
+    for :data:`SPREAD_FILES`, else its file."""
+    path, _, rest = nodeid.partition("::")
+    name = path.rsplit("/", 1)[-1]
     if name in ENGINE_FILES:
         return ENGINE_FILES[name]
-    if item.get_closest_marker("vllm") is not None:
+    if f"{name}::{rest.split('[', 1)[0]}" in VLLM_ELSEWHERE:
         return "engines"
     if name in SPREAD_FILES:
-        return item.nodeid
-    return name
+        return nodeid
+    return path
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -182,25 +191,44 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Units of work by :func:`group_of`, in collection order (``--no-loadscope-reorder``).
+
+    xdist's own ``loadgroup`` reads ``xdist_group`` marks by suffixing the node id, which pytest 9.2 no longer
+    lets a plugin do (``Node.nodeid`` is derived from a structured id): every test became a unit of its own, so
+    engine tests ran on both workers at once and module fixtures (a vLLM engine, a torchrun run) were built
+    once per worker. The scope comes from the node id instead."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Give each test its xdist group (:func:`_group`); order the groups: :data:`FIRST`, then the other
-    files as collected, then the tests of :data:`SPREAD_FILES` (a stable sort; run with
-    ``--no-loadscope-reorder`` so xdist keeps this order)."""
+    """Order the tests for :func:`pytest_xdist_make_scheduler`: the :data:`FIRST` groups, then the other files as
+    collected, then the tests of :data:`SPREAD_FILES` (a stable sort).
+
+    Raises:
+        pytest.UsageError: a test marked ``vllm`` outside the engine groups (name it in :data:`VLLM_ELSEWHERE`).
+    """
     rank = {g: i for i, g in enumerate(FIRST)}
-    for item in items:
-        item.stash[_GROUP] = g = _group(item)
-        item.add_marker(pytest.mark.xdist_group(g))
+    stray = [it.nodeid for it in items if it.get_closest_marker("vllm") is not None
+             and group_of(it.nodeid) not in ENGINE_GROUPS]
+    if stray:
+        raise pytest.UsageError("tests marked vllm outside the engine groups; add them to VLLM_ELSEWHERE in "
+                                "tests/conftest.py: " + ", ".join(stray))
 
     def key(it):
-        g = it.stash[_GROUP]
+        g = group_of(it.nodeid)
         if g in rank:
             return (0, rank[g])
         return (2, 0) if it.path.name in SPREAD_FILES else (1, 0)
 
     items.sort(key=key)
-
-
-_GROUP = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
