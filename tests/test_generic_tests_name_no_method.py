@@ -26,6 +26,9 @@ GENERIC_FILES = [
     "test_preset_microbatch_invariance.py",  # every preset through the trainer
     "test_algos_presets.py",  # every preset two steps end to end
     "test_params.py",  # every component's declared parameters, every preset's restated defaults
+    "test_pipeline.py",  # every sampler and selector through the rollout/reward pipeline
+    "test_samplers.py",  # sampler rules on a fake engine
+    "test_selectors.py",  # every selector's shared properties
 ]
 
 #: names a generic test may use, each with its reason

@@ -126,12 +126,12 @@ def test_dapo_preset_gets_the_papers_overlong_window_in_the_reward(compose, tmp_
     assert compose(tiny_overrides("algo=dapo", "task.reward.overlong_buffer=0")).task.reward.overlong_buffer == 0
     # on another task (composed before the algo) the preset's window still holds; other presets have none
     assert compose(tiny_overrides("algo=dapo", "task=multiply")).task.reward.overlong_buffer == 0.2
-    assert compose(tiny_overrides("algo=grpo")).task.reward.overlong_buffer == 0
+    assert compose(tiny_overrides()).task.reward.overlong_buffer == 0  # the default preset has none
     # the old spelling works too, and a window in both places would count twice
-    old = compose(tiny_overrides("algo=grpo", "+algo.adv_params.overlong_buffer=0.2"))
+    old = compose(tiny_overrides("+algo.adv_params.overlong_buffer=0.2"))
     rf = RewardFunction.from_config(None, old.task.reward, 12, old_spelling=old_shaping_spelling(old.algo))
     assert rf.overlong_buffer == 2
-    both = compose(tiny_overrides("algo=grpo", "+algo.adv_params.overlong_buffer=0.2", "task.reward.overlong_buffer=4"))
+    both = compose(tiny_overrides("+algo.adv_params.overlong_buffer=0.2", "task.reward.overlong_buffer=4"))
     with pytest.raises(ConfigError, match="count twice"):
         RewardFunction.from_config(None, both.task.reward, 12, old_spelling=old_shaping_spelling(both.algo))
 
@@ -169,16 +169,3 @@ def test_uniform_still_covers_every_prompt_once_per_pass():
     seen = [i for step in range(50) for i in sel.select(step)]  # 200 draws = 20 passes
     counts = np.bincount(seen, minlength=10)
     assert counts.tolist() == [20] * 10
-
-
-def test_hapo_preset_composes_with_the_sampler_that_owns_per_token_temperature(compose):
-    from rlpost.methods.hapo import check_sampler
-    from rlpost.core.errors import ConfigError
-
-    cfg = compose(tiny_overrides("algo=hapo"))
-    assert cfg.sampler.name == "adaptive_temperature" and "temperature_tau" not in cfg.algo.loss_params
-    check_sampler(cfg.algo, cfg.sampler.name)
-    assert compose(tiny_overrides("algo=grpo")).sampler.name == "group"
-    bad = compose(tiny_overrides("algo=hapo", "sampler=tree"))  # a named sampler is kept, then refused
-    with pytest.raises(ConfigError, match="sampler=adaptive_temperature"):
-        check_sampler(bad.algo, bad.sampler.name)
