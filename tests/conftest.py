@@ -156,6 +156,11 @@ ENGINE_GROUPS = {
     "ray": {"test_ray_launcher.py", "test_ray_console.py", "test_method_roll.py", "test_vllm_runs.py"},
     "engines": {"test_vllm_engine.py", "test_judge_vllm_serve.py", "test_deepspeed.py", "test_data_parallel.py",
                 "test_async.py"},
+    # the files that run programs in the sandbox: every sandboxed program runs as the user nobody, whose
+    # RLIMIT_NPROC (16 in the containment tests) counts the programs of both workers together, so two of these
+    # files at once made forks fail (rlpost/envs/sandbox.py)
+    "sandbox": {"test_sandbox_containment.py", "test_code_task.py", "test_agents.py", "test_episode_integrity.py",
+                "test_method_agentflow.py", "test_method_pot.py"},
 }
 ENGINE_FILES = {f: g for g, files in ENGINE_GROUPS.items() for f in files}
 #: tests marked ``vllm`` in other files (``file::test``): they join ``engines``. The collection checks that
@@ -169,7 +174,7 @@ VLLM_ELSEWHERE = {
 #: of the run on both cores
 SPREAD_FILES = {"test_recipes.py"}
 #: groups scheduled first, longest first (docs/TESTING.md's profile), so that no long group starts last
-FIRST = ["engines", "ray"]
+FIRST = ["engines", "ray", "sandbox"]
 
 
 def group_of(nodeid: str) -> str:
