@@ -8,6 +8,7 @@ sample and is counted in the metrics (``reward/verifier_errors``,
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
@@ -189,6 +190,58 @@ def resolve_overlong_buffer(buffer: float, max_len: int) -> int:
 
 
 #: reward components, in the order they are summed (:meth:`RewardFunction.score`)
+
+
+def _row_of(score: Any, i: int) -> Any:
+    """Row ``i`` of a :class:`rlpost.rewards.models.ModelScore` as a one-row score (what a later model reads)."""
+    from rlpost.rewards.models import ModelScore
+
+    return ModelScore(values=score.values.reshape(-1)[i:i + 1],
+                      token_rewards=None if score.token_rewards is None else score.token_rewards[i:i + 1],
+                      raw=None if score.raw is None else score.raw.reshape(-1)[i:i + 1])
+
+
+def _score_row_by_row(model: Any, name: str, responses: Sequence[str], examples: Sequence[Any],
+                      prior: Dict[str, Any], err: Exception) -> Any:
+    """Score each row alone after ``model``'s batch call raised ``err``: a row that raises again scores 0 and
+    counts as one error; the other rows keep their own scores. Logged once per batch.
+
+    Raises:
+        ConfigError: a row's call raised one (a setting, not a row, is wrong).
+
+    Returns:
+        a :class:`rlpost.rewards.models.ModelScore` for the whole batch (``values [B]``, ``errors`` = failed
+        rows, token rewards ``[]`` on a failed row, the per-row metrics summed).
+    """
+    from rlpost.rewards.models import ModelScore
+
+    values, raw, tokens, errors, metrics = [], [], [], 0, {}
+    any_tokens = any_raw = False
+    for i, (resp, ex) in enumerate(zip(responses, examples)):
+        try:
+            one = model.score([resp], [ex], {k: _row_of(v, i) for k, v in prior.items()})
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - this row is the failing one
+            values.append(0.0)
+            raw.append(0.0)
+            tokens.append([])
+            errors += 1
+            continue
+        values.append(float(one.values.reshape(-1)[0]))
+        raw.append(float(one.values.reshape(-1)[0] if one.raw is None else one.raw.reshape(-1)[0]))
+        any_raw |= one.raw is not None
+        tokens.append(list(one.token_rewards[0]) if one.token_rewards is not None else [])
+        any_tokens |= one.token_rewards is not None
+        errors += int(one.errors)
+        for k, v in one.metrics.items():
+            metrics[k] = metrics.get(k, 0.0) + float(v)
+    logging.getLogger(__name__).warning(
+        "reward model %r raised on a batch of %d rows (%s: %s); scored row by row: %d row(s) failed and score 0",
+        name, len(responses), type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "", errors)
+    return ModelScore(values=torch.tensor(values, dtype=torch.float32), errors=errors, metrics=metrics,
+                      token_rewards=tokens if any_tokens else None,
+                      raw=torch.tensor(raw, dtype=torch.float32) if any_raw else None)
 
 
 @dataclass
@@ -498,14 +551,20 @@ class RewardFunction:
         """Score with each model reward (config order); add its weighted component to ``parts``.
 
         A model's failed rows score 0 and are added to ``counts['errors']`` (as
-        verifier errors are). Returns ``reward/<name>_...`` metrics and the
+        verifier errors are). A model whose batch call raises is called again row by row
+        (:func:`_score_row_by_row`): only the rows that raise alone fail. Returns ``reward/<name>_...`` metrics and the
         token rewards of the process rewards (summed per position), or None.
         """
         metrics: Dict[str, float] = {}
         token: Optional[List[List[Tuple[int, float]]]] = None
         prior: Dict[str, Any] = {}
         for name, m in self.models.items():
-            out = m.score(responses, examples, prior)
+            try:
+                out = m.score(responses, examples, prior)
+            except ConfigError:  # a setting is wrong: every row would fail; the run stops with the fix
+                raise
+            except Exception as e:  # noqa: BLE001 - a forward error or a bad row: isolate it to its row
+                out = _score_row_by_row(m, name, responses, examples, prior, e)
             prior[name] = out
             v = out.values.float().reshape(-1)
             parts[name] = float(m.weight) * v
