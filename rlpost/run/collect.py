@@ -166,10 +166,14 @@ def _round_prompts(cur: List[int], encode: Callable[[int], List[int]], selector:
         prompts = [p + list(h.ids) if h is not None else p for p, h in zip(prompts, hints)]
         hint_text = [h.text if h is not None else "" for h in hints]
 
-    def score_hinted(rows: List[int], texts: List[str], lengths: torch.Tensor) -> Any:
+    def score_hinted(rows: List[int], texts: List[str], lengths: torch.Tensor,
+                     overlong_lengths: Optional[torch.Tensor] = None) -> Any:
         if hint_text is not None:
             texts = [hint_text[r] + t for r, t in zip(rows, texts)]
-        return score([cur[r] for r in rows], texts, lengths)
+        if overlong_lengths is None:  # a plain scorer need not take it
+            return score([cur[r] for r in rows], texts, lengths)
+        # episodes: each row's longest model turn, the length DAPO's per-turn overlong window compares
+        return score([cur[r] for r in rows], texts, lengths, overlong_lengths=overlong_lengths)
 
     return prompts, hint_text, score_hinted
 
