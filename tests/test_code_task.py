@@ -79,12 +79,15 @@ def test_hostile_code_through_the_reward_worker_gives_zero_reward(task):
     e = _find(task, "HumanEval/0")
     rf = RewardFunction(task, timeout_s=20.0)
     try:
-        resp = [task.reference_solution(e), HOSTILE["infinite loop"], HOSTILE["100 MB print"]]
+        fenced = lambda body: f"```python\n{e.meta['prompt']}{body}```"  # noqa: E731 - as a response gives it
+        resp = [task.reference_solution(e), fenced(HOSTILE["infinite loop"]), fenced(HOSTILE["100 MB print"])]
         r = rf.score(resp, [e] * 3, torch.tensor([10, 10, 10]))
     finally:
         rf.close()
     assert r.total.tolist() == [1.0, 0.0, 0.0]
-    assert r.metrics["reward/verifier_timeouts"] == 0  # the sandbox ended them, not the worker's timeout
+    # the infinite loop ran to the sandbox's time limit: counted as a verifier timeout (issue 52: it used to be a
+    # silent 0), though the sandbox, not the worker's timeout, ended it; the 100 MB print is cut at its limit
+    assert r.metrics["reward/verifier_timeouts"] == 1 and r.metrics["reward/verifier_errors"] == 0
 
 
 def test_bad_sandbox_keys_are_config_errors():

@@ -193,3 +193,26 @@ def test_worker_exits_when_its_runner_is_killed():
     finally:
         if runner.is_alive():
             runner.kill()
+
+
+def test_a_verifiers_own_time_limit_counts_as_a_timeout_on_every_path():
+    """A task whose check ends at its own time limit (a sandbox's wall clock) raises VerifierTimeout: the row
+    scores 0 and counts in reward/verifier_timeouts, in this process and in the forked verifier worker alike."""
+    from rlpost.core.errors import VerifierTimeout
+    from rlpost.rewards.scoring import verify
+
+    class SlowCheck(ToyTask):
+        def score(self, response, example):
+            if response == "slow":
+                raise VerifierTimeout("the sandbox's 3-s wall clock ended the tests")
+            return super().score(response, example)
+
+    assert verify(SlowCheck(), "slow", ex(0, "4")) == ("timeout", 0.0, False)
+    for isolate in (False, True):
+        rf = RewardFunction(SlowCheck(), timeout_s=5.0, isolate=isolate)
+        try:
+            r, m = rf(["4", "slow", "crash"], [ex(0, "4")] * 3, torch.full((3,), 5))
+        finally:
+            rf.close()
+        assert r.tolist() == [1.0, 0.0, 0.0], isolate
+        assert (m["reward/verifier_timeouts"], m["reward/verifier_errors"]) == (1.0, 1.0), isolate

@@ -45,6 +45,15 @@ class TrainingDiverged(RlpostError):
     exit_code = 5
 
 
+class VerifierTimeout(Exception):
+    """A verifier's own time limit ended its check (a sandbox's wall clock running a response's tests).
+
+    Raised by a task's ``score``; :func:`rlpost.rewards.scoring.verify` turns it into status ``"timeout"``:
+    the row scores 0 and counts in ``reward/verifier_timeouts``, like a verifier worker that ran past
+    ``task.reward.timeout_s``.
+    """
+
+
 class Interrupted(KeyboardInterrupt):
     """The run stopped on SIGINT/SIGTERM after saving a checkpoint; the message says what was saved.
 

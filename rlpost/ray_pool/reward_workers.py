@@ -214,6 +214,7 @@ class RayRewardPool:
             for i, (st, s, f) in enumerate(rows):
                 scores[a + i], fmts[a + i] = s, f
                 counts["errors"] += st == "error"
+                counts["timeouts"] += st == "timeout"
         for a, b in failed:
             s, f, c = fallback(list(responses[a:b]), list(examples[a:b]))
             scores[a:b], fmts[a:b] = s, f

@@ -18,14 +18,15 @@ import torch
 
 from rlpost.rewards.models import REWARD_COMPONENTS  # noqa: F401  (re-exported: the rule components)
 from rlpost.core.voting import majority_vote
-from rlpost.core.errors import ConfigError
+from rlpost.core.errors import ConfigError, VerifierTimeout
 from rlpost.rewards.models import build_model_rewards, check_estimator
 
 _WORKER_TASK: Any = None
 
 
 def verify(task: Any, response: str, example: Any) -> Tuple[str, float, bool]:
-    """One verifier call: ``(status, score, format_ok)``; a raising or NaN verifier is ``("error", 0.0, False)``.
+    """One verifier call: ``(status, score, format_ok)``; a raising or NaN verifier is ``("error", 0.0, False)``,
+    one that ended at its own time limit (:class:`rlpost.core.errors.VerifierTimeout`) ``("timeout", 0.0, False)``.
 
     The one place a row's correctness is computed, in the driver, its verifier
     process and the Ray reward workers (:mod:`rlpost.ray_pool.reward_workers`) alike.
@@ -36,6 +37,8 @@ def verify(task: Any, response: str, example: Any) -> Tuple[str, float, bool]:
             return ("error", 0.0, False)
         fmt = bool(task.format_ok(response))
         return ("ok", s, fmt)
+    except VerifierTimeout:
+        return ("timeout", 0.0, False)
     except Exception:  # noqa: BLE001 - any verifier failure becomes reward 0
         return ("error", 0.0, False)
 
@@ -469,7 +472,8 @@ class RewardFunction:
                 st, s, f = _score_one(a)
                 scores[i], fmts[i] = s, f
                 errors += st == "error"
-            return scores, fmts, {"errors": errors, "timeouts": 0}
+                timeouts += st == "timeout"
+            return scores, fmts, {"errors": errors, "timeouts": timeouts}
         for j in range(n):
             worker = self._ensure_pool()
             try:
@@ -484,6 +488,7 @@ class RewardFunction:
                 continue
             scores[j], fmts[j] = s, f
             errors += st == "error"
+            timeouts += st == "timeout"
         return scores, fmts, {"errors": errors, "timeouts": timeouts}
 
     def __call__(

@@ -20,10 +20,11 @@ import gzip
 import json
 import random
 import re
+import signal
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from rlpost.core.errors import ConfigError, DataError
+from rlpost.core.errors import ConfigError, DataError, VerifierTimeout
 from rlpost.envs.sandbox import SandboxLimits, run_python
 from rlpost.tasks.base import Example, TASKS, Task
 
@@ -220,11 +221,20 @@ class HumanEvalTask(Task):
 
     def score(self, response: str, example: Example) -> float:
         """1.0 when the response's program passes every test of ``example`` in the sandbox, else 0.0
-        (no code, a failed assertion, an error, or any sandbox limit reached)."""
+        (no code, a failed assertion, an error, or any sandbox limit reached).
+
+        Raises:
+            VerifierTimeout: the sandbox's wall clock or CPU limit (SIGXCPU) ended the tests (the row scores 0
+                and is counted in ``reward/verifier_timeouts``, :func:`rlpost.rewards.scoring.verify`).
+        """
         code = self.extract_answer(response)
         if code is None:
             return 0.0
-        return 1.0 if self.run_tests(code, example)[0] else 0.0
+        passed, result = self.run_tests(code, example)
+        if not passed and (result.timed_out or result.returncode == -signal.SIGXCPU):
+            raise VerifierTimeout(f"the sandbox's time limits (wall {self.limits.wall_s:g} s, "
+                                  f"CPU {self.limits.cpu_s:g} s) ended the tests")
+        return 1.0 if passed else 0.0
 
     def visible_score(self, response: str, example: Example) -> float:
         """Fraction of the problem's visible tests (:func:`visible_tests`) the response's program passes
