@@ -106,11 +106,16 @@ class SandboxResult:
         """True when the code exited with status 0 within its limits."""
         return self.returncode == 0 and not self.timed_out and not self.output_truncated
 
+    @property
+    def cpu_limited(self) -> bool:
+        """True when the CPU-time limit ended the code (SIGXCPU at ``cpu_s``, SIGKILL at the hard limit)."""
+        return self.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+
     def message(self, limit_chars: int = 2000) -> str:
         """The text a tool returns to the model: stdout, or a one-line error naming the limit hit."""
         if self.timed_out:
             return f"Error: execution timed out (killed).\n{self.stdout[:limit_chars]}".rstrip()
-        if self.returncode == -signal.SIGXCPU or self.returncode == -signal.SIGKILL:
+        if self.cpu_limited:
             return "Error: CPU time limit exceeded (killed)."
         if self.output_truncated or self.returncode == -signal.SIGXFSZ:
             return f"Error: output limit exceeded; first part:\n{self.stdout[:limit_chars]}".rstrip()

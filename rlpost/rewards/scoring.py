@@ -192,9 +192,6 @@ def resolve_overlong_buffer(buffer: float, max_len: int) -> int:
     return int(b)
 
 
-#: reward components, in the order they are summed (:meth:`RewardFunction.score`)
-
-
 def _row_of(score: Any, i: int) -> Any:
     """Row ``i`` of a :class:`rlpost.rewards.models.ModelScore` as a one-row score (what a later model reads)."""
     from rlpost.rewards.models import ModelScore
@@ -245,6 +242,9 @@ def _score_row_by_row(model: Any, name: str, responses: Sequence[str], examples:
     return ModelScore(values=torch.tensor(values, dtype=torch.float32), errors=errors, metrics=metrics,
                       token_rewards=tokens if any_tokens else None,
                       raw=torch.tensor(raw, dtype=torch.float32) if any_raw else None)
+
+
+#: reward components, in the order they are summed (:meth:`RewardFunction.score`)
 
 
 @dataclass

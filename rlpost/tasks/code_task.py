@@ -20,7 +20,6 @@ import gzip
 import json
 import random
 import re
-import signal
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -224,14 +223,14 @@ class HumanEvalTask(Task):
         (no code, a failed assertion, an error, or any sandbox limit reached).
 
         Raises:
-            VerifierTimeout: the sandbox's wall clock or CPU limit (SIGXCPU) ended the tests (the row scores 0
+            VerifierTimeout: the sandbox's wall clock or CPU limit ended the tests (the row scores 0
                 and is counted in ``reward/verifier_timeouts``, :func:`rlpost.rewards.scoring.verify`).
         """
         code = self.extract_answer(response)
         if code is None:
             return 0.0
         passed, result = self.run_tests(code, example)
-        if not passed and (result.timed_out or result.returncode == -signal.SIGXCPU):
+        if not passed and (result.timed_out or result.cpu_limited):
             raise VerifierTimeout(f"the sandbox's time limits (wall {self.limits.wall_s:g} s, "
                                   f"CPU {self.limits.cpu_s:g} s) ended the tests")
         return 1.0 if passed else 0.0
